@@ -1,0 +1,233 @@
+"""CLI layer: `orchestrate …`. Parses arguments, calls the layers, maps errors to exit codes
+(0 success · 1 job failed · 2 bad spec/usage · 3 preflight/launch failure · 130 interrupted).
+
+Heavy modules are imported inside the commands, so `validate` and `plan` start fast; nothing
+here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import OrchestrateError
+
+if TYPE_CHECKING:
+    from orchestrator.coordinator import UpResult
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LAUNCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except OrchestrateError as exc:
+        print(f"orchestrate: {exc}" if "\n" not in str(exc) else str(exc), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="validate, plan, launch and supervise a job until it ends")
+    up.add_argument("spec", type=Path)
+    up.add_argument("--backend", choices=["local", "ssh"], help="override the spec's backend")
+    up.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>/)")
+    up.add_argument("--detach", action="store_true", help="run in the background; inspect with status/logs/down")
+    up.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
+    up.set_defaults(func=cmd_up)
+
+    plan = sub.add_parser("plan", help="print every task: host, role, port, command, env and TF_CONFIG")
+    plan.add_argument("spec", type=Path)
+    plan.add_argument("--backend", choices=["local", "ssh"])
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=cmd_plan)
+
+    validate = sub.add_parser("validate", help="check a spec; errors name file:line and the key")
+    validate.add_argument("spec", type=Path)
+    validate.add_argument("--backend", choices=["local", "ssh"])
+    validate.set_defaults(func=cmd_validate)
+
+    status = sub.add_parser("status", help="show a run's state (default: the latest run under runs/)")
+    status.add_argument("run_dir", nargs="?")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    logs = sub.add_parser("logs", help="print a run's task logs")
+    logs.add_argument("run_dir")
+    logs.add_argument("task", nargs="?", help="e.g. worker-1 (default: all)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    logs.set_defaults(func=cmd_logs)
+
+    down = sub.add_parser("down", help="stop a run (detached or from another terminal); idempotent")
+    down.add_argument("run_dir")
+    down.set_defaults(func=cmd_down)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of the spec (for editors)")
+    schema.set_defaults(func=cmd_schema)
+    return p
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from orchestrator.spec import Backend, load_spec
+
+    return load_spec(args.spec, backend=Backend(args.backend) if getattr(args, "backend", None) else None)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    spec = _load(args)
+    tasks = sum(sum(h.tasks.values()) for h in spec.hosts)
+    print(f"{args.spec}: ok — {spec.name}: {spec.strategy.value}, {tasks} tasks on {len(spec.hosts)} host(s), "
+          f"backend {spec.backend.value}")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import shlex
+    import sys as _sys
+
+    from orchestrator.plan import RunContext, make_plan
+    from orchestrator.ports import reserve_ports
+
+    spec = _load(args)
+    with reserve_ports(spec) as reservation:
+        plan = make_plan(
+            spec,
+            ports=reservation.ports,
+            run=RunContext(
+                run_id=f"{spec.name}-<time>",
+                run_dir=Path("runs") / f"{spec.name}-<time>",
+                spec_dir=args.spec.resolve().parent,
+                coordinator_url="http://127.0.0.1:<chosen at launch>",
+                python=_sys.executable,
+            ),
+        )
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return EXIT_OK
+    print(f"{plan.name}: {plan.strategy.value} on the {plan.backend.value} backend, {len(plan.tasks)} tasks")
+    print(f"cluster: {json.dumps(dict(plan.cluster))}")
+    for t in plan.tasks:
+        print(f"\n{t.name}  host {t.host}  port {t.port}{'' if t.in_cluster else '  (outside the training cluster)'}")
+        print(f"  command: {shlex.join(t.argv)}")
+        print(f"  cwd:     {t.cwd}")
+        for k, v in t.env.items():
+            print(f"  {k}={v}")
+        print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<per-run secret>")
+    print("\n(local ports are free now and re-chosen at launch unless the spec fixes base_port)")
+    return EXIT_OK
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from orchestrator import coordinator
+    from orchestrator.record import new_run_dir
+
+    spec = _load(args)
+    if args.detach:
+        run_dir = args.run_dir or new_run_dir(spec.name)
+        argv = ["up", str(args.spec), "--run-dir", str(run_dir), "--plain"]
+        if args.backend:
+            argv += ["--backend", args.backend]
+        pid = coordinator.detach(argv, run_dir)
+        print(f"started {spec.name} in the background (coordinator pid {pid})")
+        print(f"  run directory: {run_dir}")
+        print(f"  follow it:     orchestrate status {run_dir}   |   orchestrate logs {run_dir} -f")
+        print(f"  stop it:       orchestrate down {run_dir}")
+        return EXIT_OK
+    outcome = coordinator.up(spec, args.spec, run_dir=args.run_dir, live=False if args.plain else None)
+    return _summarize(outcome)
+
+
+def _summarize(outcome: UpResult) -> int:
+    from orchestrator.logtail import tail_lines
+    from orchestrator.supervise.policy import FailureKind
+    from orchestrator.supervise.states import ClusterState
+
+    r = outcome.result
+    print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
+    print(f"  attempts {r.attempt + 1}, restarts {r.restarts}; run record: {outcome.run_dir}")
+    cause = r.root_cause
+    if r.state is not ClusterState.SUCCEEDED and cause is not None:
+        print(f"  first failure: {cause.describe()}")
+        if cause.exit_code is not None:
+            print(f"  exit code: {cause.exit_code}")
+        if cause.error is not None and cause.error.traceback:
+            print("  traceback:")
+            for line in cause.error.traceback.rstrip().splitlines()[-15:]:
+                print(f"    {line}")
+        for name in (cause.task or "").split(", "):
+            if not name:
+                continue
+            log_path = outcome.run_dir / "logs" / f"{name}.log"
+            lines = tail_lines(log_path, 20)
+            if lines:
+                print(f"  last lines of {log_path}:")
+                for line in lines:
+                    print(f"    | {line}")
+    if r.state is ClusterState.SUCCEEDED:
+        return EXIT_OK
+    if r.state is ClusterState.INTERRUPTED:
+        return EXIT_INTERRUPTED
+    if cause is not None and cause.kind is FailureKind.LAUNCH:
+        return EXIT_LAUNCH
+    return EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from orchestrator.rundir import coordinator_alive, read_status, resolve_run_dir
+    from orchestrator.view import render_status
+
+    run_dir = resolve_run_dir(args.run_dir)
+    status = read_status(run_dir)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    console = Console()
+    console.print(f"run directory: {run_dir}")
+    console.print(render_status(status))
+    terminal = status["state"] in ("SUCCEEDED", "FAILED", "INTERRUPTED")
+    if not terminal and coordinator_alive(run_dir) is None:
+        console.print("[yellow]its coordinator is gone: this is the last recorded state; "
+                      f"`orchestrate down {run_dir}` stops anything it left[/yellow]")
+    return EXIT_OK if status["state"] != "FAILED" else EXIT_FAILED
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from orchestrator.rundir import follow_logs, resolve_run_dir, task_names
+
+    run_dir = resolve_run_dir(args.run_dir)
+    tasks = [args.task] if args.task else task_names(run_dir)
+    return follow_logs(run_dir, tasks, args.follow)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from orchestrator.rundir import down, resolve_run_dir
+
+    return down(resolve_run_dir(args.run_dir))
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from orchestrator.spec.model import ClusterSpec
+
+    print(json.dumps(ClusterSpec.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""Error types of the coordinator. Each one says what to change; the CLI maps them to exit codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class OrchestrateError(Exception):
+    """Base of every error the CLI reports without a traceback."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One problem in a cluster spec, located by its key path and (when known) its line."""
+
+    path: tuple[str | int, ...]
+    message: str
+    line: int | None = None
+
+    @property
+    def key(self) -> str:
+        out = ""
+        for part in self.path:
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        return out or "(top level)"
+
+
+class SpecError(OrchestrateError):
+    """The spec cannot be used. Lists every problem as `file:line: key: message`."""
+
+    exit_code = 2
+
+    def __init__(self, file: str, problems: list[SpecProblem]):
+        self.file = file
+        self.problems = sorted(problems, key=lambda p: (p.line or 0, p.key))
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n".join(f"{self.file}:{p.line or 1}: {p.key}: {p.message}" for p in self.problems)
+
+
+class UsageError(OrchestrateError):
+    exit_code = 2
+
+
+class LaunchError(OrchestrateError):
+    """A task could not be started, or a preflight check failed. Nothing is left running."""
+
+    exit_code = 3
+
+
+class RunDirError(OrchestrateError):
+    """A run directory is missing or is not one of ours."""
+
+    exit_code = 1

@@ -1,0 +1,1 @@
+"""Health layer: heartbeats received from tasks (server) and what they say (store)."""

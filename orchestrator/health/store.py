@@ -1,0 +1,103 @@
+"""Health layer: the latest word from every task, as the supervisor reads it each iteration.
+
+The HTTP server thread writes, the supervisor thread reads a frozen snapshot. Arrival times use
+the supervisor's clock (injected), so detectors are testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from worker.wire import Heartbeat, TaskError
+
+
+@dataclass(frozen=True)
+class TaskHealth:
+    """What one task of the current attempt has told us. Times are the supervisor clock's."""
+
+    task: str
+    attempt: int
+    pid: int | None = None
+    last_heartbeat_at: float | None = None
+    last_heartbeat_wall: str | None = None  # the same instant, as an ISO time for status.json
+    connecting_at: float | None = None
+    ready_at: float | None = None
+    step: int | None = None
+    step_changed_at: float | None = None
+    total_steps: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    rss_bytes: int = 0
+    cpu_percent: float = 0.0
+    done: bool = False
+    error: TaskError | None = None
+    steps_per_s: float | None = None
+
+
+class HealthStore:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        on_points: Callable[[str, int, list[dict[str, Any]]], None] | None = None,
+    ):
+        self._clock = clock
+        self._on_points = on_points
+        self._lock = threading.Lock()
+        self._attempt = 0
+        self._tasks: dict[str, TaskHealth] = {}
+
+    def reset(self, attempt: int, tasks: Iterable[str]) -> None:
+        """Start a new attempt: forget everything the previous one said."""
+        with self._lock:
+            self._attempt = attempt
+            self._tasks = {t: TaskHealth(task=t, attempt=attempt) for t in tasks}
+
+    def ingest(self, hb: Heartbeat) -> int:
+        """Take one heartbeat; returns the HTTP status to answer with (200, 404 unknown task, 410 stale)."""
+        now = self._clock()
+        with self._lock:
+            if hb.attempt < self._attempt:
+                return 410
+            old = self._tasks.get(hb.task)
+            if old is None or hb.attempt != self._attempt:
+                return 404
+            step_changed = hb.step is not None and hb.step != old.step
+            rate = old.steps_per_s
+            if step_changed and old.step is not None and old.step_changed_at is not None and hb.step is not None:
+                dt = now - old.step_changed_at
+                if dt > 0:
+                    instant = (hb.step - old.step) / dt
+                    rate = instant if rate is None else 0.7 * rate + 0.3 * instant
+            self._tasks[hb.task] = replace(
+                old,
+                pid=hb.pid,
+                last_heartbeat_at=now,
+                last_heartbeat_wall=_wall_now(),
+                connecting_at=old.connecting_at if old.connecting_at is not None else (
+                    now if hb.connecting or hb.ready else None
+                ),
+                ready_at=old.ready_at if old.ready_at is not None else (now if hb.ready else None),
+                step=hb.step if hb.step is not None else old.step,
+                step_changed_at=now if step_changed else old.step_changed_at,
+                total_steps=hb.total_steps if hb.total_steps is not None else old.total_steps,
+                metrics={**old.metrics, **hb.metrics},
+                rss_bytes=hb.rss_bytes,
+                cpu_percent=hb.cpu_percent,
+                done=old.done or hb.done,
+                error=hb.error or old.error,
+                steps_per_s=rate,
+            )
+        if hb.points and self._on_points is not None:
+            self._on_points(hb.task, hb.attempt, hb.points)
+        return 200
+
+    def snapshot(self) -> dict[str, TaskHealth]:
+        with self._lock:
+            return dict(self._tasks)
+
+
+def _wall_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -1,0 +1,55 @@
+"""Launch layer: the Launcher interface and the live handle of one task's process.
+
+A launcher starts each task in its own process group (session), so stopping a task means one
+signal to one group — never a search by process name. `stop()` is SIGTERM, a grace period, then
+SIGKILL, and returns only when the group is gone.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.plan import TaskPlan
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What a status reader needs to find (and safely stop) a task's process later."""
+
+    pid: int
+    pgid: int
+    create_time: float  # guards against a recycled pid
+
+
+class TaskHandle(abc.ABC):
+    """One running attempt of one task."""
+
+    def __init__(self, task: TaskPlan, attempt: int, log_path: Path):
+        self.task = task
+        self.attempt = attempt
+        self.log_path = log_path
+
+    @property
+    @abc.abstractmethod
+    def process(self) -> ProcessInfo: ...
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit code once the task's main process has exited (negative: killed by that signal)."""
+
+
+class Launcher(abc.ABC):
+    @abc.abstractmethod
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        """Start one task; raises LaunchError when it cannot be started at all."""
+
+    @abc.abstractmethod
+    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
+        """SIGTERM every handle's process group, wait up to `grace_s` (less once `hurry` is set),
+        SIGKILL what is left, and return when no process of any group remains."""
+
+    def close(self) -> None:
+        """Release what the launcher holds (connections). Running tasks must be stopped first."""

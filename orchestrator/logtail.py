@@ -1,0 +1,83 @@
+"""Run record layer: follow the tasks' log files and hand each new line to the console view.
+
+Tasks write their logs directly (see launch/local.py); this thread only reads, so a slow console
+never slows a task down.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+
+class LogTailer:
+    def __init__(
+        self,
+        files: dict[str, Path],
+        sink: Callable[[str, str], None],
+        interval_s: float = 0.2,
+        from_start: bool = False,
+    ):
+        self._files = files
+        self._sink = sink
+        self._interval_s = interval_s
+        self._offsets = {n: (0 if from_start or not p.exists() else p.stat().st_size) for n, p in files.items()}
+        self._partial = {name: b"" for name in files}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-tailer", daemon=True)
+
+    def start(self) -> LogTailer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.poll()  # what was written last
+        self.flush_partial()
+
+    def flush_partial(self) -> None:
+        """Hand over a last line that has no newline yet."""
+        for name, rest in self._partial.items():
+            if rest:
+                self._sink(name, rest.decode(errors="replace"))
+                self._partial[name] = b""
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        for name, path in self._files.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets[name])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if not data:
+                continue
+            self._offsets[name] += len(data)
+            *lines, self._partial[name] = (self._partial[name] + data).split(b"\n")
+            for line in lines:
+                self._sink(name, line.decode(errors="replace").rstrip("\r"))
+
+
+def tail_lines(path: Path, count: int, since_marker: bool = True) -> list[str]:
+    """The last `count` lines of a log (of its last attempt only, when `since_marker`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    if since_marker:
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("===== orchestrate:"):
+                lines = lines[i + 1 :]
+                break
+    return lines[-count:]

@@ -1,0 +1,189 @@
+"""Plan layer: ClusterSpec -> LaunchPlan, a pure function (no I/O; ports are reserved beforehand).
+
+Builds every task's TF_CONFIG following TensorFlow's rules: one `cluster` of the training roles
+(chief, worker, ps), the evaluator kept out of it and given its own TF_CONFIG that names the
+training cluster it watches.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.spec.model import Backend, ClusterSpec, HostSpec, Role, Strategy
+from worker import wire
+
+_CLUSTER_ROLES = (Role.CHIEF, Role.WORKER, Role.PS)
+
+
+@dataclass(frozen=True)
+class TaskSlot:
+    """A task's place in the cluster, before ports are known."""
+
+    role: Role
+    index: int
+    host_index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.role.value}-{self.index}"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the planner needs beyond the spec; chosen by the caller, so planning stays pure."""
+
+    run_id: str
+    run_dir: Path
+    spec_dir: Path
+    coordinator_url: str
+    python: str  # interpreter for local tasks (the coordinator's own)
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    name: str  # e.g. "worker-1"
+    role: Role
+    index: int
+    host: str  # where it runs (address the coordinator connects to)
+    address: str  # host:port that peers use (TF_CONFIG)
+    port: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    in_cluster: bool  # False for the evaluator
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.role.value}-{self.index}.log"
+
+    def launch_env(self, *, attempt: int, token: str) -> dict[str, str]:
+        """The full environment of one attempt: the plan's, plus what changes per attempt or is secret."""
+        return {**self.env, wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: token}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    name: str
+    run_id: str
+    strategy: Strategy
+    backend: Backend
+    cluster: Mapping[str, list[str]]
+    tasks: tuple[TaskPlan, ...] = field(default_factory=tuple)
+
+    def task(self, name: str) -> TaskPlan:
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["strategy"] = self.strategy.value
+        out["backend"] = self.backend.value
+        for t, task in zip(out["tasks"], self.tasks):
+            t["role"] = task.role.value
+            t["env"] = dict(task.env)
+            t["argv"] = list(task.argv)
+            t["tf_config"] = json.loads(task.env["TF_CONFIG"])
+        return out
+
+
+def task_slots(spec: ClusterSpec) -> list[TaskSlot]:
+    """Every task of the spec, numbered per role in host order, listed chief, worker, ps, evaluator."""
+    counters = {role: 0 for role in Role}
+    slots = []
+    for role in Role:
+        for h, host in enumerate(spec.hosts):
+            for _ in range(host.tasks.get(role, 0)):
+                slots.append(TaskSlot(role, counters[role], h))
+                counters[role] += 1
+    return slots
+
+
+def host_address(spec: ClusterSpec, host: HostSpec) -> str:
+    # The local backend simulates the whole cluster on this machine.
+    return "127.0.0.1" if spec.backend is Backend.LOCAL else host.address
+
+
+def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -> LaunchPlan:
+    slots = task_slots(spec)
+    missing = [s.name for s in slots if s.name not in ports]
+    if missing:
+        raise ValueError(f"no port for tasks {missing}")
+    addresses = {s.name: f"{host_address(spec, spec.hosts[s.host_index])}:{ports[s.name]}" for s in slots}
+    cluster = {
+        role.value: [addresses[s.name] for s in slots if s.role is role]
+        for role in _CLUSTER_ROLES
+        if any(s.role is role for s in slots)
+    }
+    gpus = _split_gpus(spec, slots)
+    tasks = []
+    for slot in slots:
+        host = spec.hosts[slot.host_index]
+        tf_config = {"cluster": cluster, "task": {"type": slot.role.value, "index": slot.index}}
+        env = {
+            **spec.job.env,
+            **host.env,
+            "TF_CONFIG": json.dumps(tf_config, separators=(",", ":")),
+            wire.ENV_RUN_ID: run.run_id,
+            wire.ENV_RUN_DIR: str(run.run_dir),
+            wire.ENV_TASK: slot.name,
+            wire.ENV_COORDINATOR: run.coordinator_url,
+            wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
+            # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
+            wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if slot.name in gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]
+        local = spec.backend is Backend.LOCAL
+        tasks.append(
+            TaskPlan(
+                name=slot.name,
+                role=slot.role,
+                index=slot.index,
+                host=host_address(spec, host),
+                address=addresses[slot.name],
+                port=ports[slot.name],
+                argv=_argv(spec, python=run.python if local else host.python),
+                env=env,
+                cwd=str(run.spec_dir) if local else (host.workdir or "."),
+                in_cluster=slot.role in _CLUSTER_ROLES,
+            )
+        )
+    return LaunchPlan(spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks))
+
+
+def _argv(spec: ClusterSpec, *, python: str) -> tuple[str, ...]:
+    job = spec.job
+    if job.script is not None:
+        return (python, "-m", "worker", "run", "--script", str(job.script), "--", *job.args)
+    assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
+    train = spec.train
+    argv = [python, "-m", "worker", "loop", "--module", str(job.loop)]
+    argv += ["--steps", str(train.steps)] if train.steps else ["--epochs", str(train.epochs)]
+    argv += ["--global-batch-size", str(train.global_batch_size), "--checkpoint-every", str(train.checkpoint_every)]
+    if train.checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", str(train.checkpoint_dir)]
+    return (*argv, "--", *job.args)
+
+
+def _split_gpus(spec: ClusterSpec, slots: list[TaskSlot]) -> dict[str, str]:
+    """Each host's GPUs, split into contiguous equal shares among its tasks (shared when too few)."""
+    out = {}
+    for h, host in enumerate(spec.hosts):
+        if not host.gpus:
+            continue
+        mine = [s for s in slots if s.host_index == h]
+        share = max(1, len(host.gpus) // len(mine))
+        for i, slot in enumerate(mine):
+            if len(host.gpus) >= len(mine):
+                ids = host.gpus[i * share : (i + 1) * share]
+            else:
+                ids = [host.gpus[i % len(host.gpus)]]
+            out[slot.name] = ",".join(str(g) for g in ids)
+    return out

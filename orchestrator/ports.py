@@ -1,0 +1,136 @@
+"""Plan layer, the one impure step: reserve a TF port for every task before planning.
+
+Ports come from below the kernel's ephemeral range (so no outgoing connection, ours included, can
+take one between reservation and TensorFlow's bind). Each chosen port is also locked with flock in
+a shared folder for the coordinator's lifetime, so two concurrent runs never pick the same port,
+and a restart finds its ports still ours. The locks vanish with the coordinator, even on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import socket
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.errors import LaunchError
+from orchestrator.plan import task_slots
+from orchestrator.spec.model import Backend, ClusterSpec
+
+DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "orchestrate-ports"
+_LOW = 15000
+_SSH_DEFAULT_BASE = 23456  # remote hosts: free ports are checked there (`orchestrate check`)
+
+
+class PortReservation:
+    def __init__(self, ports: Mapping[str, int], fds: list[int]):
+        self.ports = dict(ports)
+        self._fds = fds
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> PortReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def reserve_ports(
+    spec: ClusterSpec, *, lock_dir: Path = DEFAULT_LOCK_DIR, rng: random.Random | None = None
+) -> PortReservation:
+    rng = rng or random.Random()
+    slots = task_slots(spec)
+    if spec.backend is not Backend.LOCAL:
+        ports = {}
+        for h, host in enumerate(spec.hosts):
+            base = host.base_port or _SSH_DEFAULT_BASE
+            for i, slot in enumerate(s for s in slots if s.host_index == h):
+                ports[slot.name] = base + i
+        return PortReservation(ports, [])
+
+    _make_lock_dir(lock_dir)
+    fds: list[int] = []
+    ports: dict[str, int] = {}
+    try:
+        for h, host in enumerate(spec.hosts):
+            for i, slot in enumerate(s for s in slots if s.host_index == h):
+                if host.base_port is not None:
+                    port = host.base_port + i
+                    fd = _claim(port, lock_dir)
+                    if fd is None:
+                        raise LaunchError(
+                            f"port {port} for {slot.name} (hosts[{h}].base_port) is in use on this machine; "
+                            "choose another base_port, or leave it out to get free ports"
+                        )
+                else:
+                    port, fd = _claim_free(lock_dir, rng)
+                fds.append(fd)
+                ports[slot.name] = port
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return PortReservation(ports, fds)
+
+
+def port_is_free(port: int) -> bool:
+    """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does)."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) and family == socket.AF_INET6:
+                continue  # no IPv6 on this machine
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _claim_free(lock_dir: Path, rng: random.Random) -> tuple[int, int]:
+    high = max(_LOW + 1000, _ephemeral_low())
+    for _ in range(500):
+        port = rng.randrange(_LOW, high)
+        fd = _claim(port, lock_dir)
+        if fd is not None:
+            return port, fd
+    raise LaunchError(f"no free TCP port found in {_LOW}-{high - 1} after 500 tries")
+
+
+def _claim(port: int, lock_dir: Path) -> int | None:
+    fd = os.open(lock_dir / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    if not port_is_free(port):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _make_lock_dir(lock_dir: Path) -> None:
+    # Shared by every user of the machine: world-writable with the sticky bit, like /tmp.
+    try:
+        lock_dir.mkdir(mode=0o1777, exist_ok=True)
+        os.chmod(lock_dir, 0o1777)
+    except PermissionError:
+        pass  # another user's folder: its mode is already right
+    except OSError as exc:
+        raise LaunchError(f"cannot create the port lock folder {lock_dir}: {exc}") from None

@@ -1,0 +1,103 @@
+"""Run record layer: the run directory (DESIGN §5) — spec.yaml, plan.json, status.json,
+events.jsonl, metrics.jsonl, logs/, and coordinator.json (who supervises this run, for `down`).
+
+status.json is replaced atomically (write a temporary file, then rename), so a reader never sees
+half of one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+RUNS_DIR = Path("runs")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def new_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        path = base / (f"{name}-{stamp}" if n == 1 else f"{name}-{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run directory under {base}")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class RunRecord:
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir
+        self.logs_dir = run_dir / "logs"
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._last_status: Any = None
+
+    def log_path(self, log_name: str) -> Path:
+        return self.logs_dir / log_name
+
+    def write_spec(self, text: str) -> None:
+        (self.dir / "spec.yaml").write_text(text, encoding="utf-8")
+
+    def write_plan(self, plan_json: dict[str, Any]) -> None:
+        write_json_atomic(self.dir / "plan.json", plan_json)
+
+    def write_coordinator(self, info: dict[str, Any]) -> None:
+        write_json_atomic(self.dir / "coordinator.json", info)
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        if status != self._last_status:
+            write_json_atomic(self.dir / "status.json", status)
+            self._last_status = status
+
+    def event(self, **fields: Any) -> None:
+        with self._lock:
+            self._events.write(json.dumps({"time": now_iso(), **fields}) + "\n")
+            self._events.flush()
+
+    def metrics(self, task: str, attempt: int, points: list[dict[str, Any]]) -> None:
+        """Called from the heartbeat server's threads; flushed by `flush()` once per supervisor step."""
+        with self._lock:
+            for p in points:
+                t = p.get("time")
+                when = (
+                    dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+                    if isinstance(t, (int, float))
+                    else now_iso()
+                )
+                rest = {k: v for k, v in p.items() if k != "time"}
+                self._metrics.write(json.dumps({"time": when, "task": task, "attempt": attempt, **rest}) + "\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            self._metrics.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._metrics.close()
+            self._events.close()

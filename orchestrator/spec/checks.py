@@ -1,0 +1,130 @@
+"""Spec layer: checks across several keys (role counts, ports, strategy/role fit, files that must exist).
+
+Each problem is reported at the key the user should change; `load.py` adds the line.
+"""
+
+from __future__ import annotations
+
+from orchestrator.errors import SpecProblem
+from orchestrator.spec.model import Backend, ClusterSpec, Role, Strategy
+from worker.wire import RESERVED_ENV
+
+_TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
+
+
+def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    problems += _check_counts(spec)
+    problems += _check_strategy_roles(spec)
+    problems += _check_ports(spec)
+    problems += _check_job(spec)
+    return problems
+
+
+def _where(spec: ClusterSpec, role: Role) -> list[tuple[str | int, ...]]:
+    return [("hosts", i, "tasks", role.value) for i, h in enumerate(spec.hosts) if h.tasks.get(role, 0) > 0]
+
+
+def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
+    problems = []
+    for i, host in enumerate(spec.hosts):
+        for role, count in host.tasks.items():
+            if count < 1:
+                problems.append(
+                    SpecProblem(("hosts", i, "tasks", role.value), "count must be at least 1 (leave the role out for none)")
+                )
+        if not host.tasks:
+            problems.append(SpecProblem(("hosts", i, "tasks"), "this host runs no task; give e.g. {worker: 1}"))
+    for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
+        if spec.role_count(role) > 1:
+            others = ", ".join(_key(p) for p in _where(spec, role))
+            problems.append(
+                SpecProblem(
+                    _where(spec, role)[-1],
+                    f"a cluster has at most one {noun}, this spec has {spec.role_count(role)} ({others})",
+                )
+            )
+    if sum(spec.role_count(r) for r in _TRAINING_ROLES) == 0 and not problems:
+        problems.append(SpecProblem(("hosts",), "no chief or worker task: give at least one host tasks: {worker: 1}"))
+    return problems
+
+
+def _check_strategy_roles(spec: ClusterSpec) -> list[SpecProblem]:
+    problems = []
+    ps = spec.role_count(Role.PS)
+    if spec.strategy is Strategy.MULTI_WORKER_MIRRORED and ps:
+        problems += [
+            SpecProblem(p, "multi_worker_mirrored has no parameter servers; use strategy: parameter_server")
+            for p in _where(spec, Role.PS)
+        ]
+    elif spec.strategy is Strategy.MIRRORED:
+        problems += [
+            SpecProblem(p, "mirrored has no parameter servers; use strategy: parameter_server")
+            for p in _where(spec, Role.PS)
+        ]
+        training = sum(spec.role_count(r) for r in _TRAINING_ROLES)
+        if training > 1:
+            problems.append(
+                SpecProblem(
+                    ("strategy",),
+                    f"mirrored runs one task using all devices of its host, this spec has {training} "
+                    "chief/worker tasks; use multi_worker_mirrored for several",
+                )
+            )
+    elif spec.strategy is Strategy.PARAMETER_SERVER:
+        if spec.role_count(Role.CHIEF) != 1:
+            problems.append(SpecProblem(("strategy",), "parameter_server needs exactly one chief (it runs the training)"))
+        if ps == 0:
+            problems.append(SpecProblem(("strategy",), "parameter_server needs at least one ps task"))
+        if spec.role_count(Role.WORKER) == 0:
+            problems.append(SpecProblem(("strategy",), "parameter_server needs at least one worker task"))
+    return problems
+
+
+def _check_ports(spec: ClusterSpec) -> list[SpecProblem]:
+    # On the local backend every task runs on this machine, so all hosts share one port space.
+    problems = []
+    taken: dict[tuple[str, int], int] = {}
+    for i, host in enumerate(spec.hosts):
+        if host.base_port is None:
+            continue
+        where = "127.0.0.1" if spec.backend is Backend.LOCAL else host.address
+        count = sum(host.tasks.values())
+        if host.base_port + count - 1 > 65535:
+            problems.append(SpecProblem(("hosts", i, "base_port"), f"{count} tasks do not fit above this port"))
+        for port in range(host.base_port, host.base_port + count):
+            other = taken.setdefault((where, port), i)
+            if other != i:
+                problems.append(
+                    SpecProblem(
+                        ("hosts", i, "base_port"),
+                        f"port {port} on {where} is already used by hosts[{other}]; "
+                        "give each host a disjoint base_port range",
+                    )
+                )
+                break
+    return problems
+
+
+def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
+    problems = []
+    job = spec.job
+    for key, path in (("script", job.script), ("loop", job.loop)):
+        if path is not None and not path.is_file():
+            problems.append(SpecProblem(("job", key), f"no such file: {path}"))
+    if job.loop is not None and spec.train is None:
+        problems.append(SpecProblem(("train",), "job.loop needs a train: section (steps or epochs, batch size)"))
+    envs = [(("job", "env"), job.env)] + [(("hosts", i, "env"), h.env) for i, h in enumerate(spec.hosts)]
+    for where, env in envs:
+        problems += [
+            SpecProblem(where + (k,), "set by orchestrate for every task; remove it from the spec")
+            for k in env
+            if k in RESERVED_ENV
+        ]
+    if job.script is not None and spec.train is not None:
+        problems.append(SpecProblem(("train",), "train: applies to job.loop only; a job.script trains by itself"))
+    return problems
+
+
+def _key(path: tuple[str | int, ...]) -> str:
+    return SpecProblem(path, "").key

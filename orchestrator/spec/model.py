@@ -1,0 +1,172 @@
+"""Spec layer: pydantic models of the cluster spec (DESIGN §3). Unknown keys are errors.
+
+Relative paths are resolved against the spec file's folder, passed in the validation context as
+`base_dir`. Checks that involve several keys at once (role counts, ports, strategy/role fit) live
+in `checks.py`, so each problem can be reported at the key the user must change.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+class Strategy(str, enum.Enum):
+    MULTI_WORKER_MIRRORED = "multi_worker_mirrored"
+    PARAMETER_SERVER = "parameter_server"
+    MIRRORED = "mirrored"
+
+
+class Backend(str, enum.Enum):
+    LOCAL = "local"
+    SSH = "ssh"
+
+
+class Role(str, enum.Enum):
+    """Task roles, in the order tasks are numbered and listed."""
+
+    CHIEF = "chief"
+    WORKER = "worker"
+    PS = "ps"
+    EVALUATOR = "evaluator"
+
+
+class HostKeyPolicy(str, enum.Enum):
+    STRICT = "strict"
+    ACCEPT_NEW = "accept-new"
+
+
+def _env_value(value: Any) -> Any:
+    # YAML turns `1` into an int and `yes` into a bool; a researcher writing `TF_USE_LEGACY_KERAS: 1`
+    # means the string "1". Booleans are ambiguous ("True"? "1"?), so they must be quoted.
+    if isinstance(value, bool):
+        raise ValueError("environment values must be strings; quote it (e.g. \"1\" or \"true\")")
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+EnvValue = Annotated[str, BeforeValidator(_env_value)]
+EnvMap = dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], EnvValue]
+
+
+def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
+    if value is None:
+        return None
+    value = value.expanduser()
+    base = (info.context or {}).get("base_dir")
+    if base is not None and not value.is_absolute():
+        value = Path(base) / value
+    return Path(os.path.normpath(value))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class HostSpec(_Strict):
+    address: str = Field(min_length=1, description="hostname or IP, reachable from the coordinator and peers")
+    tasks: dict[Role, int] = Field(description="task count per role, e.g. {worker: 2}")
+    base_port: int | None = Field(
+        default=None, ge=1024, le=65535, description="TF ports of this host's tasks start here (default: free)"
+    )
+    gpus: list[int] = Field(default_factory=list, description="GPU ids; split among this host's tasks")
+    # ssh only
+    user: str | None = None
+    port: int = Field(default=22, ge=1, le=65535)
+    identity_file: Path | None = None
+    python: str = Field(default="python3", min_length=1)
+    workdir: str | None = None
+    env: EnvMap = Field(default_factory=dict)
+
+    _resolve_identity = field_validator("identity_file")(_resolve)
+
+
+class JobSpec(_Strict):
+    script: Path | None = Field(default=None, description="mode 1: any TF program, run with TF_CONFIG set")
+    loop: Path | None = Field(default=None, description="mode 2: a module for the built-in training loop")
+    args: list[str] = Field(default_factory=list)
+    env: EnvMap = Field(default_factory=dict)
+
+    _resolve_paths = field_validator("script", "loop")(_resolve)
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> JobSpec:
+        if (self.script is None) == (self.loop is None):
+            raise ValueError("give exactly one of job.script (any TF program) or job.loop (built-in loop)")
+        return self
+
+
+class TrainSpec(_Strict):
+    steps: int | None = Field(default=None, gt=0)
+    epochs: int | None = Field(default=None, gt=0)
+    global_batch_size: int = Field(default=64, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0, description="steps between checkpoints")
+    checkpoint_dir: Path | None = Field(default=None, description="default: checkpoints/ in the run directory")
+
+    _resolve_dir = field_validator("checkpoint_dir")(_resolve)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainSpec:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of train.steps or train.epochs")
+        return self
+
+
+class HealthSpec(_Strict):
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0, description="no heartbeat this long -> task LOST")
+    stall_timeout_s: float = Field(default=120.0, gt=0, description="step not advancing this long -> stalled")
+    startup_timeout_s: float = Field(default=120.0, gt=0, description="all tasks must be up within this")
+
+    @model_validator(mode="after")
+    def _timeout_above_interval(self) -> HealthSpec:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                "health.heartbeat_timeout_s must be at least twice health.heartbeat_interval_s "
+                "(one late heartbeat must not count as a lost task)"
+            )
+        return self
+
+
+class RestartSpec(_Strict):
+    max_restarts: int = Field(default=3, ge=0)
+    backoff_s: float = Field(default=2.0, ge=0)
+
+
+class SshSpec(_Strict):
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    host_key_policy: HostKeyPolicy = HostKeyPolicy.STRICT
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _expand(cls, value: Path, info: ValidationInfo) -> Path:
+        return _resolve(value, info) or value
+
+
+class ClusterSpec(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9-]+$", max_length=63, description="names the run: [a-z0-9-]+")
+    strategy: Strategy = Strategy.MULTI_WORKER_MIRRORED
+    backend: Backend = Backend.LOCAL
+    hosts: list[HostSpec] = Field(min_length=1)
+    job: JobSpec
+    train: TrainSpec | None = None
+    health: HealthSpec = HealthSpec()
+    restart: RestartSpec = RestartSpec()
+    ssh: SshSpec = SshSpec()
+
+    def role_count(self, role: Role) -> int:
+        return sum(h.tasks.get(role, 0) for h in self.hosts)

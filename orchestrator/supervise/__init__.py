@@ -1,0 +1,1 @@
+"""Supervision layer: one control loop, one state vocabulary, explicit transitions, restart policy."""

@@ -1,0 +1,81 @@
+"""Supervision layer: the one state vocabulary of a run and its tasks, and the allowed transitions.
+
+Every state change goes through `transition()`, which checks the table and logs `A → B (reason)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+log = logging.getLogger("orchestrator.supervise")
+
+
+class ClusterState(str, enum.Enum):
+    PENDING = "PENDING"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    STOPPING = "STOPPING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    INTERRUPTED = "INTERRUPTED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (ClusterState.SUCCEEDED, ClusterState.FAILED, ClusterState.INTERRUPTED)
+
+
+class TaskState(str, enum.Enum):
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    LOST = "LOST"
+    STOPPED = "STOPPED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.LOST, TaskState.STOPPED)
+
+
+_C = ClusterState
+CLUSTER_TRANSITIONS: dict[ClusterState, frozenset[ClusterState]] = {
+    _C.PENDING: frozenset({_C.LAUNCHING, _C.STOPPING}),
+    _C.LAUNCHING: frozenset({_C.RUNNING, _C.STOPPING}),
+    _C.RUNNING: frozenset({_C.STOPPING}),
+    # STOPPING tears every task down, then the outcome decides where the run goes.
+    _C.STOPPING: frozenset({_C.RESTARTING, _C.SUCCEEDED, _C.FAILED, _C.INTERRUPTED}),
+    _C.RESTARTING: frozenset({_C.LAUNCHING, _C.STOPPING}),
+    _C.SUCCEEDED: frozenset(),
+    _C.FAILED: frozenset(),
+    _C.INTERRUPTED: frozenset(),
+}
+
+_T = TaskState
+TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    _T.PENDING: frozenset({_T.STARTING, _T.FAILED, _T.STOPPED}),
+    _T.STARTING: frozenset({_T.RUNNING, _T.SUCCEEDED, _T.FAILED, _T.LOST, _T.STOPPED}),
+    _T.RUNNING: frozenset({_T.SUCCEEDED, _T.FAILED, _T.LOST, _T.STOPPED}),
+    # A new attempt starts every task again.
+    _T.SUCCEEDED: frozenset({_T.STARTING}),
+    _T.FAILED: frozenset({_T.STARTING}),
+    _T.LOST: frozenset({_T.STARTING, _T.STOPPED}),
+    _T.STOPPED: frozenset({_T.STARTING}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(
+    table: dict[ClusterState, frozenset[ClusterState]] | dict[TaskState, frozenset[TaskState]],
+    old: ClusterState | TaskState,
+    new: ClusterState | TaskState,
+    what: str,
+) -> None:
+    if new not in table[old]:  # type: ignore[index]
+        raise IllegalTransition(f"{what}: {old.value} → {new.value} is not an allowed transition")
+    log.info("%s: %s → %s", what, old.value, new.value)

@@ -1,0 +1,385 @@
+"""Supervision layer: the control loop. `while not state.is_terminal: step()`.
+
+Each step reads one frozen view of the world (exit codes, heartbeats, the clock), moves task
+states, runs the detectors (process exit, heartbeat timeout, stall, startup deadline), and moves
+the run's state through `states.CLUSTER_TRANSITIONS`. Policies decide (policy.py); the launcher
+does the work. Time and sleep are injected so tests can step it deterministically.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from orchestrator.errors import LaunchError
+from orchestrator.health.store import HealthStore, TaskHealth
+from orchestrator.launch.api import Launcher, TaskHandle
+from orchestrator.plan import LaunchPlan, TaskPlan
+from orchestrator.record import now_iso
+from orchestrator.spec.model import ClusterSpec
+from orchestrator.supervise import policy
+from orchestrator.supervise.policy import Action, Failure, FailureKind
+from orchestrator.supervise.states import (
+    CLUSTER_TRANSITIONS,
+    TASK_TRANSITIONS,
+    ClusterState,
+    TaskState,
+    check_transition,
+)
+
+log = logging.getLogger("orchestrator.supervise")
+
+
+class EventSink(Protocol):
+    def event(self, **fields: Any) -> None: ...
+
+    def log_path(self, log_name: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    heartbeat_timeout_s: float = 10.0
+    stall_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0
+    max_restarts: int = 3
+    backoff_s: float = 2.0
+    stop_grace_s: float = 5.0
+    poll_interval_s: float = 0.1
+
+    @classmethod
+    def from_spec(cls, spec: ClusterSpec, **overrides: Any) -> SupervisorConfig:
+        return cls(
+            heartbeat_timeout_s=spec.health.heartbeat_timeout_s,
+            stall_timeout_s=spec.health.stall_timeout_s,
+            startup_timeout_s=spec.health.startup_timeout_s,
+            max_restarts=spec.restart.max_restarts,
+            backoff_s=spec.restart.backoff_s,
+            **overrides,
+        )
+
+
+@dataclass
+class TaskRecord:
+    """The supervisor's own view of one task (mutated only by the control loop)."""
+
+    plan: TaskPlan
+    state: TaskState = TaskState.PENDING
+    handle: TaskHandle | None = None
+    launched_at: float | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    health: TaskHealth | None = None
+
+    @property
+    def decides_success(self) -> bool:
+        return self.plan.in_cluster  # the evaluator watches; it never decides the job's outcome
+
+
+@dataclass(frozen=True)
+class RunResult:
+    state: ClusterState
+    reason: str
+    attempt: int
+    restarts: int
+    root_cause: Failure | None
+    started_at: str
+    ended_at: str
+
+
+@dataclass
+class _Stop:
+    outcome: ClusterState  # SUCCEEDED, FAILED (then the policy may restart), INTERRUPTED
+    reason: str
+    failure: Failure | None = None
+
+
+class Supervisor:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        launcher: Launcher,
+        store: HealthStore,
+        sink: EventSink,
+        token: str,
+        config: SupervisorConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        on_change: Callable[[Supervisor], None] | None = None,
+    ):
+        self.plan = plan
+        self.config = config
+        self._launcher = launcher
+        self._store = store
+        self._sink = sink
+        self._token = token
+        self._clock = clock
+        self._sleep = sleep
+        self._on_change = on_change
+        self.state = ClusterState.PENDING
+        self.reason = ""
+        self.attempt = 0
+        self.restarts = 0
+        self.tasks = {t.name: TaskRecord(t) for t in plan.tasks}
+        self.root_cause: Failure | None = None
+        self.started_at = now_iso()
+        self.ended_at: str | None = None
+        self._stop: _Stop | None = None
+        self._restart_at = 0.0
+        self._interrupt: str | None = None
+        self.hurry = threading.Event()
+
+    # --- control -----------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ask for a clean stop (first call) or an immediate one (second call). Signal-handler safe."""
+        if self._interrupt is None:
+            self._interrupt = reason
+        else:
+            self.hurry.set()
+
+    def run(self) -> RunResult:
+        while not self.state.is_terminal:
+            self.step()
+            if not self.state.is_terminal:
+                self._sleep(self.config.poll_interval_s)
+        return self.result()
+
+    def result(self) -> RunResult:
+        return RunResult(
+            self.state, self.reason, self.attempt, self.restarts, self.root_cause, self.started_at, self.ended_at or ""
+        )
+
+    def step(self) -> tuple[ClusterState, ClusterState]:
+        before = self.state
+        if self._interrupt is not None and self.state not in (ClusterState.STOPPING,) and not before.is_terminal:
+            self._begin_stop(_Stop(ClusterState.INTERRUPTED, self._interrupt))
+        elif self.state is ClusterState.PENDING:
+            self._launch_all()
+        elif self.state in (ClusterState.LAUNCHING, ClusterState.RUNNING):
+            self._observe()
+        elif self.state is ClusterState.STOPPING:
+            self._teardown()
+        elif self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
+            self.attempt += 1
+            self._launch_all()
+        if self._on_change is not None:
+            self._on_change(self)
+        return before, self.state
+
+    # --- states ------------------------------------------------------------------------------
+
+    def _launch_all(self) -> None:
+        self._store.reset(self.attempt, self.tasks)
+        self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
+        for rec in self.tasks.values():
+            rec.exit_code, rec.health, rec.handle = None, None, None
+            try:
+                rec.handle = self._launcher.start(
+                    rec.plan, self.attempt, self._token, self._sink.log_path(rec.plan.log_name)
+                )
+            except LaunchError as exc:
+                self._move_task(rec, TaskState.FAILED, str(exc))
+                failure = Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(exc))
+                self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
+                return
+            rec.launched_at = self._clock()
+            self._move_task(rec, TaskState.STARTING, f"pid {rec.handle.process.pid}")
+
+    def _observe(self) -> None:
+        now = self._clock()
+        health = self._store.snapshot()
+        failures: list[Failure] = []
+        for rec in self.tasks.values():
+            if rec.handle is None or rec.state.is_terminal:
+                continue
+            rec.health = health.get(rec.plan.name)
+            failure = self._check_task(rec, now)
+            if failure is not None:
+                if rec.decides_success:
+                    failures.append(failure)
+                else:
+                    self._sink.event(kind="warning", task=rec.plan.name, reason=failure.describe())
+        if failures:
+            first = policy.root_cause(failures)
+            self._begin_stop(_Stop(ClusterState.FAILED, first.describe(), first))
+            return
+        deciders = [r for r in self.tasks.values() if r.decides_success]
+        if self.state is ClusterState.LAUNCHING:
+            if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in deciders):
+                self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
+            elif now - self._launched_at() > self.config.startup_timeout_s:
+                failure = self._startup_failure(deciders)
+                self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
+        elif all(r.state is TaskState.SUCCEEDED for r in deciders):
+            self._begin_stop(_Stop(ClusterState.SUCCEEDED, "every training task exited 0"))
+
+    def _check_task(self, rec: TaskRecord, now: float) -> Failure | None:
+        """Move one live task's state from what we see; return its failure, if it failed."""
+        assert rec.handle is not None and rec.launched_at is not None
+        h = rec.health
+        code = rec.handle.poll()
+        if code is not None:
+            rec.exit_code = code
+            if code == 0:
+                self._move_task(rec, TaskState.SUCCEEDED, "exit code 0")
+                return None
+            error = h.error if h is not None else None
+            if error is not None and error.type != "SystemExit":
+                detail = f"raised {error.type}: {error.message}"
+                kind = FailureKind.EXCEPTION
+            else:
+                detail = _describe_exit(code)
+                kind = FailureKind.EXIT
+            self._move_task(rec, TaskState.FAILED, detail)
+            return Failure(rec.plan.name, kind, self.attempt, detail, exit_code=code, error=error)
+        if rec.state is TaskState.STARTING and h is not None and h.ready_at is not None:
+            self._move_task(rec, TaskState.RUNNING, "strategy up")
+        last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else rec.launched_at
+        silent_s = now - last
+        if silent_s > self.config.heartbeat_timeout_s:
+            detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {self.config.heartbeat_timeout_s:g})"
+            self._move_task(rec, TaskState.LOST, detail)
+            return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
+        if (
+            rec.state is TaskState.RUNNING
+            and h is not None
+            and h.step is not None
+            and h.step_changed_at is not None
+            and not h.done
+            and now - h.step_changed_at > self.config.stall_timeout_s
+        ):
+            detail = (
+                f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive "
+                f"(health.stall_timeout_s = {self.config.stall_timeout_s:g})"
+            )
+            self._move_task(rec, TaskState.FAILED, detail)
+            return Failure(rec.plan.name, FailureKind.STALLED, self.attempt, detail)
+        return None
+
+    def _startup_failure(self, deciders: list[TaskRecord]) -> Failure:
+        late = [r for r in deciders if r.state is TaskState.STARTING]
+        # A task that never began creating its strategy is the one the others wait for.
+        never = [r for r in late if r.health is None or r.health.connecting_at is None]
+        culprits = never or late
+        names = ", ".join(r.plan.name for r in culprits)
+        waiting = [r.plan.name for r in late if r not in culprits]
+        detail = (
+            f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s "
+            f"(never created its distribution strategy{'; ' + ', '.join(waiting) + ' waited for it' if waiting else ''})"
+            if never
+            else f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s (cluster never connected)"
+        )
+        return Failure(names, FailureKind.STARTUP_TIMEOUT, self.attempt, detail)
+
+    def _begin_stop(self, stop: _Stop) -> None:
+        self._stop = stop
+        if stop.failure is not None and self.root_cause is None:
+            self.root_cause = stop.failure
+        self._move(ClusterState.STOPPING, stop.reason)
+
+    def _teardown(self) -> None:
+        assert self._stop is not None
+        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
+        try:
+            self._launcher.stop(handles, self.config.stop_grace_s, self.hurry)
+        except LaunchError as exc:
+            self._sink.event(kind="error", reason=str(exc))
+        for rec in self.tasks.values():
+            if rec.handle is not None and not rec.state.is_terminal:
+                rec.exit_code = rec.handle.poll()
+                self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
+        stop, self._stop = self._stop, None
+        if stop.outcome is ClusterState.FAILED and stop.failure is not None:
+            if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
+                self._finish(ClusterState.INTERRUPTED, self._interrupt)
+                return
+            decision = policy.decide(stop.failure, restarts_used=self.restarts, max_restarts=self.config.max_restarts)
+            if decision.action is Action.RESTART:
+                wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)
+                self.restarts += 1
+                self._restart_at = self._clock() + wait_s
+                self._move(ClusterState.RESTARTING, f"{decision.reason}, in {wait_s:g} s")
+                return
+            self._finish(ClusterState.FAILED, decision.reason)
+            return
+        self._finish(stop.outcome, stop.reason)
+
+    def _finish(self, state: ClusterState, reason: str) -> None:
+        self.ended_at = now_iso()
+        self._move(state, reason)
+
+    # --- transitions -------------------------------------------------------------------------
+
+    def _move(self, new: ClusterState, reason: str) -> None:
+        old = self.state
+        check_transition(CLUSTER_TRANSITIONS, old, new, f"run {self.plan.name}")
+        self.state, self.reason = new, reason
+        log.info("%s → %s (%s)", old.value, new.value, reason)
+        self._sink.event(kind="run", attempt=self.attempt, old=old.value, new=new.value, reason=reason)
+
+    def _move_task(self, rec: TaskRecord, new: TaskState, reason: str) -> None:
+        old = rec.state
+        check_transition(TASK_TRANSITIONS, old, new, rec.plan.name)
+        rec.state, rec.reason = new, reason
+        self._sink.event(
+            kind="task", task=rec.plan.name, attempt=self.attempt, old=old.value, new=new.value, reason=reason
+        )
+
+    def _launched_at(self) -> float:
+        return min(r.launched_at for r in self.tasks.values() if r.launched_at is not None)
+
+    # --- views -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The status.json document (DESIGN §5)."""
+        return {
+            "name": self.plan.name,
+            "run_id": self.plan.run_id,
+            "state": self.state.value,
+            "attempt": self.attempt,
+            "restarts": self.restarts,
+            "reason": self.reason,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "tasks": [_task_status(r) for r in self.tasks.values()],
+        }
+
+
+def _task_status(rec: TaskRecord) -> dict[str, Any]:
+    h = rec.health
+    proc = rec.handle.process if rec.handle is not None else None
+    return {
+        "task": rec.plan.name,
+        "role": rec.plan.role.value,
+        "index": rec.plan.index,
+        "host": rec.plan.host,
+        "state": rec.state.value,
+        "reason": rec.reason,
+        "pid": proc.pid if proc else None,
+        "pgid": proc.pgid if proc else None,
+        "create_time": proc.create_time if proc else None,
+        "exit_code": rec.exit_code,
+        "last_step": h.step if h else None,
+        "total_steps": h.total_steps if h else None,
+        "metrics": dict(h.metrics) if h else {},
+        "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
+        "rss_bytes": h.rss_bytes if h else None,
+        "last_heartbeat_at": h.last_heartbeat_wall if h else None,
+        "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
+    }
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"

@@ -1,0 +1,37 @@
+"""tf-orchestrate worker runtime: what runs inside every task.
+
+User-facing API:
+    worker.report(step=..., loss=..., **metrics)   # cheap; batched into the next heartbeat
+    worker.ReportCallback()                        # a Keras callback that reports every batch
+
+Importing this package does not import TensorFlow (ReportCallback is built on first use), and it
+never imports the coordinator package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ReportCallback", "report", "set_total_steps"]
+
+
+def report(step: int | None = None, **metrics: Any) -> None:
+    """Record a progress point (step counts from 1; omitted, it is the previous one plus one)."""
+    from worker.runtime import reporter
+
+    reporter().report(step, **metrics)
+
+
+def set_total_steps(total: int | None) -> None:
+    """Tell the coordinator how many steps the job will run (drives its progress bar)."""
+    from worker.runtime import reporter
+
+    reporter().set_total_steps(total)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ReportCallback":
+        from worker.keras_callback import ReportCallback
+
+        return ReportCallback
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -1,0 +1,25 @@
+"""`python -m worker run --script FILE [-- ARGS…]`: the entry point of every task."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from worker import runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker", description="tf-orchestrate task runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a TF program (mode 1) with heartbeats and progress reporting")
+    run.add_argument("--script", required=True)
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    return runtime.run_script(ns.script, args)
+
+
+if __name__ == "__main__":
+    runtime.flush_and_exit(main(sys.argv[1:]))

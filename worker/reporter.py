@@ -1,0 +1,219 @@
+"""Worker runtime: the heartbeat thread and the progress buffer behind `worker.report()`.
+
+Reporting a step only appends to a list under a lock; a daemon thread posts one heartbeat per
+interval carrying every point since the last one. A task whose coordinator stays unreachable for
+ORCHESTRATE_COORDINATOR_TIMEOUT_S (or which the coordinator tells it is stale) kills its own
+process group: no orphan keeps a GPU after its coordinator is gone.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from worker import wire
+
+log = logging.getLogger("worker")
+
+
+@dataclass(frozen=True)
+class ReporterConfig:
+    task: str
+    attempt: int
+    url: str
+    token: str
+    interval_s: float
+    coordinator_timeout_s: float
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ[str] = os.environ) -> ReporterConfig | None:
+        """None when the task does not run under a coordinator (plain `python script.py`)."""
+        if wire.ENV_COORDINATOR not in env:
+            return None
+        return cls(
+            task=env.get(wire.ENV_TASK, "task-0"),
+            attempt=int(env.get(wire.ENV_ATTEMPT, "0")),
+            url=env[wire.ENV_COORDINATOR],
+            token=env.get(wire.ENV_TOKEN, ""),
+            interval_s=float(env.get(wire.ENV_HEARTBEAT_INTERVAL_S, "1.0")),
+            coordinator_timeout_s=float(env.get(wire.ENV_COORDINATOR_TIMEOUT_S, "30")),
+        )
+
+
+class Reporter:
+    def __init__(self, config: ReporterConfig | None):
+        self._config = config
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._points: list[dict[str, Any]] = []
+        self._step: int | None = None
+        self._total_steps: int | None = None
+        self._metrics: dict[str, float] = {}
+        self._connecting = False
+        self._ready = False
+        self._done = False
+        self._error: wire.TaskError | None = None
+        self._seq = 0
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)  # first call primes the counter
+        self._conn: http.client.HTTPConnection | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- called from the user's code (cheap, never touches the network) ---
+
+    def report(self, step: int | None = None, **metrics: Any) -> None:
+        values = {k: _number(v) for k, v in metrics.items()}
+        values = {k: v for k, v in values.items() if v is not None}
+        with self._lock:
+            if step is None:
+                step = (self._step or 0) + 1
+            self._step = int(step)
+            self._metrics.update(values)
+            self._points.append({"time": time.time(), "step": self._step, **values})
+            first = not self._ready
+            self._ready = True
+        if first:
+            self._wake.set()
+
+    def set_total_steps(self, total: int | None) -> None:
+        with self._lock:
+            self._total_steps = total
+
+    def mark_connecting(self) -> None:
+        with self._lock:
+            first = not self._connecting
+            self._connecting = True
+        if first:
+            self._wake.set()
+
+    def mark_ready(self) -> None:
+        with self._lock:
+            first = not self._ready
+            self._ready = True
+        if first:
+            self._wake.set()
+
+    # --- lifecycle, called by the runtime ---
+
+    def start(self) -> None:
+        if self._config is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="orchestrate-heartbeat", daemon=True)
+        self._thread.start()
+
+    def finish(self, error: wire.TaskError | None = None) -> None:
+        """Send the final heartbeat (done, or the error) and stop the thread."""
+        with self._lock:
+            self._done = error is None
+            self._error = error
+        self._stopped.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    # --- the heartbeat thread ---
+
+    def _run(self) -> None:
+        assert self._config is not None
+        cfg = self._config
+        last_ok = time.monotonic()
+        while True:
+            final = self._stopped.is_set()
+            body, sent_points = self._snapshot()
+            status = self._post(body)
+            if status == 200:
+                last_ok = time.monotonic()
+                sent_points.clear()
+            else:
+                self._requeue(sent_points)
+                if status == wire.STALE_ATTEMPT_STATUS:
+                    self._die("the coordinator has moved on from this attempt")
+                if time.monotonic() - last_ok > cfg.coordinator_timeout_s:
+                    self._die(f"no coordinator reachable at {cfg.url} for {cfg.coordinator_timeout_s:g} s")
+            if final:
+                return
+            self._wake.wait(cfg.interval_s)
+            self._wake.clear()
+
+    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]]]:
+        assert self._config is not None
+        with self._lock:
+            points, self._points = self._points, []
+            self._seq += 1
+            try:
+                rss = self._proc.memory_info().rss
+                cpu = self._proc.cpu_percent(None)
+            except psutil.Error:
+                rss, cpu = 0, 0.0
+            hb = wire.Heartbeat(
+                task=self._config.task,
+                attempt=self._config.attempt,
+                seq=self._seq,
+                sent_at=time.time(),
+                pid=os.getpid(),
+                rss_bytes=rss,
+                cpu_percent=cpu,
+                connecting=self._connecting,
+                ready=self._ready,
+                step=self._step,
+                total_steps=self._total_steps,
+                metrics=dict(self._metrics),
+                points=points,
+                done=self._done,
+                error=self._error,
+            )
+        return hb.to_bytes(), points
+
+    def _requeue(self, points: list[dict[str, Any]]) -> None:
+        if points:
+            with self._lock:
+                self._points[:0] = points
+
+    def _post(self, body: bytes) -> int | None:
+        assert self._config is not None
+        url = urllib.parse.urlsplit(self._config.url)
+        try:
+            if self._conn is None:
+                timeout = max(1.0, min(5.0, self._config.interval_s * 2))
+                self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+            self._conn.request(
+                "POST",
+                wire.HEARTBEAT_PATH,
+                body=body,
+                headers={"Content-Type": "application/json", wire.TOKEN_HEADER: self._config.token},
+            )
+            resp = self._conn.getresponse()
+            resp.read()
+            return resp.status
+        except (OSError, http.client.HTTPException):
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            return None
+
+    def _die(self, why: str) -> None:
+        print(f"[orchestrate] {why}; this task exits now", file=sys.stderr, flush=True)
+        # The task leads its own process group (the launcher starts it in a new session): take the
+        # whole group, so helper processes the user's script started go too.
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(75)
+
+
+def _number(value: Any) -> float | None:
+    # numpy scalars, 0-d tensors, Python numbers; NaN is kept (a NaN loss is worth seeing)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,81 @@
+"""Worker runtime: runs the user's program (mode 1) inside a reporting task.
+
+`python -m worker run --script FILE -- ARGS` starts the heartbeat thread first (before TensorFlow's
+seconds-long import), then runs FILE as `__main__` with the arguments. An exception is reported
+to the coordinator as the root cause (type, message, traceback) and the task exits 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+from worker import strategy_hook, wire
+from worker.reporter import Reporter, ReporterConfig
+
+_reporter: Reporter | None = None
+
+
+def reporter() -> Reporter:
+    """The process's reporter, created on first use (works without a coordinator, too)."""
+    global _reporter
+    if _reporter is None:
+        _reporter = Reporter(ReporterConfig.from_env())
+    return _reporter
+
+
+def run_script(script: str, args: list[str]) -> int:
+    rep = reporter()
+    strategy_hook.install(rep.mark_connecting, lambda _strategy: rep.mark_ready())
+    rep.start()
+    path = Path(script).resolve()
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        rep.finish(None if code == 0 else wire.TaskError("SystemExit", f"exit code {code}", ""))
+        return code
+    except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything; we report it
+        error = describe(exc)
+        traceback.print_exc()
+        sys.stderr.flush()
+        rep.finish(error)
+        return 1
+    rep.finish()
+    return 0
+
+
+def describe(exc: BaseException) -> wire.TaskError:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    lines = tb.splitlines()
+    if len(lines) > 80:  # keep the report small; the full traceback is in the task's log
+        tb = "\n".join(["…", *lines[-80:]])
+    name = type(exc).__qualname__
+    module = type(exc).__module__
+    if module not in ("builtins", "__main__"):
+        name = f"{module}.{name}"
+    return wire.TaskError(type=name, message=str(exc)[:2000], traceback=tb)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def flush_and_exit(code: int) -> None:
+    # Run the user's atexit handlers (summary writers flush there), then leave without waiting on
+    # TensorFlow's non-daemon threads, which can keep an interpreter from exiting once the job is done.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,85 @@
+"""Worker runtime: notice by itself when the task's tf.distribute strategy is up.
+
+A MultiWorkerMirroredStrategy constructor returns only once every peer has joined the cluster
+(measured: it blocks until the last worker connects), so "a strategy object finished construction"
+is exactly "this task's cluster is connected". We wrap `StrategyBase.__init__` as soon as TensorFlow
+loads the module that defines it, without importing TensorFlow ourselves: a script that never
+uses TensorFlow pays nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("worker")
+
+_MODULE = "tensorflow.python.distribute.distribute_lib"
+_DEFAULT_STRATEGY = "_DefaultDistributionStrategy"
+_DEFAULT_EXTENDED = "_DefaultDistributionExtended"
+
+
+def install(on_connecting: Callable[[], None], on_strategy_up: Callable[[Any], None]) -> None:
+    """Call `on_connecting()` when a strategy starts construction (it may wait there for peers), and
+    `on_strategy_up(strategy)` after every non-default strategy is constructed."""
+
+    def patch(module: ModuleType) -> None:
+        base = getattr(module, "StrategyBase", None)
+        extended = getattr(module, "StrategyExtendedV2", None)
+        if base is None or extended is None:
+            log.warning("tf.distribute changed shape: cannot detect strategy start-up")
+            return
+        base_init, extended_init = base.__init__, extended.__init__
+
+        # Every strategy builds its "extended" part first (MWMS joins its cluster right after), then
+        # calls StrategyBase.__init__: the first marks "connecting", the second "up".
+        def extended_init_hooked(self: Any, *args: Any, **kwargs: Any) -> None:
+            if type(self).__name__ != _DEFAULT_EXTENDED:
+                on_connecting()
+            extended_init(self, *args, **kwargs)
+
+        def base_init_hooked(self: Any, *args: Any, **kwargs: Any) -> None:
+            base_init(self, *args, **kwargs)
+            if type(self).__name__ != _DEFAULT_STRATEGY:
+                on_strategy_up(self)
+
+        extended.__init__ = extended_init_hooked
+        base.__init__ = base_init_hooked
+
+    if _MODULE in sys.modules:
+        patch(sys.modules[_MODULE])
+    else:
+        sys.meta_path.insert(0, _AfterImport(_MODULE, patch))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback right after one module has executed, then steps aside."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]):
+        self._name = name
+        self._callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self._name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+        callback = self._callback
+
+        def exec_then_patch(module: ModuleType) -> None:
+            exec_module(module)
+            callback(module)
+
+        loader.exec_module = exec_then_patch  # type: ignore[method-assign]
+        return spec
