@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec.")
+    p = argparse.ArgumentParser(
+        prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec."
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -47,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("spec", type=Path)
     up.add_argument("--backend", choices=["local", "ssh"], help="override the spec's backend")
     up.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>/)")
-    up.add_argument("--detach", action="store_true", help="run in the background; inspect with status/logs/down")
+    up.add_argument(
+        "--detach", action="store_true", help="run in the background; inspect with status/logs/down"
+    )
     up.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
     up.set_defaults(func=cmd_up)
 
@@ -91,8 +95,10 @@ def _load(args: argparse.Namespace) -> Any:
 def cmd_validate(args: argparse.Namespace) -> int:
     spec = _load(args)
     tasks = sum(sum(h.tasks.values()) for h in spec.hosts)
-    print(f"{args.spec}: ok — {spec.name}: {spec.strategy.value}, {tasks} tasks on {len(spec.hosts)} host(s), "
-          f"backend {spec.backend.value}")
+    print(
+        f"{args.spec}: ok — {spec.name}: {spec.strategy.value}, {tasks} tasks on {len(spec.hosts)} host(s), "
+        f"backend {spec.backend.value}"
+    )
     return EXIT_OK
 
 
@@ -122,7 +128,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{plan.name}: {plan.strategy.value} on the {plan.backend.value} backend, {len(plan.tasks)} tasks")
     print(f"cluster: {json.dumps(dict(plan.cluster))}")
     for t in plan.tasks:
-        print(f"\n{t.name}  host {t.host}  port {t.port}{'' if t.in_cluster else '  (outside the training cluster)'}")
+        print(
+            f"\n{t.name}  host {t.host}  port {t.port}"
+            + ("" if t.in_cluster else "  (outside the training cluster)")
+        )
         print(f"  command: {shlex.join(t.argv)}")
         print(f"  cwd:     {t.cwd}")
         for k, v in t.env.items():
@@ -203,8 +212,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(render_status(status))
     terminal = status["state"] in ("SUCCEEDED", "FAILED", "INTERRUPTED")
     if not terminal and coordinator_alive(run_dir) is None:
-        console.print("[yellow]its coordinator is gone: this is the last recorded state; "
-                      f"`orchestrate down {run_dir}` stops anything it left[/yellow]")
+        console.print(
+            "[yellow]its coordinator is gone: this is the last recorded state; "
+            f"`orchestrate down {run_dir}` stops anything it left[/yellow]"
+        )
     return EXIT_OK if status["state"] != "FAILED" else EXIT_FAILED
 
 

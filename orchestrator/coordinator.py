@@ -8,9 +8,9 @@ before this returns.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -87,12 +87,21 @@ def up(
         record.write_plan(plan.to_json())
         me = psutil.Process()
         record.write_coordinator(
-            {"pid": me.pid, "create_time": me.create_time(), "started_at": now_iso(), "heartbeat_url": server.url}
+            {
+                "pid": me.pid,
+                "create_time": me.create_time(),
+                "started_at": now_iso(),
+                "heartbeat_url": server.url,
+            }
         )
+        last_state = [""]
         tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
 
         def on_change(sup: Supervisor) -> None:
             status = sup.status()
+            if tailer is not None and status["state"] != last_state[0]:
+                tailer.poll()  # the tasks' last words come before the news of their end
+                last_state[0] = status["state"]
             record.write_status(status)
             record.flush()
             view.update(status)
@@ -153,7 +162,7 @@ def detach(argv: list[str], run_dir: Path) -> int:
     with open(run_dir / "coordinator.log", "ab") as out:
         proc = psutil.Popen(
             [sys.executable, "-m", "orchestrator", *argv],
-            stdin=open(os.devnull, "rb"),
+            stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
             start_new_session=True,

@@ -22,8 +22,11 @@ class LogTailer:
         self._files = files
         self._sink = sink
         self._interval_s = interval_s
-        self._offsets = {n: (0 if from_start or not p.exists() else p.stat().st_size) for n, p in files.items()}
+        self._offsets = {
+            n: (0 if from_start or not p.exists() else p.stat().st_size) for n, p in files.items()
+        }
         self._partial = {name: b"" for name in files}
+        self._lock = threading.Lock()  # poll() runs from the tailer's thread and the supervisor's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="log-tailer", daemon=True)
 
@@ -50,6 +53,10 @@ class LogTailer:
             self.poll()
 
     def poll(self) -> None:
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         for name, path in self._files.items():
             try:
                 with open(path, "rb") as f:

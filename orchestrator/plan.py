@@ -84,7 +84,8 @@ class LaunchPlan:
         out = asdict(self)
         out["strategy"] = self.strategy.value
         out["backend"] = self.backend.value
-        for t, task in zip(out["tasks"], self.tasks):
+        out["tasks"] = list(out["tasks"])  # asdict keeps the tuple; the JSON form has lists only
+        for t, task in zip(out["tasks"], self.tasks, strict=True):
             t["role"] = task.role.value
             t["env"] = dict(task.env)
             t["argv"] = list(task.argv)
@@ -166,7 +167,12 @@ def _argv(spec: ClusterSpec, *, python: str) -> tuple[str, ...]:
     train = spec.train
     argv = [python, "-m", "worker", "loop", "--module", str(job.loop)]
     argv += ["--steps", str(train.steps)] if train.steps else ["--epochs", str(train.epochs)]
-    argv += ["--global-batch-size", str(train.global_batch_size), "--checkpoint-every", str(train.checkpoint_every)]
+    argv += [
+        "--global-batch-size",
+        str(train.global_batch_size),
+        "--checkpoint-every",
+        str(train.checkpoint_every),
+    ]
     if train.checkpoint_dir is not None:
         argv += ["--checkpoint-dir", str(train.checkpoint_dir)]
     return (*argv, "--", *job.args)

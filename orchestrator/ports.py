@@ -48,8 +48,8 @@ def reserve_ports(
 ) -> PortReservation:
     rng = rng or random.Random()
     slots = task_slots(spec)
+    ports: dict[str, int] = {}
     if spec.backend is not Backend.LOCAL:
-        ports = {}
         for h, host in enumerate(spec.hosts):
             base = host.base_port or _SSH_DEFAULT_BASE
             for i, slot in enumerate(s for s in slots if s.host_index == h):
@@ -58,7 +58,6 @@ def reserve_ports(
 
     _make_lock_dir(lock_dir)
     fds: list[int] = []
-    ports: dict[str, int] = {}
     try:
         for h, host in enumerate(spec.hosts):
             for i, slot in enumerate(s for s in slots if s.host_index == h):

@@ -54,8 +54,9 @@ class RunRecord:
         self.logs_dir = run_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        # Held open for the run's lifetime (appended on every event); closed by close().
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self._last_status: Any = None
 
     def log_path(self, log_name: str) -> Path:
@@ -86,12 +87,16 @@ class RunRecord:
             for p in points:
                 t = p.get("time")
                 when = (
-                    dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+                    dt.datetime.fromtimestamp(t, dt.timezone.utc)
+                    .isoformat(timespec="milliseconds")
+                    .replace("+00:00", "Z")
                     if isinstance(t, (int, float))
                     else now_iso()
                 )
                 rest = {k: v for k, v in p.items() if k != "time"}
-                self._metrics.write(json.dumps({"time": when, "task": task, "attempt": attempt, **rest}) + "\n")
+                self._metrics.write(
+                    json.dumps({"time": when, "task": task, "attempt": attempt, **rest}) + "\n"
+                )
 
     def flush(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 from orchestrator.errors import RunDirError
-from orchestrator.launch.local import group_alive
+from orchestrator.launch.local import group_alive, signal_group
 from orchestrator.logtail import LogTailer
 from orchestrator.record import RUNS_DIR, read_json
 
@@ -35,7 +35,9 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     try:
         return read_json(run_dir / "status.json")
     except FileNotFoundError:
-        raise RunDirError(f"{run_dir} has no status.json yet (the run is starting, or never started)") from None
+        raise RunDirError(
+            f"{run_dir} has no status.json yet (the run is starting, or never started)"
+        ) from None
     except ValueError as exc:
         raise RunDirError(f"{run_dir}/status.json is unreadable: {exc}") from None
 
@@ -65,7 +67,8 @@ def live_task_groups(status: dict[str, Any]) -> list[int]:
             leader_ok = False  # the leader is gone; the group lives on in its children
         try:
             same_run = leader_ok or any(
-                os.getpgid(p.pid) == pgid and _env_run_id(p) == status.get("run_id") for p in psutil.process_iter()
+                os.getpgid(p.pid) == pgid and _env_run_id(p) == status.get("run_id")
+                for p in psutil.process_iter()
             )
         except (ProcessLookupError, psutil.Error):
             same_run = False
@@ -98,22 +101,15 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
     if groups:
         out.write(f"coordinator gone; stopping {len(groups)} task process group(s) it left\n")
         for g in groups:
-            _killpg(g, signal.SIGTERM)
+            signal_group(g, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(group_alive(g) for g in groups):
             time.sleep(0.1)
         for g in groups:
-            _killpg(g, signal.SIGKILL)
+            signal_group(g, signal.SIGKILL)
     status = read_status(run_dir)
     out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
     return 0
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = sys.stdout) -> int:

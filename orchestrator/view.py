@@ -45,13 +45,13 @@ class PlainView:
 
     def update(self, status: dict[str, Any]) -> None:
         changes = []
-        if self._last.get("") != status["state"]:
-            self._last[""] = status["state"]
-            changes.append(f"orchestrate: {status['name']} {status['state']} ({status['reason']})")
         for t in status["tasks"]:
             if self._last.get(t["task"]) != t["state"]:
                 self._last[t["task"]] = t["state"]
                 changes.append(f"orchestrate: {t['task']} {t['state']} ({t['reason']})")
+        if self._last.get("") != status["state"]:
+            self._last[""] = status["state"]
+            changes.append(f"orchestrate: {status['name']} {status['state']} ({status['reason']})")
         if changes:
             with self._lock:
                 self._out.write("\n".join(changes) + "\n")
@@ -105,7 +105,9 @@ def render_status(status: dict[str, Any], elapsed_s: float | None = None) -> Gro
             done = max(done, t["last_step"] or 0)
     parts: list[Any] = [head, table]
     if total:
-        parts.append(Group(ProgressBar(total=total, completed=done, width=50), Text(f"step {done} of {total}")))
+        parts.append(
+            Group(ProgressBar(total=total, completed=done, width=50), Text(f"step {done} of {total}"))
+        )
     if status["reason"]:
         parts.append(Text(status["reason"], style="dim"))
     return Group(*parts)

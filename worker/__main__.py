@@ -16,7 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--script", required=True)
     run.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # Our own logger only: the user's program configures the root logger as it likes.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[orchestrate] %(levelname)s: %(message)s"))
+    logging.getLogger("worker").addHandler(handler)
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     return runtime.run_script(ns.script, args)
 

@@ -65,6 +65,7 @@ class Reporter:
         self._done = False
         self._error: wire.TaskError | None = None
         self._seq = 0
+        self._posted = 0  # heartbeats the coordinator accepted
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # first call primes the counter
         self._conn: http.client.HTTPConnection | None = None
@@ -73,8 +74,8 @@ class Reporter:
     # --- called from the user's code (cheap, never touches the network) ---
 
     def report(self, step: int | None = None, **metrics: Any) -> None:
-        values = {k: _number(v) for k, v in metrics.items()}
-        values = {k: v for k, v in values.items() if v is not None}
+        numbers = {k: _number(v) for k, v in metrics.items()}
+        values = {k: v for k, v in numbers.items() if v is not None}
         with self._lock:
             if step is None:
                 step = (self._step or 0) + 1
@@ -90,12 +91,21 @@ class Reporter:
         with self._lock:
             self._total_steps = total
 
-    def mark_connecting(self) -> None:
+    def mark_connecting(self, wait_s: float = 2.0) -> None:
+        """The task is about to create its strategy. Waits (briefly) until the coordinator has heard
+        it: a MultiWorkerMirroredStrategy constructor holds the GIL while it waits for its peers
+        (measured), so no heartbeat leaves this process until every peer has joined."""
         with self._lock:
-            first = not self._connecting
+            if self._connecting:
+                return
             self._connecting = True
-        if first:
-            self._wake.set()
+            sent_before = self._posted
+        self._wake.set()
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while self._posted == sent_before and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def mark_ready(self) -> None:
         with self._lock:
@@ -135,6 +145,7 @@ class Reporter:
             if status == 200:
                 last_ok = time.monotonic()
                 sent_points.clear()
+                self._posted += 1
             else:
                 self._requeue(sent_points)
                 if status == wire.STALE_ATTEMPT_STATUS:
@@ -186,7 +197,7 @@ class Reporter:
         try:
             if self._conn is None:
                 timeout = max(1.0, min(5.0, self._config.interval_s * 2))
-                self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+                self._conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
             self._conn.request(
                 "POST",
                 wire.HEARTBEAT_PATH,

@@ -54,11 +54,12 @@ class TaskError:
 class Heartbeat:
     """One report from a task: liveness, resources, progress since the last one, and its phase.
 
-    `points` carries every progress point reported since the previous heartbeat (batched, so a
-    training step never waits on the network). `connecting` becomes true when the task starts creating
-its distribution strategy (it waits there for its peers); `ready` becomes true once the task's distribution
-    strategy is up (its cluster connected) or it reported a step. `done` is sent once, when the
-    user's program returned normally; `error` when it raised.
+        `points` carries every progress point reported since the previous heartbeat (batched, so a
+        training step never waits on the network). `connecting` becomes true when the task starts creating
+    its distribution strategy (it waits there for its peers); `ready` becomes true once the task's
+    distribution
+        strategy is up (its cluster connected) or it reported a step. `done` is sent once, when the
+        user's program returned normally; `error` when it raised.
     """
 
     task: str
@@ -106,7 +107,9 @@ its distribution strategy (it waits there for its peers); `ready` becomes true o
                 metrics={str(k): float(v) for k, v in _typed(raw, "metrics", dict, {}).items()},
                 points=[dict(p) for p in _typed(raw, "points", list, [])],
                 done=_typed(raw, "done", bool, False),
-                error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")}) if error else None,
+                error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
+                if error
+                else None,
             )
         except (TypeError, KeyError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from None

@@ -66,7 +66,12 @@ class HealthStore:
                 return 404
             step_changed = hb.step is not None and hb.step != old.step
             rate = old.steps_per_s
-            if step_changed and old.step is not None and old.step_changed_at is not None and hb.step is not None:
+            if (
+                step_changed
+                and old.step is not None
+                and old.step_changed_at is not None
+                and hb.step is not None
+            ):
                 dt = now - old.step_changed_at
                 if dt > 0:
                     instant = (hb.step - old.step) / dt
@@ -76,9 +81,9 @@ class HealthStore:
                 pid=hb.pid,
                 last_heartbeat_at=now,
                 last_heartbeat_wall=_wall_now(),
-                connecting_at=old.connecting_at if old.connecting_at is not None else (
-                    now if hb.connecting or hb.ready else None
-                ),
+                connecting_at=old.connecting_at
+                if old.connecting_at is not None
+                else (now if hb.connecting or hb.ready else None),
                 ready_at=old.ready_at if old.ready_at is not None else (now if hb.ready else None),
                 step=hb.step if hb.step is not None else old.step,
                 step_changed_at=now if step_changed else old.step_changed_at,

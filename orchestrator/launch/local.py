@@ -7,6 +7,7 @@ dead coordinator cannot kill a task with SIGPIPE by accident.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -47,7 +48,9 @@ class LocalLauncher(Launcher):
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         env = {**os.environ, **task.launch_env(attempt=attempt, token=token)}
         with open(log_path, "ab") as out:
-            out.write(f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode())
+            out.write(
+                f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()
+            )
             out.flush()
             try:
                 popen = subprocess.Popen(
@@ -67,7 +70,7 @@ class LocalLauncher(Launcher):
     def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
         groups = [h.process.pgid for h in handles if group_alive(h.process.pgid)]
         for pgid in groups:
-            _signal_group(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
             _reap(handles)
@@ -75,7 +78,7 @@ class LocalLauncher(Launcher):
                 return
             time.sleep(0.05)
         for pgid in groups:
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             _reap(handles)
@@ -104,11 +107,10 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a whole process group; a group already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _reap(handles: list[TaskHandle]) -> None:

@@ -31,10 +31,15 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
         for role, count in host.tasks.items():
             if count < 1:
                 problems.append(
-                    SpecProblem(("hosts", i, "tasks", role.value), "count must be at least 1 (leave the role out for none)")
+                    SpecProblem(
+                        ("hosts", i, "tasks", role.value),
+                        "count must be at least 1 (leave the role out for none)",
+                    )
                 )
         if not host.tasks:
-            problems.append(SpecProblem(("hosts", i, "tasks"), "this host runs no task; give e.g. {worker: 1}"))
+            problems.append(
+                SpecProblem(("hosts", i, "tasks"), "this host runs no task; give e.g. {worker: 1}")
+            )
     for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
         if spec.role_count(role) > 1:
             others = ", ".join(_key(p) for p in _where(spec, role))
@@ -45,7 +50,9 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
                 )
             )
     if sum(spec.role_count(r) for r in _TRAINING_ROLES) == 0 and not problems:
-        problems.append(SpecProblem(("hosts",), "no chief or worker task: give at least one host tasks: {worker: 1}"))
+        problems.append(
+            SpecProblem(("hosts",), "no chief or worker task: give at least one host tasks: {worker: 1}")
+        )
     return problems
 
 
@@ -73,7 +80,9 @@ def _check_strategy_roles(spec: ClusterSpec) -> list[SpecProblem]:
             )
     elif spec.strategy is Strategy.PARAMETER_SERVER:
         if spec.role_count(Role.CHIEF) != 1:
-            problems.append(SpecProblem(("strategy",), "parameter_server needs exactly one chief (it runs the training)"))
+            problems.append(
+                SpecProblem(("strategy",), "parameter_server needs exactly one chief (it runs the training)")
+            )
         if ps == 0:
             problems.append(SpecProblem(("strategy",), "parameter_server needs at least one ps task"))
         if spec.role_count(Role.WORKER) == 0:
@@ -91,7 +100,9 @@ def _check_ports(spec: ClusterSpec) -> list[SpecProblem]:
         where = "127.0.0.1" if spec.backend is Backend.LOCAL else host.address
         count = sum(host.tasks.values())
         if host.base_port + count - 1 > 65535:
-            problems.append(SpecProblem(("hosts", i, "base_port"), f"{count} tasks do not fit above this port"))
+            problems.append(
+                SpecProblem(("hosts", i, "base_port"), f"{count} tasks do not fit above this port")
+            )
         for port in range(host.base_port, host.base_port + count):
             other = taken.setdefault((where, port), i)
             if other != i:
@@ -113,7 +124,9 @@ def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
         if path is not None and not path.is_file():
             problems.append(SpecProblem(("job", key), f"no such file: {path}"))
     if job.loop is not None and spec.train is None:
-        problems.append(SpecProblem(("train",), "job.loop needs a train: section (steps or epochs, batch size)"))
+        problems.append(
+            SpecProblem(("train",), "job.loop needs a train: section (steps or epochs, batch size)")
+        )
     envs = [(("job", "env"), job.env)] + [(("hosts", i, "env"), h.env) for i, h in enumerate(spec.hosts)]
     for where, env in envs:
         problems += [
@@ -122,7 +135,9 @@ def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
             if k in RESERVED_ENV
         ]
     if job.script is not None and spec.train is not None:
-        problems.append(SpecProblem(("train",), "train: applies to job.loop only; a job.script trains by itself"))
+        problems.append(
+            SpecProblem(("train",), "train: applies to job.loop only; a job.script trains by itself")
+        )
     return problems
 
 

@@ -26,7 +26,9 @@ def load_spec(path: str | Path, backend: Backend | None = None) -> ClusterSpec:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise SpecError(str(path), [SpecProblem((), f"cannot read the spec: {exc.strerror or exc}")]) from None
+        raise SpecError(
+            str(path), [SpecProblem((), f"cannot read the spec: {exc.strerror or exc}")]
+        ) from None
     return parse_spec(text, file=str(path), base_dir=path.resolve().parent, backend=backend)
 
 
@@ -60,7 +62,13 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
         return loader.construct_document(node), lines
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        if exc.context_mark is not None and mark is not None and mark.index >= len(text):
+            # Hit the end of the file (an unclosed quote or bracket): the line to fix is where it opened,
+            # not the end of the stream (which can be one past the last line).
+            mark = exc.context_mark
         line = mark.line + 1 if mark is not None else None
+        if line is not None:
+            line = min(line, max(1, len(text.rstrip().splitlines())))  # never past the last line
         msg = " ".join(filter(None, [exc.context, exc.problem])) or str(exc)
         raise SpecError(file, [SpecProblem((), f"YAML syntax error: {msg}", line)]) from None
     except yaml.YAMLError as exc:
@@ -77,7 +85,9 @@ def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
-                problems.append(SpecProblem(path + (key,), "duplicate key (the earlier one would be ignored)", line))
+                problems.append(
+                    SpecProblem(path + (key,), "duplicate key (the earlier one would be ignored)", line)
+                )
             seen.add(key)
             lines[path + (key,)] = line
             _index(value_node, path + (key,), lines, problems)

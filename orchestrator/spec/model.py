@@ -52,7 +52,7 @@ def _env_value(value: Any) -> Any:
     # YAML turns `1` into an int and `yes` into a bool; a researcher writing `TF_USE_LEGACY_KERAS: 1`
     # means the string "1". Booleans are ambiguous ("True"? "1"?), so they must be quoted.
     if isinstance(value, bool):
-        raise ValueError("environment values must be strings; quote it (e.g. \"1\" or \"true\")")
+        raise ValueError('environment values must be strings; quote it (e.g. "1" or "true")')
     if isinstance(value, (int, float)):
         return str(value)
     return value
@@ -80,7 +80,10 @@ class HostSpec(_Strict):
     address: str = Field(min_length=1, description="hostname or IP, reachable from the coordinator and peers")
     tasks: dict[Role, int] = Field(description="task count per role, e.g. {worker: 2}")
     base_port: int | None = Field(
-        default=None, ge=1024, le=65535, description="TF ports of this host's tasks start here (default: free)"
+        default=None,
+        ge=1024,
+        le=65535,
+        description="TF ports of this host's tasks start here (default: free)",
     )
     gpus: list[int] = Field(default_factory=list, description="GPU ids; split among this host's tasks")
     # ssh only
@@ -114,7 +117,9 @@ class TrainSpec(_Strict):
     epochs: int | None = Field(default=None, gt=0)
     global_batch_size: int = Field(default=64, gt=0)
     checkpoint_every: int = Field(default=50, gt=0, description="steps between checkpoints")
-    checkpoint_dir: Path | None = Field(default=None, description="default: checkpoints/ in the run directory")
+    checkpoint_dir: Path | None = Field(
+        default=None, description="default: checkpoints/ in the run directory"
+    )
 
     _resolve_dir = field_validator("checkpoint_dir")(_resolve)
 

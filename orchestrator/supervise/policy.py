@@ -85,7 +85,8 @@ def decide(failure: Failure, *, restarts_used: int, max_restarts: int) -> Decisi
         return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
     if failure.kind is FailureKind.EXCEPTION and not failure.is_peer_loss:
         return Decision(
-            Action.FAIL, f"{failure.describe()} — an error in the job's code; not restarted (it would fail again)"
+            Action.FAIL,
+            f"{failure.describe()} — an error in the job's code; not restarted (it would fail again)",
         )
     if restarts_used >= max_restarts:
         return Decision(

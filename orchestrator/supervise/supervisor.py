@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
@@ -152,12 +152,22 @@ class Supervisor:
 
     def result(self) -> RunResult:
         return RunResult(
-            self.state, self.reason, self.attempt, self.restarts, self.root_cause, self.started_at, self.ended_at or ""
+            self.state,
+            self.reason,
+            self.attempt,
+            self.restarts,
+            self.root_cause,
+            self.started_at,
+            self.ended_at or "",
         )
 
     def step(self) -> tuple[ClusterState, ClusterState]:
         before = self.state
-        if self._interrupt is not None and self.state not in (ClusterState.STOPPING,) and not before.is_terminal:
+        if (
+            self._interrupt is not None
+            and self.state not in (ClusterState.STOPPING,)
+            and not before.is_terminal
+        ):
             self._begin_stop(_Stop(ClusterState.INTERRUPTED, self._interrupt))
         elif self.state is ClusterState.PENDING:
             self._launch_all()
@@ -242,8 +252,12 @@ class Supervisor:
             self._move_task(rec, TaskState.RUNNING, "strategy up")
         last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else rec.launched_at
         silent_s = now - last
-        if silent_s > self.config.heartbeat_timeout_s:
-            detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {self.config.heartbeat_timeout_s:g})"
+        # A MultiWorkerMirroredStrategy constructor holds the GIL while it waits for its peers, so a
+        # task waiting there sends no heartbeat: the startup deadline, not this detector, covers it.
+        in_strategy = rec.state is TaskState.STARTING and h is not None and h.connecting_at is not None
+        if silent_s > self.config.heartbeat_timeout_s and not in_strategy:
+            limit = self.config.heartbeat_timeout_s
+            detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {limit:g})"
             self._move_task(rec, TaskState.LOST, detail)
             return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
         if (
@@ -269,12 +283,12 @@ class Supervisor:
         culprits = never or late
         names = ", ".join(r.plan.name for r in culprits)
         waiting = [r.plan.name for r in late if r not in culprits]
-        detail = (
-            f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s "
-            f"(never created its distribution strategy{'; ' + ', '.join(waiting) + ' waited for it' if waiting else ''})"
-            if never
-            else f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s (cluster never connected)"
-        )
+        head = f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s"
+        if never:
+            waited = f"; {', '.join(waiting)} waited for it" if waiting else ""
+            detail = f"{head} (never created its distribution strategy{waited})"
+        else:
+            detail = f"{head} (its cluster never connected)"
         return Failure(names, FailureKind.STARTUP_TIMEOUT, self.attempt, detail)
 
     def _begin_stop(self, stop: _Stop) -> None:
@@ -299,7 +313,9 @@ class Supervisor:
             if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
-            decision = policy.decide(stop.failure, restarts_used=self.restarts, max_restarts=self.config.max_restarts)
+            decision = policy.decide(
+                stop.failure, restarts_used=self.restarts, max_restarts=self.config.max_restarts
+            )
             if decision.action is Action.RESTART:
                 wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)
                 self.restarts += 1

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_processes(run_id: str) -> list[psutil.Process]:
+    """Every live process of a run, found by the ORCHESTRATE_RUN_ID its tasks carry."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("ORCHESTRATE_RUN_ID") == run_id:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+class Job:
+    """A spec and its script in a temporary folder, run with the real `orchestrate` CLI."""
+
+    def __init__(self, root: Path, script: str, spec_extra: str = "", workers: int = 2, name: str = "t"):
+        self.root = root
+        self.run_dir = root / "run"
+        (root / "job.py").write_text(textwrap.dedent(script))
+        self.spec = root / "spec.yaml"
+        self.spec.write_text(
+            textwrap.dedent(
+                f"""\
+                name: {name}
+                hosts:
+                  - address: 127.0.0.1
+                    tasks: {{worker: {workers}}}
+                job:
+                  script: job.py
+                  env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
+                """
+            )
+            + textwrap.dedent(spec_extra)
+        )
+
+    @property
+    def run_id(self) -> str:
+        return self.run_dir.name
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            str(self.spec),
+            "--run-dir",
+            str(self.run_dir),
+            "--plain",
+        ]
+
+    def up(self, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root, env=_env()
+        )
+
+    def start(self) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=self.root,
+            env=_env(),
+        )
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ORCHESTRATE_RUN_ID", None)
+    return env
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    made: list[Job] = []
+
+    def make(script: str, spec_extra: str = "", **kw) -> Job:
+        job = Job(tmp_path, script, spec_extra, **kw)
+        made.append(job)
+        return job
+
+    yield make
+    for job in made:  # whatever a test did, leave nothing behind
+        for proc in run_processes(job.run_id):
+            proc.kill()

@@ -1,0 +1,214 @@
+"""End to end: the real `orchestrate up` CLI, real TensorFlow processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import run_processes, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MWMS_JOB = """
+    import os
+    import tensorflow as tf
+    import worker
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    print(f"num_replicas_in_sync={strategy.num_replicas_in_sync}", flush=True)
+    with strategy.scope():
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def step():
+        strategy.run(lambda: v.assign_add(1.0))
+
+    for i in range(1, 21):
+        step()
+        worker.report(step=i, loss=1.0 / i)
+    print("value", float(v.numpy()), flush=True)
+"""
+
+
+def test_two_worker_mwms_job_succeeds(job_factory):
+    job = job_factory(MWMS_JOB)
+    out = job.up(timeout_s=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for i in range(2):
+        log = (job.run_dir / "logs" / f"worker-{i}.log").read_text()
+        assert "num_replicas_in_sync=2" in log
+        assert "attempt 0 started" in log
+    assert "[worker-0] num_replicas_in_sync=2" in out.stdout  # prefixed console lines when not a TTY
+    status = json.loads((job.run_dir / "status.json").read_text())
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 0
+    assert {t["task"]: (t["state"], t["exit_code"], t["last_step"]) for t in status["tasks"]} == {
+        "worker-0": ("SUCCEEDED", 0, 20),
+        "worker-1": ("SUCCEEDED", 0, 20),
+    }
+    points = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(p["step"] for p in points if p["task"] == "worker-1") == list(range(1, 21))
+    plan = json.loads((job.run_dir / "plan.json").read_text())
+    assert plan["tasks"][1]["tf_config"]["task"] == {"type": "worker", "index": 1}
+    assert (job.run_dir / "spec.yaml").read_text() == job.spec.read_text()
+    events = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["new"] for e in events if e["kind"] == "run"] == [
+        "LAUNCHING",
+        "RUNNING",
+        "STOPPING",
+        "SUCCEEDED",
+    ]
+    assert run_processes(job.run_id) == []
+
+
+def test_exception_in_script_fails_with_root_cause(job_factory):
+    job = job_factory(
+        """
+        import os
+        import tensorflow as tf
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        if os.environ["ORCHESTRATE_TASK"] == "worker-1":
+            raise ValueError("bad learning rate: -3")
+        """,
+        "restart: {max_restarts: 3, backoff_s: 0}\n",
+    )
+    t0 = time.monotonic()
+    out = job.up(timeout_s=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "first failure: worker-1 raised ValueError: bad learning rate: -3" in out.stdout
+    assert "not restarted" in out.stdout  # an error in user code is not retried
+    assert "last lines of" in out.stdout and "ValueError: bad learning rate: -3" in out.stdout
+    assert "attempts 1, restarts 0" in out.stdout
+    assert time.monotonic() - t0 < 60
+    assert run_processes(job.run_id) == []
+
+
+def test_worker_that_never_starts_fails_at_startup_deadline(job_factory):
+    job = job_factory(
+        """
+        import os, time
+        if os.environ["ORCHESTRATE_TASK"] == "worker-1":
+            time.sleep(3600)  # never joins the cluster
+        import tensorflow as tf
+        tf.distribute.MultiWorkerMirroredStrategy()
+        """,
+        "health: {startup_timeout_s: 12}\nrestart: {max_restarts: 0}\n",
+    )
+    t0 = time.monotonic()
+    out = job.up(timeout_s=120)
+    took = time.monotonic() - t0
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "first failure: worker-1 not up within health.startup_timeout_s = 12 s" in out.stdout
+    assert "worker-0 waited for it" in out.stdout
+    assert 12 <= took < 40
+    assert run_processes(job.run_id) == []
+
+
+SLEEPER = """
+    import time
+    import worker
+    for i in range(1, 100000):
+        worker.report(step=i)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_coordinator_stops_everything_and_exits_130(job_factory, sig):
+    job = job_factory(SLEEPER, "restart: {max_restarts: 0}\n")
+    proc = job.start()
+    try:
+        assert wait_until(lambda: len(run_processes(job.run_id)) == 2, 30)
+        assert wait_until(lambda: '"state": "RUNNING"' in _read(job.run_dir / "status.json"), 30)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "INTERRUPTED" in out
+    assert run_processes(job.run_id) == []
+    assert json.loads((job.run_dir / "status.json").read_text())["state"] == "INTERRUPTED"
+
+
+def test_tasks_exit_by_themselves_when_coordinator_is_killed(job_factory):
+    job = job_factory(SLEEPER, "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\n")
+    proc = job.start()
+    try:
+        assert wait_until(lambda: len(run_processes(job.run_id)) == 2, 30)
+        assert wait_until(lambda: '"state": "RUNNING"' in _read(job.run_dir / "status.json"), 30)
+        proc.kill()  # SIGKILL: no teardown at all
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        assert wait_until(lambda: run_processes(job.run_id) == [], 15), "orphans survived their coordinator"
+        assert time.monotonic() - t0 < 3 + 5
+    finally:
+        proc.kill()
+    log = (job.run_dir / "logs" / "worker-0.log").read_text()
+    assert "no coordinator reachable" in log
+
+
+def test_down_stops_a_detached_run(job_factory):
+    import subprocess
+    import sys
+
+    job = job_factory(SLEEPER)
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            str(job.spec),
+            "--run-dir",
+            str(job.run_dir),
+            "--detach",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=job.root,
+    )
+    assert started.returncode == 0, started.stderr
+    assert str(job.run_dir) in started.stdout
+    assert wait_until(lambda: len(run_processes(job.run_id)) == 2, 30)
+    status = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0 and "worker-1" in status.stdout
+    for _ in range(2):  # idempotent
+        down = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "down", str(job.run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "INTERRUPTED" in down.stdout
+    assert run_processes(job.run_id) == []
+    coordinator = json.loads((job.run_dir / "coordinator.json").read_text())["pid"]
+    assert not psutil.pid_exists(coordinator) or psutil.Process(coordinator).status() == psutil.STATUS_ZOMBIE
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_plain_python_run_of_a_script_using_worker_api_works_without_coordinator(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text("import worker\nworker.report(step=1, loss=0.5)\nprint('ok')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATE_")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok"

@@ -1,0 +1,100 @@
+"""Heartbeats over real HTTP on loopback: the wire format, the secret, and the worker's reporter."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from orchestrator.health.server import HeartbeatServer
+from orchestrator.health.store import HealthStore
+from worker import wire
+from worker.reporter import Reporter, ReporterConfig
+
+
+@pytest.fixture
+def server():
+    points: list = []
+    store = HealthStore(time.monotonic, on_points=lambda task, attempt, p: points.extend(p))
+    store.reset(0, ["worker-0"])
+    srv = HeartbeatServer(store, "right-token").start()
+    yield srv, store, points
+    srv.close()
+
+
+def post(url: str, body: bytes, token: str | None) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers[wire.TOKEN_HEADER] = token
+    conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def hb(**kw) -> bytes:
+    return wire.Heartbeat(
+        **{"task": "worker-0", "attempt": 0, "seq": 1, "sent_at": 1.0, "pid": 7, **kw}
+    ).to_bytes()
+
+
+def test_request_without_or_with_wrong_token_is_rejected(server):
+    srv, store, _ = server
+    assert post(srv.url, hb(step=3), None) == 401
+    assert post(srv.url, hb(step=3), "wrong") == 401
+    assert store.snapshot()["worker-0"].last_heartbeat_at is None
+    assert post(srv.url, hb(step=3), "right-token") == 200
+    assert store.snapshot()["worker-0"].step == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        json.dumps({"task": "worker-0"}).encode(),
+        json.dumps({"task": 1, "attempt": 0, "seq": 1, "sent_at": 0, "pid": 1}).encode(),
+    ],
+)
+def test_malformed_heartbeat_is_400_and_server_survives(server, body):
+    srv, store, _ = server
+    assert post(srv.url, body, "right-token") == 400
+    assert post(srv.url, hb(), "right-token") == 200
+
+
+def test_unknown_task_and_stale_attempt(server):
+    srv, store, _ = server
+    assert post(srv.url, hb(task="worker-9"), "right-token") == 404
+    store.reset(1, ["worker-0"])
+    assert post(srv.url, hb(attempt=0), "right-token") == wire.STALE_ATTEMPT_STATUS
+
+
+def test_reporter_batches_every_point_into_heartbeats(server):
+    srv, store, points = server
+    rep = Reporter(
+        ReporterConfig("worker-0", 0, srv.url, "right-token", interval_s=0.05, coordinator_timeout_s=30)
+    )
+    rep.start()
+    for step in range(1, 501):
+        rep.report(step, loss=1.0 / step)
+    rep.finish()
+    assert [p["step"] for p in points] == list(range(1, 501))  # nothing reported is dropped
+    health = store.snapshot()["worker-0"]
+    assert health.step == 500 and health.ready_at is not None and health.done
+    assert health.metrics["loss"] == pytest.approx(1 / 500)
+
+
+def test_reporter_keeps_points_while_coordinator_is_briefly_away(server):
+    srv, store, points = server
+    rep = Reporter(ReporterConfig("worker-0", 0, "http://127.0.0.1:1", "right-token", 0.05, 30))
+    rep.start()
+    rep.report(1, loss=1.0)
+    time.sleep(0.3)  # several failed posts
+    rep._config = ReporterConfig("worker-0", 0, srv.url, "right-token", 0.05, 30)
+    rep.report(2, loss=0.5)
+    rep.finish()
+    assert [p["step"] for p in points] == [1, 2]

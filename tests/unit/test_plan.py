@@ -1,0 +1,558 @@
+"""Plan layer: make_plan (pure: spec, ports and run context in, plan out) and reserve_ports (impure)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import socket
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import LaunchError
+from orchestrator.plan import LaunchPlan, RunContext, make_plan, task_slots
+from orchestrator.ports import reserve_ports
+from orchestrator.spec import ClusterSpec, Role, parse_spec
+
+RUN = RunContext(
+    run_id="demo-20250101-000000",
+    run_dir=Path("/runs/demo-20250101-000000"),
+    spec_dir=Path("/specs"),
+    coordinator_url="http://127.0.0.1:9999",
+    python="/usr/bin/python3.11",
+)
+
+
+def spec_of(
+    tmp_path: Path,
+    hosts: str,
+    *,
+    strategy: str = "multi_worker_mirrored",
+    backend: str = "local",
+    job: str = "script: train.py\n  args: [--lr, '0.1']\n  env: {SHARED: job, ONLY_JOB: j}",
+    extra: str = "",
+) -> ClusterSpec:
+    (tmp_path / "train.py").write_text("")
+    text = (
+        f"name: demo\nstrategy: {strategy}\nbackend: {backend}\nhosts:\n"
+        + textwrap.indent(textwrap.dedent(hosts).strip("\n"), "  ")
+        + f"\njob:\n  {job}\n{extra}"
+    )
+    return parse_spec(text, file="spec.yaml", base_dir=tmp_path)
+
+
+def ports_for(spec: ClusterSpec, base: int = 20000) -> dict[str, int]:
+    return {s.name: base + i for i, s in enumerate(task_slots(spec))}
+
+
+def plan_of(spec: ClusterSpec, run: RunContext = RUN, base: int = 20000) -> LaunchPlan:
+    return make_plan(spec, ports=ports_for(spec, base), run=run)
+
+
+def tf_config(plan: LaunchPlan, name: str) -> dict:
+    return json.loads(plan.task(name).env["TF_CONFIG"])
+
+
+# ---------------------------------------------------------------- TF_CONFIG per strategy
+
+
+# (id, strategy, hosts yaml, expected cluster, expected [(task name, type, index, in_cluster)])
+TF_CONFIG_CASES = [
+    (
+        "mwms-2-workers",
+        "multi_worker_mirrored",
+        "- address: 127.0.0.1\n  tasks: {worker: 2}",
+        {"worker": ["127.0.0.1:20000", "127.0.0.1:20001"]},
+        [("worker-0", "worker", 0, True), ("worker-1", "worker", 1, True)],
+    ),
+    (
+        "mwms-chief-2-workers",
+        "multi_worker_mirrored",
+        "- address: 127.0.0.1\n  tasks: {worker: 2, chief: 1}",
+        {"chief": ["127.0.0.1:20000"], "worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
+        [("chief-0", "chief", 0, True), ("worker-0", "worker", 0, True), ("worker-1", "worker", 1, True)],
+    ),
+    (
+        "ps-chief-2-workers-1-ps",
+        "parameter_server",
+        "- address: 127.0.0.1\n  tasks: {ps: 1, worker: 2, chief: 1}",
+        {
+            "chief": ["127.0.0.1:20000"],
+            "worker": ["127.0.0.1:20001", "127.0.0.1:20002"],
+            "ps": ["127.0.0.1:20003"],
+        },
+        [
+            ("chief-0", "chief", 0, True),
+            ("worker-0", "worker", 0, True),
+            ("worker-1", "worker", 1, True),
+            ("ps-0", "ps", 0, True),
+        ],
+    ),
+    (
+        "ps-with-evaluator",
+        "parameter_server",
+        "- address: 127.0.0.1\n  tasks: {evaluator: 1, ps: 1, worker: 2, chief: 1}",
+        {
+            "chief": ["127.0.0.1:20000"],
+            "worker": ["127.0.0.1:20001", "127.0.0.1:20002"],
+            "ps": ["127.0.0.1:20003"],
+        },
+        [
+            ("chief-0", "chief", 0, True),
+            ("worker-0", "worker", 0, True),
+            ("worker-1", "worker", 1, True),
+            ("ps-0", "ps", 0, True),
+            ("evaluator-0", "evaluator", 0, False),
+        ],
+    ),
+    (
+        "mirrored-single",
+        "mirrored",
+        "- address: 127.0.0.1\n  tasks: {worker: 1}",
+        {"worker": ["127.0.0.1:20000"]},
+        [("worker-0", "worker", 0, True)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "hosts", "cluster", "tasks"),
+    [c[1:] for c in TF_CONFIG_CASES],
+    ids=[c[0] for c in TF_CONFIG_CASES],
+)
+def test_tf_config(tmp_path: Path, strategy: str, hosts: str, cluster: dict, tasks: list) -> None:
+    plan = plan_of(spec_of(tmp_path, hosts, strategy=strategy))
+    assert dict(plan.cluster) == cluster
+    assert [(t.name, t.role.value, t.index, t.in_cluster) for t in plan.tasks] == tasks
+    for t in plan.tasks:
+        config = tf_config(plan, t.name)
+        assert config == {"cluster": cluster, "task": {"type": t.role.value, "index": t.index}}
+        assert t.address == f"127.0.0.1:{t.port}"
+        in_cluster_lists = any(t.address in addrs for addrs in config["cluster"].values())
+        assert in_cluster_lists is t.in_cluster
+    assert "evaluator" not in plan.cluster
+
+
+def test_evaluator_is_outside_the_cluster(tmp_path: Path) -> None:
+    plan = plan_of(
+        spec_of(
+            tmp_path,
+            "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 2, ps: 1, evaluator: 1}",
+            strategy="parameter_server",
+        )
+    )
+    ev = plan.task("evaluator-0")
+    assert ev.role is Role.EVALUATOR and ev.index == 0 and not ev.in_cluster
+    config = tf_config(plan, "evaluator-0")
+    assert config["task"] == {"type": "evaluator", "index": 0}
+    assert set(config["cluster"]) == {"chief", "worker", "ps"}
+    # it still has a port and an address of its own, not shared with any cluster member
+    all_members = [a for addrs in plan.cluster.values() for a in addrs]
+    assert ev.address not in all_members and len(set(all_members)) == len(all_members)
+
+
+def test_task_numbering_across_hosts_in_host_order(tmp_path: Path) -> None:
+    hosts = """
+        - address: 10.0.0.1
+          tasks: {worker: 2}
+        - address: 10.0.0.2
+          tasks: {worker: 1, chief: 1}
+        - address: 10.0.0.3
+          tasks: {worker: 1}
+    """
+    spec = spec_of(tmp_path, hosts, backend="ssh")
+    slots = task_slots(spec)
+    assert [(s.name, s.host_index) for s in slots] == [
+        ("chief-0", 1),
+        ("worker-0", 0),
+        ("worker-1", 0),
+        ("worker-2", 1),
+        ("worker-3", 2),
+    ]
+    plan = make_plan(spec, ports={s.name: 30000 + i for i, s in enumerate(slots)}, run=RUN)
+    assert dict(plan.cluster) == {
+        "chief": ["10.0.0.2:30000"],
+        "worker": ["10.0.0.1:30001", "10.0.0.1:30002", "10.0.0.2:30003", "10.0.0.3:30004"],
+    }
+    assert [(t.name, t.host) for t in plan.tasks] == [
+        ("chief-0", "10.0.0.2"),
+        ("worker-0", "10.0.0.1"),
+        ("worker-1", "10.0.0.1"),
+        ("worker-2", "10.0.0.2"),
+        ("worker-3", "10.0.0.3"),
+    ]
+
+
+TWO_HOSTS = """
+    - address: 10.0.0.1
+      tasks: {worker: 2}
+      python: /opt/py/bin/python
+      workdir: /srv/job
+    - address: node-b.lab
+      tasks: {worker: 1}
+"""
+
+
+def test_local_backend_uses_loopback_for_every_address(tmp_path: Path) -> None:
+    plan = plan_of(spec_of(tmp_path, TWO_HOSTS, backend="local"))
+    assert {t.host for t in plan.tasks} == {"127.0.0.1"}
+    assert all(a.startswith("127.0.0.1:") for addrs in plan.cluster.values() for a in addrs)
+    assert all(t.address == f"127.0.0.1:{t.port}" for t in plan.tasks)
+    # local tasks run with the coordinator's interpreter, in the spec's folder
+    assert all(t.argv[0] == RUN.python and t.cwd == str(RUN.spec_dir) for t in plan.tasks)
+
+
+def test_ssh_backend_uses_host_addresses(tmp_path: Path) -> None:
+    plan = plan_of(spec_of(tmp_path, TWO_HOSTS, backend="ssh"))
+    assert [(t.name, t.host, t.address) for t in plan.tasks] == [
+        ("worker-0", "10.0.0.1", "10.0.0.1:20000"),
+        ("worker-1", "10.0.0.1", "10.0.0.1:20001"),
+        ("worker-2", "node-b.lab", "node-b.lab:20002"),
+    ]
+    assert plan.cluster["worker"] == ["10.0.0.1:20000", "10.0.0.1:20001", "node-b.lab:20002"]
+    # remote tasks use the host's interpreter and workdir
+    assert [(t.argv[0], t.cwd) for t in plan.tasks] == [
+        ("/opt/py/bin/python", "/srv/job"),
+        ("/opt/py/bin/python", "/srv/job"),
+        ("python3", "."),
+    ]
+
+
+def test_ports_come_from_the_ports_mapping(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
+    plan = make_plan(spec, ports={"worker-0": 41001, "worker-1": 40007}, run=RUN)
+    assert [(t.name, t.port) for t in plan.tasks] == [("worker-0", 41001), ("worker-1", 40007)]
+    assert plan.cluster["worker"] == ["127.0.0.1:41001", "127.0.0.1:40007"]
+
+
+def test_missing_port_is_an_error(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
+    with pytest.raises(ValueError, match="worker-1"):
+        make_plan(spec, ports={"worker-0": 20000}, run=RUN)
+
+
+def test_make_plan_is_pure(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 2}")
+    before = spec.model_dump()
+    assert plan_of(spec) == plan_of(spec)
+    assert spec.model_dump() == before
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_env_of_every_task(tmp_path: Path) -> None:
+    hosts = """
+        - address: 127.0.0.1
+          tasks: {chief: 1, worker: 1}
+          env: {SHARED: host, ONLY_HOST: h}
+        - address: 127.0.0.2
+          tasks: {worker: 1}
+    """
+    plan = plan_of(spec_of(tmp_path, hosts))
+    for t in plan.tasks:
+        env = t.env
+        assert env["ORCHESTRATE_RUN_ID"] == RUN.run_id
+        assert env["ORCHESTRATE_TASK"] == t.name
+        assert env["ORCHESTRATE_COORDINATOR"] == RUN.coordinator_url
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["ONLY_JOB"] == "j"
+        assert (
+            "ORCHESTRATE_TOKEN" not in env
+        )  # the secret is never in the plan (plan.json is written to disk)
+        assert "ORCHESTRATE_ATTEMPT" not in env
+        assert "CUDA_VISIBLE_DEVICES" not in env
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    # host env wins over job env, and only on that host's tasks
+    assert [(t.name, t.env["SHARED"], t.env.get("ONLY_HOST")) for t in plan.tasks] == [
+        ("chief-0", "host", "h"),
+        ("worker-0", "host", "h"),
+        ("worker-1", "job", None),
+    ]
+
+
+def test_launch_env_adds_attempt_and_token(tmp_path: Path) -> None:
+    plan = plan_of(spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}"))
+    task = plan.task("worker-1")
+    before = dict(task.env)
+    env = task.launch_env(attempt=2, token="s3cret")
+    assert env["ORCHESTRATE_ATTEMPT"] == "2"
+    assert env["ORCHESTRATE_TOKEN"] == "s3cret"
+    assert {k: v for k, v in env.items() if k not in ("ORCHESTRATE_ATTEMPT", "ORCHESTRATE_TOKEN")} == before
+    assert dict(task.env) == before  # the plan itself is not changed
+    assert task.launch_env(attempt=0, token="t")["ORCHESTRATE_ATTEMPT"] == "0"
+
+
+# (id, gpus, tasks on that host, expected CUDA_VISIBLE_DEVICES per task in order)
+GPU_CASES = [
+    ("2-gpus-2-tasks", [0, 1], "{worker: 2}", ["0", "1"]),
+    ("4-gpus-2-tasks", [0, 1, 2, 3], "{worker: 2}", ["0,1", "2,3"]),
+    ("ids-kept", [4, 6], "{worker: 2}", ["4", "6"]),
+    ("4-gpus-chief-and-worker", [0, 1, 2, 3], "{chief: 1, worker: 1}", ["0,1", "2,3"]),
+    ("1-gpu-1-task", [3], "{worker: 1}", ["3"]),
+    ("1-gpu-shared-by-2-tasks", [0], "{worker: 2}", ["0", "0"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("gpus", "tasks", "expected"), [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES]
+)
+def test_cuda_visible_devices_split(tmp_path: Path, gpus: list[int], tasks: str, expected: list[str]) -> None:
+    plan = plan_of(spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {tasks}\n  gpus: {gpus}"))
+    assert [t.env["CUDA_VISIBLE_DEVICES"] for t in plan.tasks] == expected
+
+
+def test_cuda_visible_devices_only_on_hosts_with_gpus(tmp_path: Path) -> None:
+    hosts = """
+        - address: 10.0.0.1
+          tasks: {worker: 2}
+          gpus: [0, 1]
+        - address: 10.0.0.2
+          tasks: {worker: 1}
+    """
+    plan = plan_of(spec_of(tmp_path, hosts, backend="ssh"))
+    assert [t.env.get("CUDA_VISIBLE_DEVICES") for t in plan.tasks] == ["0", "1", None]
+
+
+# ---------------------------------------------------------------- command line of a task
+
+
+def test_argv_script_mode(tmp_path: Path) -> None:
+    plan = plan_of(spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}"))
+    for t in plan.tasks:
+        assert t.argv == (
+            RUN.python,
+            "-m",
+            "worker",
+            "run",
+            "--script",
+            str(tmp_path / "train.py"),
+            "--",
+            "--lr",
+            "0.1",
+        )
+
+
+def test_argv_loop_mode(tmp_path: Path) -> None:
+    spec = spec_of(
+        tmp_path,
+        "- address: 127.0.0.1\n  tasks: {worker: 2}",
+        job="loop: train.py",
+        extra="train:\n  steps: 30\n  global_batch_size: 16\n"
+        "  checkpoint_every: 10\n  checkpoint_dir: ckpt\n",
+    )
+    argv = plan_of(spec).task("worker-0").argv
+    assert argv == (
+        RUN.python,
+        "-m",
+        "worker",
+        "loop",
+        "--module",
+        str(tmp_path / "train.py"),
+        "--steps",
+        "30",
+        "--global-batch-size",
+        "16",
+        "--checkpoint-every",
+        "10",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--",
+    )
+
+
+def test_argv_loop_mode_epochs(tmp_path: Path) -> None:
+    spec = spec_of(
+        tmp_path,
+        "- address: 127.0.0.1\n  tasks: {worker: 1}",
+        job="loop: train.py",
+        extra="train:\n  epochs: 3\n",
+    )
+    argv = plan_of(spec).task("worker-0").argv
+    assert (
+        argv[argv.index("--epochs") + 1] == "3" and "--steps" not in argv and "--checkpoint-dir" not in argv
+    )
+
+
+# ---------------------------------------------------------------- JSON form (plan.json)
+
+
+def test_to_json_round_trips(tmp_path: Path) -> None:
+    spec = spec_of(
+        tmp_path,
+        "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 2, ps: 1, evaluator: 1}\n  gpus: [0]",
+        strategy="parameter_server",
+    )
+    plan = plan_of(spec)
+    out = plan.to_json()
+    again = json.loads(json.dumps(out))
+    assert again == out
+    assert again["name"] == "demo" and again["run_id"] == RUN.run_id
+    assert again["strategy"] == "parameter_server" and again["backend"] == "local"
+    assert again["cluster"] == {k: list(v) for k, v in plan.cluster.items()}
+    assert [t["name"] for t in again["tasks"]] == [t.name for t in plan.tasks]
+    for t, task in zip(again["tasks"], plan.tasks, strict=True):
+        assert t["role"] == task.role.value
+        assert t["argv"] == list(task.argv)
+        assert t["env"] == dict(task.env)
+        assert t["tf_config"] == json.loads(task.env["TF_CONFIG"])
+        assert t["in_cluster"] is task.in_cluster and t["port"] == task.port
+    assert again["tasks"][-1]["tf_config"]["task"] == {"type": "evaluator", "index": 0}
+
+
+# ---------------------------------------------------------------- port reservation
+
+
+def ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        return 32768
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def test_concurrent_reservations_never_share_a_port(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 3}")
+    locks = tmp_path / "locks"
+    # the same seed: the second reservation tries exactly the ports the first one took
+    with (
+        reserve_ports(spec, lock_dir=locks, rng=random.Random(7)) as a,
+        reserve_ports(spec, lock_dir=locks, rng=random.Random(7)) as b,
+    ):
+        assert set(a.ports) == set(b.ports) == {s.name for s in task_slots(spec)}
+        assert len(set(a.ports.values())) == 4 and len(set(b.ports.values())) == 4
+        assert not set(a.ports.values()) & set(b.ports.values())
+
+
+def test_reservations_from_threads_never_share_a_port(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 4}")
+    locks = tmp_path / "locks"
+    start = threading.Barrier(8)
+    held, errors = [], []
+
+    def reserve() -> None:
+        try:
+            start.wait(timeout=10)
+            held.append(reserve_ports(spec, lock_dir=locks, rng=random.Random(1)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reserve) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    try:
+        assert not errors and len(held) == 8
+        ports = [p for r in held for p in r.ports.values()]
+        assert len(ports) == len(set(ports)) == 32
+    finally:
+        for r in held:
+            r.release()
+
+
+def test_ports_are_below_the_ephemeral_range(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 10}")
+    low = ephemeral_low()
+    for seed in range(5):
+        with reserve_ports(spec, lock_dir=tmp_path / "locks", rng=random.Random(seed)) as r:
+            assert all(1024 <= p < low for p in r.ports.values()), r.ports
+
+
+@pytest.mark.parametrize("listen_on", ["0.0.0.0", "127.0.0.1"])
+def test_busy_base_port_raises_launch_error(tmp_path: Path, listen_on: str) -> None:
+    with socket.socket() as listener:
+        listener.bind((listen_on, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        spec = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
+        with pytest.raises(LaunchError) as info:
+            reserve_ports(spec, lock_dir=tmp_path / "locks")
+    assert "base_port" in str(info.value) and str(port) in str(info.value)
+    assert info.value.exit_code == 3
+
+
+def test_failed_reservation_releases_what_it_took(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        hosts = f"""
+            - address: 10.0.0.1
+              tasks: {{worker: 3}}
+            - address: 10.0.0.2
+              tasks: {{worker: 1}}
+              base_port: {busy}
+        """
+        spec = spec_of(tmp_path, hosts)
+        with pytest.raises(LaunchError, match=r"hosts\[1\]\.base_port"):
+            reserve_ports(spec, lock_dir=locks, rng=random.Random(5))
+    lock_files = list(locks.glob("*.lock"))
+    assert len(lock_files) >= 3  # the first host's ports were claimed before the failure …
+    for path in lock_files:  # … and every one of them was let go
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+
+
+def test_base_port_held_by_another_reservation(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    port = free_port()
+    spec = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
+    with reserve_ports(spec, lock_dir=locks) as first:
+        assert first.ports == {"worker-0": port}
+        with pytest.raises(LaunchError, match="base_port"):
+            reserve_ports(spec, lock_dir=locks)
+
+
+def test_release_lets_the_same_port_be_reserved_again(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    free = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
+    first = reserve_ports(free, lock_dir=locks)
+    port = first.ports["worker-0"]
+    fixed = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
+    with pytest.raises(LaunchError):
+        reserve_ports(fixed, lock_dir=locks)  # still held
+    first.release()
+    first.release()  # idempotent
+    with reserve_ports(fixed, lock_dir=locks) as again:
+        assert again.ports == {"worker-0": port}
+    with reserve_ports(fixed, lock_dir=locks) as third:  # the context manager released it too
+        assert third.ports == {"worker-0": port}
+
+
+def test_lock_dir_is_created_shared(tmp_path: Path) -> None:
+    locks = tmp_path / "a" / "locks"
+    locks.parent.mkdir()
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
+    with reserve_ports(spec, lock_dir=locks):
+        assert locks.is_dir()
+        assert locks.stat().st_mode & 0o7777 == 0o1777
+
+
+def test_ssh_backend_ports_are_per_host_and_unlocked(tmp_path: Path) -> None:
+    hosts = """
+        - address: 10.0.0.1
+          tasks: {worker: 2}
+          base_port: 31000
+        - address: 10.0.0.2
+          tasks: {worker: 1, chief: 1}
+    """
+    spec = spec_of(tmp_path, hosts, backend="ssh")
+    locks = tmp_path / "locks"
+    with reserve_ports(spec, lock_dir=locks) as r:
+        # worker-0/1 on host 0 from its base_port; host 1 (chief-0, worker-2) from the default base
+        assert r.ports == {"worker-0": 31000, "worker-1": 31001, "chief-0": 23456, "worker-2": 23457}
+    assert not locks.exists()  # nothing to lock on this machine for remote hosts

@@ -1,0 +1,299 @@
+"""The supervisor stepped one iteration at a time, with a fake launcher and a fake clock."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.errors import LaunchError
+from orchestrator.health.store import HealthStore
+from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
+from orchestrator.plan import RunContext, TaskPlan, make_plan
+from orchestrator.spec.load import parse_spec
+from orchestrator.supervise.policy import FailureKind
+from orchestrator.supervise.states import ClusterState, TaskState
+from orchestrator.supervise.supervisor import Supervisor, SupervisorConfig
+from worker.wire import Heartbeat, TaskError
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+class FakeHandle(TaskHandle):
+    def __init__(self, task: TaskPlan, attempt: int, pid: int):
+        super().__init__(task, attempt, Path("/dev/null"))
+        self.code: int | None = None
+        self._proc = ProcessInfo(pid, pid, 0.0)
+
+    @property
+    def process(self) -> ProcessInfo:
+        return self._proc
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class FakeLauncher(Launcher):
+    def __init__(self, fail_start: set[str] | None = None) -> None:
+        self.handles: dict[str, FakeHandle] = {}
+        self.started: list[tuple[str, int]] = []
+        self.stopped: list[list[str]] = []
+        self.fail_start = fail_start or set()
+        self._pid = 100
+
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        if task.name in self.fail_start:
+            raise LaunchError(f"cannot start {task.name}")
+        self._pid += 1
+        h = FakeHandle(task, attempt, self._pid)
+        self.handles[task.name] = h
+        self.started.append((task.name, attempt))
+        return h
+
+    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
+        self.stopped.append([h.task.name for h in handles])
+        for h in handles:
+            assert isinstance(h, FakeHandle)
+            if h.code is None:
+                h.code = -15
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def event(self, **fields: Any) -> None:
+        self.events.append(fields)
+
+    def log_path(self, log_name: str) -> Path:
+        return Path("/dev/null")
+
+
+SPEC = """
+name: t
+hosts:
+  - address: 127.0.0.1
+    tasks: {{worker: {workers}}}
+job:
+  script: job.py
+"""
+
+
+def make(tmp_path: Path, workers: int = 2, launcher: FakeLauncher | None = None, **cfg: Any):
+    (tmp_path / "job.py").write_text("")
+    spec = parse_spec(SPEC.format(workers=workers), file="s.yaml", base_dir=tmp_path)
+    ports = {f"worker-{i}": 20000 + i for i in range(workers)}
+    plan = make_plan(spec, ports=ports, run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"))
+    clock = FakeClock()
+    store = HealthStore(clock)
+    launcher = launcher or FakeLauncher()
+    config = SupervisorConfig(
+        **{
+            "heartbeat_timeout_s": 10,
+            "stall_timeout_s": 30,
+            "startup_timeout_s": 60,
+            "max_restarts": 2,
+            "backoff_s": 1,
+            "poll_interval_s": 0,
+            **cfg,
+        }
+    )
+    sink = Sink()
+    sup = Supervisor(plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None)
+    return sup, launcher, store, clock, sink
+
+
+def beat(store: HealthStore, task: str, attempt: int = 0, **kw: Any) -> None:
+    assert store.ingest(Heartbeat(task=task, attempt=attempt, seq=1, sent_at=0.0, pid=1, **kw)) == 200
+
+
+def start_running(sup, launcher, store, clock, attempt: int = 0) -> None:
+    assert sup.step() == (sup.state, ClusterState.LAUNCHING) or sup.state is ClusterState.LAUNCHING
+    for name in sup.tasks:
+        beat(store, name, attempt, ready=True)
+    clock.advance(0.1)
+    assert sup.step()[1] is ClusterState.RUNNING
+
+
+def test_success_path(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path)
+    assert sup.step() == (ClusterState.PENDING, ClusterState.LAUNCHING)
+    assert all(r.state is TaskState.STARTING for r in sup.tasks.values())
+    beat(store, "worker-0", ready=True)
+    assert sup.step() == (ClusterState.LAUNCHING, ClusterState.LAUNCHING)  # worker-1 not up yet
+    beat(store, "worker-1", ready=True)
+    assert sup.step() == (ClusterState.LAUNCHING, ClusterState.RUNNING)
+    launcher.handles["worker-0"].code = 0
+    assert sup.step() == (ClusterState.RUNNING, ClusterState.RUNNING)
+    launcher.handles["worker-1"].code = 0
+    assert sup.step() == (ClusterState.RUNNING, ClusterState.STOPPING)
+    assert sup.step() == (ClusterState.STOPPING, ClusterState.SUCCEEDED)
+    assert launcher.stopped  # teardown always runs: helpers the tasks left behind go too
+    assert sup.status()["state"] == "SUCCEEDED"
+    assert [e["new"] for e in sink.events if e["kind"] == "run"] == [
+        "LAUNCHING",
+        "RUNNING",
+        "STOPPING",
+        "SUCCEEDED",
+    ]
+
+
+def test_exception_is_root_cause_and_not_restarted(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    beat(store, "worker-1", error=TaskError("ValueError", "boom", "Traceback…\nValueError: boom"))
+    launcher.handles["worker-1"].code = 1
+    # the peer dies of the consequence in the same instant: it must not be named the cause
+    beat(
+        store,
+        "worker-0",
+        error=TaskError("tensorflow.python.framework.errors_impl.UnavailableError", "peer", ""),
+    )
+    launcher.handles["worker-0"].code = 1
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    sup.step()
+    assert sup.state is ClusterState.FAILED
+    assert sup.root_cause.task == "worker-1" and sup.root_cause.kind is FailureKind.EXCEPTION
+    assert "not restarted" in sup.reason
+    assert sup.restarts == 0
+
+
+def test_kill_restarts_whole_job_with_new_attempt(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-0"].code = -9
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    sup.step()
+    assert sup.state is ClusterState.RESTARTING
+    assert launcher.stopped[-1] == ["worker-0", "worker-1"]  # never restart one MWMS task alone
+    sup.step()
+    assert sup.state is ClusterState.RESTARTING  # backoff not yet elapsed
+    clock.advance(1.01)
+    sup.step()
+    assert sup.state is ClusterState.LAUNCHING and sup.attempt == 1
+    assert ("worker-0", 1) in launcher.started and ("worker-1", 1) in launcher.started
+    assert store.ingest(Heartbeat(task="worker-0", attempt=0, seq=9, sent_at=0, pid=1)) == 410  # stale
+    start_running(sup, launcher, store, clock, attempt=1)
+    assert sup.restarts == 1
+
+
+def test_restart_budget_exhausted(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=1)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-1"].code = -9
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.RESTARTING
+    clock.advance(5)
+    start_running(sup, launcher, store, clock, attempt=1)
+    launcher.handles["worker-1"].code = -9
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.FAILED
+    assert "restart budget exhausted" in sup.reason and "max_restarts = 1" in sup.reason
+
+
+def test_heartbeat_timeout_marks_lost(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    start_running(sup, launcher, store, clock)
+    clock.advance(9)
+    beat(store, "worker-0", ready=True)
+    sup.step()
+    assert sup.state is ClusterState.RUNNING
+    clock.advance(1.5)  # worker-1 silent for 10.6 s > 10 s
+    sup.step()
+    assert sup.tasks["worker-1"].state is TaskState.LOST
+    assert sup.root_cause.kind is FailureKind.LOST and sup.root_cause.task == "worker-1"
+    sup.step()
+    assert sup.state is ClusterState.FAILED
+
+
+def test_stall_detected_while_heartbeats_continue(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    start_running(sup, launcher, store, clock)
+    for _ in range(4):
+        beat(store, "worker-0", step=5)
+        beat(store, "worker-1", step=5)
+        clock.advance(8)
+        sup.step()
+    assert sup.state is ClusterState.STOPPING
+    assert sup.root_cause.kind is FailureKind.STALLED and "step 5" in sup.root_cause.detail
+
+
+def test_startup_deadline_names_the_task_that_never_connected(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    sup.step()
+    for _ in range(7):
+        beat(store, "worker-0", connecting=True)  # waits for its peer inside the strategy
+        beat(store, "worker-1")  # alive, never created its strategy
+        clock.advance(9)
+        sup.step()
+    assert sup.state is ClusterState.STOPPING
+    cause = sup.root_cause
+    assert cause.kind is FailureKind.STARTUP_TIMEOUT and cause.task == "worker-1"
+    assert "worker-0 waited for it" in cause.detail
+
+
+def test_launch_error_stops_started_tasks(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, launcher=FakeLauncher(fail_start={"worker-1"}))
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    sup.step()
+    assert sup.state is ClusterState.FAILED
+    assert launcher.stopped == [["worker-0"]]
+    assert sup.root_cause.kind is FailureKind.LAUNCH
+
+
+def test_interrupt_then_clean_stop(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    sup.request_stop("interrupted by SIGINT")
+    assert not sup.hurry.is_set()
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    sup.request_stop("again")
+    assert sup.hurry.is_set()  # a second Ctrl-C cuts the grace period short
+    sup.step()
+    assert sup.state is ClusterState.INTERRUPTED
+    assert all(r.state is TaskState.STOPPED for r in sup.tasks.values())
+
+
+@pytest.mark.parametrize("code", [1, -9])
+def test_run_loop_terminates(tmp_path, code):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    launcher_handles = launcher.handles
+
+    def sleep(_s: float) -> None:
+        clock.advance(0.5)
+        if "worker-0" in launcher_handles:
+            launcher_handles["worker-0"].code = code
+
+    sup._sleep = sleep
+    result = sup.run()
+    assert result.state is ClusterState.FAILED and result.root_cause.task == "worker-0"
+
+
+def test_task_waiting_inside_its_strategy_is_not_lost_before_startup_deadline(tmp_path):
+    # MWMS's constructor holds the GIL while waiting for peers: no heartbeats, but not lost.
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    sup.step()
+    beat(store, "worker-0", connecting=True)
+    beat(store, "worker-1", connecting=True)
+    clock.advance(30)  # > heartbeat_timeout_s, < startup_timeout_s
+    sup.step()
+    assert sup.state is ClusterState.LAUNCHING
+    assert all(r.state is TaskState.STARTING for r in sup.tasks.values())
+    clock.advance(31)
+    sup.step()
+    assert sup.state is ClusterState.STOPPING and sup.root_cause.kind is FailureKind.STARTUP_TIMEOUT
