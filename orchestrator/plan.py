@@ -137,6 +137,9 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
             # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
             wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
+            # TensorFlow's own peer watch follows the same knobs, so the survivors fail fast too.
+            wire.ENV_TF_HEARTBEAT_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
+            wire.ENV_TF_REGISTER_TIMEOUT_S: repr(spec.health.startup_timeout_s),
             "PYTHONUNBUFFERED": "1",
         }
         if slot.name in gpus:
@@ -150,7 +153,7 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
                 host=host_address(spec, host),
                 address=addresses[slot.name],
                 port=ports[slot.name],
-                argv=_argv(spec, python=run.python if local else host.python),
+                argv=_argv(spec, python=run.python if local else host.python, run_dir=run.run_dir),
                 env=env,
                 cwd=str(run.spec_dir) if local else (host.workdir or "."),
                 in_cluster=slot.role in _CLUSTER_ROLES,
@@ -159,13 +162,14 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
     return LaunchPlan(spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks))
 
 
-def _argv(spec: ClusterSpec, *, python: str) -> tuple[str, ...]:
+def _argv(spec: ClusterSpec, *, python: str, run_dir: Path) -> tuple[str, ...]:
     job = spec.job
     if job.script is not None:
         return (python, "-m", "worker", "run", "--script", str(job.script), "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    argv = [python, "-m", "worker", "loop", "--module", str(job.loop)]
+    checkpoint_dir = train.checkpoint_dir or run_dir / "checkpoints"
+    argv = [python, "-m", "worker", "loop", "--module", str(job.loop), "--strategy", spec.strategy.value]
     argv += ["--steps", str(train.steps)] if train.steps else ["--epochs", str(train.epochs)]
     argv += [
         "--global-batch-size",
@@ -173,8 +177,7 @@ def _argv(spec: ClusterSpec, *, python: str) -> tuple[str, ...]:
         "--checkpoint-every",
         str(train.checkpoint_every),
     ]
-    if train.checkpoint_dir is not None:
-        argv += ["--checkpoint-dir", str(train.checkpoint_dir)]
+    argv += ["--checkpoint-dir", str(checkpoint_dir)]
     return (*argv, "--", *job.args)
 
 

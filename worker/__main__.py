@@ -15,12 +15,28 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a TF program (mode 1) with heartbeats and progress reporting")
     run.add_argument("--script", required=True)
     run.add_argument("args", nargs=argparse.REMAINDER)
+    loop = sub.add_parser("loop", help="run the built-in training loop (mode 2) on a user module")
+    loop.add_argument("--module", required=True)
+    loop.add_argument("--strategy", default="multi_worker_mirrored")
+    length = loop.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int)
+    length.add_argument("--epochs", type=int)
+    loop.add_argument("--global-batch-size", type=int, required=True)
+    loop.add_argument("--checkpoint-every", type=int, required=True)
+    loop.add_argument("--checkpoint-dir", required=True)
+    loop.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     # Our own logger only: the user's program configures the root logger as it likes.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[orchestrate] %(levelname)s: %(message)s"))
     logging.getLogger("worker").addHandler(handler)
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    if ns.command == "loop":
+        from worker import loop as builtin_loop
+
+        config = builtin_loop.config_from_args(ns)
+        sys.argv = [str(config.module), *args]  # the module may read its own arguments
+        return runtime.run_reported(lambda: builtin_loop.run(config))
     return runtime.run_script(ns.script, args)
 
 

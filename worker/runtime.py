@@ -12,9 +12,10 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
-from worker import strategy_hook, wire
+from worker import strategy_hook, tf_tuning, wire
 from worker.reporter import Reporter, ReporterConfig
 
 _reporter: Reporter | None = None
@@ -28,15 +29,31 @@ def reporter() -> Reporter:
     return _reporter
 
 
-def run_script(script: str, args: list[str]) -> int:
+def start_reporting() -> Reporter:
+    """Start heartbeats and watch for the distribution strategy coming up."""
     rep = reporter()
-    strategy_hook.install(rep.mark_connecting, lambda _strategy: rep.mark_ready())
+
+    def connecting(extended: object) -> None:
+        tf_tuning.configure_coordination(extended)
+        rep.mark_connecting()
+
+    strategy_hook.install(connecting, lambda _strategy: rep.mark_ready())
     rep.start()
+    return rep
+
+
+def run_script(script: str, args: list[str]) -> int:
     path = Path(script).resolve()
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
+    return run_reported(lambda: runpy.run_path(str(path), run_name="__main__"))
+
+
+def run_reported(main: Callable[[], object]) -> int:
+    """Run `main` with heartbeats; report how it ended (done, or the exception) and return the exit code."""
+    rep = start_reporting()
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        main()
     except SystemExit as exc:
         code = _exit_code(exc.code)
         rep.finish(None if code == 0 else wire.TaskError("SystemExit", f"exit code {code}", ""))

@@ -24,9 +24,9 @@ _DEFAULT_STRATEGY = "_DefaultDistributionStrategy"
 _DEFAULT_EXTENDED = "_DefaultDistributionExtended"
 
 
-def install(on_connecting: Callable[[], None], on_strategy_up: Callable[[Any], None]) -> None:
-    """Call `on_connecting()` when a strategy starts construction (it may wait there for peers), and
-    `on_strategy_up(strategy)` after every non-default strategy is constructed."""
+def install(on_connecting: Callable[[Any], None], on_strategy_up: Callable[[Any], None]) -> None:
+    """Call `on_connecting(extended)` when a strategy starts construction (it may wait there for its
+    peers), and `on_strategy_up(strategy)` after every non-default strategy is constructed."""
 
     def patch(module: ModuleType) -> None:
         base = getattr(module, "StrategyBase", None)
@@ -40,7 +40,7 @@ def install(on_connecting: Callable[[], None], on_strategy_up: Callable[[Any], N
         # calls StrategyBase.__init__: the first marks "connecting", the second "up".
         def extended_init_hooked(self: Any, *args: Any, **kwargs: Any) -> None:
             if type(self).__name__ != _DEFAULT_EXTENDED:
-                on_connecting()
+                on_connecting(self)
             extended_init(self, *args, **kwargs)
 
         def base_init_hooked(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -71,6 +71,7 @@ class LocalLauncher(Launcher):
         groups = [h.process.pgid for h in handles if group_alive(h.process.pgid)]
         for pgid in groups:
             signal_group(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) task gets to handle its SIGTERM
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
             _reap(handles)

@@ -353,6 +353,8 @@ def test_argv_loop_mode(tmp_path: Path) -> None:
         "loop",
         "--module",
         str(tmp_path / "train.py"),
+        "--strategy",
+        "multi_worker_mirrored",
         "--steps",
         "30",
         "--global-batch-size",
@@ -373,9 +375,9 @@ def test_argv_loop_mode_epochs(tmp_path: Path) -> None:
         extra="train:\n  epochs: 3\n",
     )
     argv = plan_of(spec).task("worker-0").argv
-    assert (
-        argv[argv.index("--epochs") + 1] == "3" and "--steps" not in argv and "--checkpoint-dir" not in argv
-    )
+    assert argv[argv.index("--epochs") + 1] == "3" and "--steps" not in argv
+    # without train.checkpoint_dir, checkpoints go into the run directory
+    assert argv[argv.index("--checkpoint-dir") + 1] == str(RUN.run_dir / "checkpoints")
 
 
 # ---------------------------------------------------------------- JSON form (plan.json)

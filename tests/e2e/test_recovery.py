@@ -1,0 +1,205 @@
+"""Recovery end to end: real processes, real signals; the restart policy and every detector."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from tests.conftest import run_processes, wait_until
+
+pytestmark = pytest.mark.e2e
+
+# A job that needs no TensorFlow: the detectors and the policy do not care what the task runs.
+PLAIN = """
+    import os, sys, time
+    import worker
+    task, attempt = os.environ["ORCHESTRATE_TASK"], int(os.environ["ORCHESTRATE_ATTEMPT"])
+    {body}
+"""
+
+
+def plain(body: str) -> str:
+    return PLAIN.format(body=body.strip())
+
+
+def status(job) -> dict:
+    try:
+        return json.loads((job.run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def events(job) -> list[dict]:
+    return [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_stalled_task_is_detected_and_the_job_restarted(job_factory):
+    job = job_factory(
+        plain(
+            """
+    for i in range(1, 41):
+        worker.report(step=i)
+        if task == "worker-1" and attempt == 0 and i == 10:
+            while True:          # alive, heartbeats flowing, no progress
+                time.sleep(0.1)
+        time.sleep(0.05)
+    """
+        ),
+        "health: {stall_timeout_s: 3}\nrestart: {max_restarts: 2, backoff_s: 0.5}\n",
+    )
+    out = job.up(timeout_s=120)
+    assert out.returncode == 0, out.stdout
+    st = status(job)
+    assert st["state"] == "SUCCEEDED" and st["restarts"] == 1
+    reasons = [e["reason"] for e in events(job) if e.get("new") == "STOPPING"]
+    assert any("worker-1 stalled at step 10" in r for r in reasons), reasons
+    assert run_processes(job.run_id) == []
+
+
+def test_restart_budget_exhausted_fails_and_says_so(job_factory):
+    job = job_factory(
+        plain(
+            """
+    time.sleep(0.5)
+    if task == "worker-0":
+        os.kill(os.getpid(), 9)
+    time.sleep(30)
+    """
+        ),
+        "restart: {max_restarts: 2, backoff_s: 0.2}\n",
+    )
+    out = job.up(timeout_s=120)
+    assert out.returncode == 1, out.stdout
+    assert "restart budget exhausted (2 of restart.max_restarts = 2 used)" in out.stdout
+    assert "worker-0 was killed by SIGKILL" in out.stdout
+    st = status(job)
+    assert st["state"] == "FAILED" and st["restarts"] == 2 and st["attempt"] == 2
+    log = (job.run_dir / "logs" / "worker-1.log").read_text()
+    assert all(f"attempt {a} started" in log for a in range(3))
+    assert run_processes(job.run_id) == []
+
+
+def test_sigstop_is_detected_by_heartbeat_timeout_then_restarted(job_factory):
+    job = job_factory(
+        plain(
+            """
+    for i in range(1, 61):
+        worker.report(step=i)
+        time.sleep(0.05)
+    """
+        ),
+        "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\nrestart: {max_restarts: 1, backoff_s: 0}\n",
+    )
+    proc = job.start()
+    try:
+        assert wait_until(lambda: ((status(job).get("tasks") or [{}])[-1].get("last_step") or 0) >= 5, 30)
+        victim = status(job)["tasks"][1]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert wait_until(lambda: status(job).get("state") in ("STOPPING", "RESTARTING", "LAUNCHING"), 10)
+        detected_s = time.monotonic() - stopped_at
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert detected_s <= 3 + 1.5, detected_s  # heartbeat_timeout_s (+ one poll and a heartbeat interval)
+    lost = [e for e in events(job) if e.get("new") == "LOST"]
+    assert lost and lost[0]["task"] == "worker-1"
+    assert status(job)["restarts"] == 1
+    assert run_processes(job.run_id) == []
+
+
+LOOP_MODULE = """
+    import os
+    import numpy as np
+    import tensorflow as tf
+
+    def build_model():
+        {build_extra}
+        return tf.keras.Sequential([tf.keras.layers.Input(shape=(8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                    tf.keras.layers.Dense(4)])
+
+    def make_dataset(ctx, global_batch_size):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(512, 8)).astype("float32")
+        y = (x[:, :4].argmax(1)).astype("int64")
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(ctx.get_per_replica_batch_size(global_batch_size), drop_remainder=True)
+"""
+
+LOOP_SPEC = """
+train: {{steps: {steps}, global_batch_size: 32, checkpoint_every: {every}}}
+health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 4}}
+restart: {{max_restarts: 3, backoff_s: 0.5}}
+"""
+
+
+def loop_job(job_factory, steps=300, every=20, build_extra="pass"):
+    job = job_factory("", LOOP_SPEC.format(steps=steps, every=every))
+    (job.root / "train.py").write_text(
+        __import__("textwrap").dedent(LOOP_MODULE.format(build_extra=build_extra))
+    )
+    job.spec.write_text(job.spec.read_text().replace("script: job.py", "loop: train.py"))
+    return job
+
+
+def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(job_factory):
+    job = loop_job(job_factory, steps=300, every=20)
+    kill_at = random.Random().randrange(40, 160)
+    proc = job.start()
+    try:
+
+        def progressed() -> bool:
+            tasks = status(job).get("tasks") or []
+            return bool(tasks) and (tasks[1].get("last_step") or 0) >= kill_at
+
+        assert wait_until(progressed, 90)
+        st = status(job)
+        killed_at_step = st["tasks"][1]["last_step"]
+        os.kill(st["tasks"][1]["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    st = status(job)
+    assert st["state"] == "SUCCEEDED" and st["restarts"] >= 1
+    assert [t["last_step"] for t in st["tasks"]] == [300, 300]  # the final step count is exact
+    log = (job.run_dir / "logs" / "worker-0.log").read_text()
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert resumed, "attempt 1 did not resume from a checkpoint"
+    resumed_step = int(resumed[0].rsplit("at step ", 1)[1])
+    assert 0 < resumed_step <= killed_at_step + 20 and resumed_step % 20 == 0
+    assert killed_at_step - resumed_step < 20 + 20  # lost at most a checkpoint interval (+ report lag)
+    assert (job.run_dir / "model" / "model.keras").exists()
+    assert run_processes(job.run_id) == []
+
+
+def test_exception_in_build_model_fails_fast_without_restarts(job_factory):
+    job = loop_job(job_factory, build_extra='raise RuntimeError("no GPU memory for layer 3")')
+    t0 = time.monotonic()
+    out = job.up(timeout_s=120)
+    assert out.returncode == 1, out.stdout
+    assert "raised RuntimeError: no GPU memory for layer 3" in out.stdout
+    assert "not restarted" in out.stdout and "attempts 1, restarts 0" in out.stdout
+    assert time.monotonic() - t0 < 45
+    assert run_processes(job.run_id) == []
+
+
+def test_unwritable_checkpoint_directory_is_a_clear_error(job_factory):
+    job = loop_job(job_factory)
+    (job.root / "not-a-dir").write_text("a file where the checkpoints should go")
+    job.spec.write_text(
+        job.spec.read_text().replace(
+            "checkpoint_every: 20}", "checkpoint_every: 20, checkpoint_dir: not-a-dir/ckpt}"
+        )
+    )
+    out = job.up(timeout_s=120)
+    assert out.returncode == 1, out.stdout
+    assert "checkpoint directory" in out.stdout and "is not writable" in out.stdout
+    assert "train.checkpoint_dir" in out.stdout
+    assert "restarts 0" in out.stdout
