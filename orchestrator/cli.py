@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import OrchestrateError
+from orchestrator.errors import OrchestrateError, UsageError
 
 if TYPE_CHECKING:
     from orchestrator.coordinator import UpResult
@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("spec", type=Path)
     up.add_argument("--backend", choices=["local", "ssh"], help="override the spec's backend")
     up.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>/)")
+    up.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue an earlier run in its directory, from its checkpoints",
+    )
     up.add_argument(
         "--detach", action="store_true", help="run in the background; inspect with status/logs/down"
     )
@@ -146,9 +152,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from orchestrator.record import new_run_dir
 
     spec = _load(args)
+    if args.resume and args.run_dir and args.resume != args.run_dir:
+        raise UsageError("give either --resume RUN_DIR or --run-dir DIR, not both")
     if args.detach:
-        run_dir = args.run_dir or new_run_dir(spec.name)
-        argv = ["up", str(args.spec), "--run-dir", str(run_dir), "--plain"]
+        run_dir = args.resume or args.run_dir or new_run_dir(spec.name)
+        argv = ["up", str(args.spec), "--plain"]
+        argv += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
         if args.backend:
             argv += ["--backend", args.backend]
         pid = coordinator.detach(argv, run_dir)
@@ -157,7 +166,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  follow it:     orchestrate status {run_dir}   |   orchestrate logs {run_dir} -f")
         print(f"  stop it:       orchestrate down {run_dir}")
         return EXIT_OK
-    outcome = coordinator.up(spec, args.spec, run_dir=args.run_dir, live=False if args.plain else None)
+    outcome = coordinator.up(
+        spec,
+        args.spec,
+        run_dir=args.resume or args.run_dir,
+        resume=args.resume is not None,
+        live=False if args.plain else None,
+    )
     return _summarize(outcome)
 
 

@@ -7,6 +7,7 @@ before this returns.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import signal
@@ -19,7 +20,8 @@ from types import FrameType
 
 import psutil
 
-from orchestrator.errors import LaunchError
+from orchestrator import rundir
+from orchestrator.errors import LaunchError, UsageError
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Launcher
@@ -55,13 +57,20 @@ def up(
     spec_path: Path,
     *,
     run_dir: Path | None = None,
+    resume: bool = False,
     live: bool | None = None,
     config_overrides: dict[str, float] | None = None,
 ) -> UpResult:
     launcher = make_launcher(spec)
+    first_attempt, restarts = 0, 0
+    if resume:
+        assert run_dir is not None
+        first_attempt, restarts = _resume_point(run_dir, spec)
     run_dir = run_dir or new_run_dir(spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = RunRecord(run_dir)
+    if resume:
+        record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
     record.write_spec(spec_path.read_text(encoding="utf-8"))
     token = secrets.token_urlsafe(32)
     store = HealthStore(time.monotonic, on_points=record.metrics)
@@ -114,6 +123,8 @@ def up(
             token,
             SupervisorConfig.from_spec(spec, **(config_overrides or {})),
             on_change=on_change,
+            first_attempt=first_attempt,
+            restarts=restarts,
         )
         with _stop_on_signals(supervisor):
             result = supervisor.run()
@@ -131,6 +142,26 @@ def up(
             reservation.release()
         launcher.close()
         record.close()
+
+
+def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int]:
+    """The attempt number and restart count a resumed run continues with."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"--resume {run_dir}: not a run directory with a readable status.json ({exc})"
+        ) from None
+    if status.get("name") != spec.name:
+        raise UsageError(
+            f"--resume {run_dir}: that run is {status.get('name')!r}, this spec is {spec.name!r}; "
+            "resume a run with the spec that started it"
+        )
+    if status.get("state") not in ("SUCCEEDED", "FAILED", "INTERRUPTED") and rundir.coordinator_alive(
+        run_dir
+    ):
+        raise UsageError(f"--resume {run_dir}: that run is still going (state {status.get('state')})")
+    return int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))
 
 
 class _stop_on_signals:

@@ -6,9 +6,12 @@ and optionally `make_loss()` (per-example loss `(labels, predictions) -> [batch]
 `make_optimizer()`. The loop distributes the dataset with `distribute_datasets_from_function`,
 scales the loss with `tf.nn.compute_average_loss(..., global_batch_size=...)`, runs `strategy.run`
 inside a `tf.function`, reduces the loss with `strategy.reduce`, checkpoints every
-`checkpoint_every` steps (every worker saves: the chief into the real directory, the others into
-temporary ones, or the save deadlocks), and resumes from the latest checkpoint, at the exact step
-and position in the epoch it was taken.
+`checkpoint_every` steps and at the end (every worker saves: the chief into the real directory,
+the others into temporary ones, or the save deadlocks), and resumes from the latest checkpoint at
+the exact step and position in the epoch where it was taken.
+
+SIGTERM (the coordinator's stop, or a preemption) goes through TF's PreemptionCheckpointHandler:
+all workers agree on a step, save there, and exit with code 42.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 from worker import wire
 from worker.runtime import reporter
 
+PREEMPTED_EXIT_CODE = 42  # TF's convention after a preemption save; the coordinator restarts on it
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -37,6 +42,9 @@ class LoopConfig:
     checkpoint_every: int
     checkpoint_dir: Path
     run_dir: Path | None
+
+    def finished(self, step: int, epoch: int) -> bool:
+        return step >= self.steps if self.steps is not None else epoch >= (self.epochs or 0)
 
 
 class LoopError(Exception):
@@ -56,102 +64,153 @@ def load_module(path: Path) -> ModuleType:
 
 
 def run(config: LoopConfig) -> None:
-    user = load_module(config.module)
-    import tensorflow as tf  # after the module loaded: its own env tweaks come first
+    _Trainer(config, load_module(config.module)).train()
 
-    strategy = _make_strategy(tf, config.strategy)
-    resolver = strategy.cluster_resolver
-    task_type = getattr(resolver, "task_type", None)
-    task_id = getattr(resolver, "task_id", 0) or 0
-    is_chief = _is_chief(task_type, task_id, resolver)
-    write_dir = _write_dir(config.checkpoint_dir, is_chief, task_type, task_id)
 
-    with strategy.scope():
-        model = user.build_model()
-        optimizer = user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-        step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
-    per_example_loss = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+class _Trainer:
+    def __init__(self, config: LoopConfig, user: ModuleType):
+        import tensorflow as tf  # after the user's module loaded: its own env tweaks come first
 
-    checkpoint = tf.train.Checkpoint(
-        model=model, optimizer=optimizer, step=step, epoch=epoch, step_in_epoch=step_in_epoch
-    )
-    manager = tf.train.CheckpointManager(checkpoint, str(write_dir), max_to_keep=3)
-    latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
-    if latest:
-        checkpoint.restore(latest)
-        print(f"[orchestrate] resumed from {latest} at step {int(step.numpy())}", flush=True)
+        self.tf = tf
+        self.config = config
+        self.strategy = _make_strategy(tf, config.strategy)
+        resolver = self.strategy.cluster_resolver
+        task_type = getattr(resolver, "task_type", None)
+        task_id = getattr(resolver, "task_id", 0) or 0
+        self.is_chief = _is_chief(task_type, task_id, resolver)
+        self.write_dir = _write_dir(config.checkpoint_dir, self.is_chief, task_type, task_id)
+        with self.strategy.scope():
+            self.model = user.build_model()
+            self.optimizer = (
+                user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
+            )
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+            self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
+        self.per_example_loss = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+        checkpoint = tf.train.Checkpoint(
+            model=self.model,
+            optimizer=self.optimizer,
+            step=self.step,
+            epoch=self.epoch,
+            step_in_epoch=self.step_in_epoch,
+        )
+        self.manager = tf.train.CheckpointManager(checkpoint, str(self.write_dir), max_to_keep=3)
+        latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
+        if latest:
+            checkpoint.restore(latest)
+            print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
+        self.preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
+            resolver,
+            self.manager,
+            termination_config=tf.distribute.experimental.TerminationConfig(
+                exit_fn=lambda: _exit_preempted(self.write_dir, self.is_chief),
+                # numbered by our step (the manager's own counter would name it ckpt-<saves>)
+                save_fn=lambda: self.manager.save(checkpoint_number=int(self.step.numpy())),
+            ),
+        )
+        gbs = config.global_batch_size
+        self.dataset = self.strategy.distribute_datasets_from_function(
+            lambda ctx: user.make_dataset(ctx, gbs)
+        )
+        self.train_step = tf.function(self._train_step)
+        self.writer = (
+            tf.summary.create_file_writer(str(config.run_dir / "tensorboard"))
+            if self.is_chief and config.run_dir is not None
+            else None
+        )
 
-    gbs = config.global_batch_size
-    dataset = strategy.distribute_datasets_from_function(lambda ctx: user.make_dataset(ctx, gbs))
+    def _train_step(self, batch: Any) -> Any:
+        tf, gbs = self.tf, self.config.global_batch_size
 
-    @tf.function
-    def train_step(batch: Any) -> Any:
         def replica_step(features: Any, labels: Any) -> Any:
             with tf.GradientTape() as tape:
-                predictions = model(features, training=True)
-                loss = tf.nn.compute_average_loss(per_example_loss(labels, predictions), global_batch_size=gbs)
-                if model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                predictions = self.model(features, training=True)
+                per_example = self.per_example_loss(labels, predictions)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gbs)
+                if self.model.losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
             return loss
 
-        per_replica = strategy.run(replica_step, args=batch)
+        per_replica = self.strategy.run(replica_step, args=batch)
         # each replica's loss is already divided by the global batch: their sum is the batch mean
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-    rep = reporter()
-    rep.set_total_steps(config.steps)
-    writer = tf.summary.create_file_writer(str(config.run_dir / "tensorboard")) if is_chief and config.run_dir else None
-    last_time, last_step = time.monotonic(), int(step.numpy())
-    try:
-        while not _finished(config, int(step.numpy()), int(epoch.numpy())):
-            iterator = iter(dataset)
-            for _ in range(int(step_in_epoch.numpy())):  # resume mid-epoch at the same batch
-                if not iterator.get_next_as_optional().has_value():
-                    break
-            trained_this_epoch = False
-            while not _finished(config, int(step.numpy()), int(epoch.numpy())):
-                batch = iterator.get_next_as_optional()
-                if not batch.has_value():
-                    break
-                loss = float(train_step(batch.get_value()))
-                trained_this_epoch = True
-                step.assign_add(1)
-                step_in_epoch.assign_add(1)
-                now_step = int(step.numpy())
-                rep.report(now_step, loss=loss)
-                if writer is not None and (now_step % 10 == 0 or now_step == config.steps):
-                    now = time.monotonic()
-                    with writer.as_default(step=now_step):
-                        _scalar(tf, "loss", loss)
-                        _scalar(tf, "steps_per_s", (now_step - last_step) / max(now - last_time, 1e-9))
-                    last_time, last_step = now, now_step
-                if now_step % config.checkpoint_every == 0:
-                    manager.save(checkpoint_number=now_step)
-                    if is_chief:
-                        total = f"/{config.steps}" if config.steps else ""
-                        print(f"[orchestrate] step {now_step}{total}: loss {loss:.4f}, checkpoint saved", flush=True)
-            else:
-                continue  # steps reached inside the epoch
-            if not trained_this_epoch and int(step_in_epoch.numpy()) == 0:
-                raise LoopError("make_dataset() returned an empty dataset: nothing to train on")
-            epoch.assign_add(1)
-            step_in_epoch.assign(0)
-        if manager.latest_checkpoint is None or not manager.latest_checkpoint.endswith(f"-{int(step.numpy())}"):
-            manager.save(checkpoint_number=int(step.numpy()))
-    finally:
-        if writer is not None:
-            writer.close()
-        if not is_chief:
-            shutil.rmtree(write_dir, ignore_errors=True)
-    if is_chief and config.run_dir is not None:
-        model_dir = config.run_dir / "model"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        model.save(str(model_dir / "model.keras"))
-        print(f"[orchestrate] saved the trained model to {model_dir / 'model.keras'}", flush=True)
+    def _one_step(self, batch: Any) -> float:
+        loss = float(self.train_step(batch))
+        # counted before PreemptionCheckpointHandler may save after this call returns
+        self.step.assign_add(1)
+        self.step_in_epoch.assign_add(1)
+        return loss
+
+    def train(self) -> None:
+        rep = reporter()
+        rep.set_total_steps(self.config.steps)
+        self._rate_mark = (time.monotonic(), int(self.step.numpy()))
+        try:
+            while not self.config.finished(int(self.step.numpy()), int(self.epoch.numpy())):
+                if self._train_epoch(rep):
+                    self.epoch.assign_add(1)
+                    self.step_in_epoch.assign(0)
+            final = int(self.step.numpy())
+            if self.manager.latest_checkpoint is None or not self.manager.latest_checkpoint.endswith(
+                f"-{final}"
+            ):
+                self.manager.save(checkpoint_number=final)
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            if not self.is_chief:
+                shutil.rmtree(self.write_dir, ignore_errors=True)
+        if self.is_chief and self.config.run_dir is not None:
+            path = self.config.run_dir / "model" / "model.keras"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.model.save(str(path))
+            print(f"[orchestrate] saved the trained model to {path}", flush=True)
+
+    def _train_epoch(self, rep: Any) -> bool:
+        """Train until the epoch's data ends (True) or the run's steps are done (False)."""
+        iterator = iter(self.dataset)
+        skipped = 0
+        for _ in range(int(self.step_in_epoch.numpy())):  # resume mid-epoch at the same batch
+            if not iterator.get_next_as_optional().has_value():
+                break
+            skipped += 1
+        trained = 0
+        while not self.config.finished(int(self.step.numpy()), int(self.epoch.numpy())):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                if trained == 0 and skipped == 0:
+                    raise LoopError("make_dataset() returned an empty dataset: nothing to train on")
+                return True
+            loss = self.preemption.run(self._one_step, batch.get_value())
+            trained += 1
+            self._after_step(rep, int(self.step.numpy()), loss)
+        return False
+
+    def _after_step(self, rep: Any, step: int, loss: float) -> None:
+        rep.report(step, loss=loss)
+        if self.writer is not None and step % 10 == 0:
+            now = time.monotonic()
+            then, then_step = self._rate_mark
+            with self.writer.as_default(step=step):
+                _scalar(self.tf, "loss", loss)
+                _scalar(self.tf, "steps_per_s", (step - then_step) / max(now - then, 1e-9))
+            self._rate_mark = (now, step)
+        if step % self.config.checkpoint_every == 0:
+            self.manager.save(checkpoint_number=step)
+            if self.is_chief:
+                total = f"/{self.config.steps}" if self.config.steps else ""
+                print(f"[orchestrate] step {step}{total}: loss {loss:.4f}, checkpoint saved", flush=True)
+
+
+def _exit_preempted(write_dir: Path, is_chief: bool) -> None:
+    print("[orchestrate] stop requested: checkpoint saved, exiting", flush=True)
+    if not is_chief:
+        shutil.rmtree(write_dir, ignore_errors=True)
+    raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
 def _scalar(tf: Any, name: str, value: float) -> None:
@@ -159,14 +218,10 @@ def _scalar(tf: Any, name: str, value: float) -> None:
     the file format does not): a float tensor tagged for TensorBoard's "scalars" plugin."""
     from tensorflow.core.framework import summary_pb2
 
-    metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-    tf.summary.write(name, tf.constant(value, dtype=tf.float32), metadata=metadata)
-
-
-def _finished(config: LoopConfig, step: int, epoch: int) -> bool:
-    if config.steps is not None:
-        return step >= config.steps
-    return epoch >= (config.epochs or 0)
+    plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    tf.summary.write(
+        name, tf.constant(value, dtype=tf.float32), metadata=summary_pb2.SummaryMetadata(plugin_data=plugin)
+    )
 
 
 def _make_strategy(tf: Any, name: str) -> Any:

@@ -197,7 +197,9 @@ class Reporter:
         try:
             if self._conn is None:
                 timeout = max(1.0, min(5.0, self._config.interval_s * 2))
-                self._conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+                self._conn = http.client.HTTPConnection(
+                    url.hostname or "127.0.0.1", url.port, timeout=timeout
+                )
             self._conn.request(
                 "POST",
                 wire.HEARTBEAT_PATH,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -37,7 +38,14 @@ def start_reporting() -> Reporter:
         tf_tuning.configure_coordination(extended)
         rep.mark_connecting()
 
-    strategy_hook.install(connecting, lambda _strategy: rep.mark_ready())
+    def up(_strategy: object) -> None:
+        rep.mark_ready()
+        # Connecting the cluster installed TF's C++ SIGTERM watcher over ours; put ours back
+        # unless the program has set its own handler meanwhile.
+        if signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    strategy_hook.install(connecting, up)
     rep.start()
     return rep
 
@@ -52,6 +60,9 @@ def run_script(script: str, args: list[str]) -> int:
 def run_reported(main: Callable[[], object]) -> int:
     """Run `main` with heartbeats; report how it ended (done, or the exception) and return the exit code."""
     rep = start_reporting()
+    # TF's own C++ SIGTERM watcher would swallow the coordinator's stop; end the task instead (a
+    # PreemptionCheckpointHandler installed later replaces this with its save-then-exit).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         main()
     except SystemExit as exc:
@@ -66,6 +77,10 @@ def run_reported(main: Callable[[], object]) -> int:
         return 1
     rep.finish()
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def describe(exc: BaseException) -> wire.TaskError:

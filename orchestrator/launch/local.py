@@ -72,18 +72,21 @@ class LocalLauncher(Launcher):
         for pgid in groups:
             signal_group(pgid, signal.SIGTERM)
             signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) task gets to handle its SIGTERM
+
+        def gone() -> bool:
+            # every group empty, and every task's own exit code collected (so it can be reported)
+            return all(h.poll() is not None for h in handles) and not any(group_alive(g) for g in groups)
+
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
-            _reap(handles)
-            if not any(group_alive(g) for g in groups):
+            if gone():
                 return
             time.sleep(0.05)
         for pgid in groups:
             signal_group(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
-            _reap(handles)
-            if not any(group_alive(g) for g in groups):
+            if gone():
                 return
             time.sleep(0.02)
         alive = [g for g in groups if group_alive(g)]
@@ -112,8 +115,3 @@ def signal_group(pgid: int, sig: int) -> None:
     """Signal a whole process group; a group already gone is fine."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-
-
-def _reap(handles: list[TaskHandle]) -> None:
-    for h in handles:
-        h.poll()

@@ -135,6 +135,11 @@ class HealthSpec(_Strict):
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, description="no heartbeat this long -> task LOST")
     stall_timeout_s: float = Field(default=120.0, gt=0, description="step not advancing this long -> stalled")
     startup_timeout_s: float = Field(default=120.0, gt=0, description="all tasks must be up within this")
+    stop_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="on a stop, SIGTERM then this long (a final checkpoint) before SIGKILL",
+    )
 
     @model_validator(mode="after")
     def _timeout_above_interval(self) -> HealthSpec:

@@ -20,6 +20,9 @@ PEER_LOSS_ERRORS = (
 )
 
 
+PREEMPTED_EXIT_CODE = 42
+
+
 class FailureKind(str, enum.Enum):
     LAUNCH = "launch"  # the process could not be started
     EXIT = "exit"  # exited non-zero (or killed by a signal)
@@ -41,6 +44,11 @@ class Failure:
     @property
     def is_peer_loss(self) -> bool:
         return self.error is not None and self.error.type.rsplit(".", 1)[-1] in PEER_LOSS_ERRORS
+
+    @property
+    def is_preemption(self) -> bool:
+        """TF's PreemptionCheckpointHandler saved a checkpoint and exited with 42 (SIGTERM, maintenance)."""
+        return self.kind is FailureKind.EXIT and self.exit_code == PREEMPTED_EXIT_CODE
 
     def describe(self) -> str:
         who = f"{self.task} " if self.task else ""
@@ -83,6 +91,10 @@ def decide(failure: Failure, *, restarts_used: int, max_restarts: int) -> Decisi
     """
     if failure.kind is FailureKind.LAUNCH:
         return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
+    if failure.is_preemption:
+        return Decision(
+            Action.RESTART, f"{failure.describe()}; preempted, restarting (not counted as a restart)"
+        )
     if failure.kind is FailureKind.EXCEPTION and not failure.is_peer_loss:
         return Decision(
             Action.FAIL,

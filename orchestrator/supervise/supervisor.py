@@ -48,7 +48,8 @@ class SupervisorConfig:
     startup_timeout_s: float = 120.0
     max_restarts: int = 3
     backoff_s: float = 2.0
-    stop_grace_s: float = 5.0
+    stop_grace_s: float = 30.0  # a stop asked for: time for the tasks' final checkpoint
+    failure_grace_s: float = 3.0  # a failure: the job's collectives are broken, no checkpoint can be agreed
     poll_interval_s: float = 0.1
 
     @classmethod
@@ -59,6 +60,7 @@ class SupervisorConfig:
             startup_timeout_s=spec.health.startup_timeout_s,
             max_restarts=spec.restart.max_restarts,
             backoff_s=spec.restart.backoff_s,
+            stop_grace_s=spec.health.stop_grace_s,
             **overrides,
         )
 
@@ -111,6 +113,8 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         on_change: Callable[[Supervisor], None] | None = None,
+        first_attempt: int = 0,
+        restarts: int = 0,
     ):
         self.plan = plan
         self.config = config
@@ -123,8 +127,8 @@ class Supervisor:
         self._on_change = on_change
         self.state = ClusterState.PENDING
         self.reason = ""
-        self.attempt = 0
-        self.restarts = 0
+        self.attempt = first_attempt  # > 0 when resuming an earlier run
+        self.restarts = restarts
         self.tasks = {t.name: TaskRecord(t) for t in plan.tasks}
         self.root_cause: Failure | None = None
         self.started_at = now_iso()
@@ -301,10 +305,15 @@ class Supervisor:
         assert self._stop is not None
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
         try:
-            self._launcher.stop(handles, self.config.stop_grace_s, self.hurry)
+            grace_s = self.config.stop_grace_s
+            if self._stop.outcome is ClusterState.FAILED:
+                grace_s = min(grace_s, self.config.failure_grace_s)
+            self._launcher.stop(handles, grace_s, self.hurry)
         except LaunchError as exc:
             self._sink.event(kind="error", reason=str(exc))
+        health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
+            rec.health = health.get(rec.plan.name, rec.health)
             if rec.handle is not None and not rec.state.is_terminal:
                 rec.exit_code = rec.handle.poll()
                 self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
@@ -318,7 +327,8 @@ class Supervisor:
             )
             if decision.action is Action.RESTART:
                 wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)
-                self.restarts += 1
+                if not stop.failure.is_preemption:
+                    self.restarts += 1
                 self._restart_at = self._clock() + wait_s
                 self._move(ClusterState.RESTARTING, f"{decision.reason}, in {wait_s:g} s")
                 return

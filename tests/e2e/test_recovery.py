@@ -93,7 +93,8 @@ def test_sigstop_is_detected_by_heartbeat_timeout_then_restarted(job_factory):
         time.sleep(0.05)
     """
         ),
-        "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\nrestart: {max_restarts: 1, backoff_s: 0}\n",
+        "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\n"
+        "restart: {max_restarts: 1, backoff_s: 0}\n",
     )
     proc = job.start()
     try:
@@ -121,8 +122,9 @@ LOOP_MODULE = """
 
     def build_model():
         {build_extra}
-        return tf.keras.Sequential([tf.keras.layers.Input(shape=(8,)), tf.keras.layers.Dense(16, activation="relu"),
-                                    tf.keras.layers.Dense(4)])
+        layers = tf.keras.layers
+        hidden = layers.Dense(16, activation="relu")
+        return tf.keras.Sequential([layers.Input(shape=(8,)), hidden, layers.Dense(4)])
 
     def make_dataset(ctx, global_batch_size):
         rng = np.random.default_rng(0)
@@ -203,3 +205,58 @@ def test_unwritable_checkpoint_directory_is_a_clear_error(job_factory):
     assert "checkpoint directory" in out.stdout and "is not writable" in out.stdout
     assert "train.checkpoint_dir" in out.stdout
     assert "restarts 0" in out.stdout
+
+
+def test_ctrl_c_saves_a_final_checkpoint_and_resume_continues_from_it(job_factory):
+    job = loop_job(job_factory, steps=100000, every=1000)  # no periodic checkpoint before the stop
+    proc = job.start()
+    try:
+        assert wait_until(lambda: ((status(job).get("tasks") or [{}])[-1].get("last_step") or 0) >= 30, 90)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    st = status(job)
+    assert st["state"] == "INTERRUPTED"
+    assert [t["exit_code"] for t in st["tasks"]] == [42, 42]  # both saved, then exited
+    saved = sorted(p.name for p in (job.run_dir / "checkpoints").glob("ckpt-*.index"))
+    assert len(saved) == 1, saved
+    saved_step = int(saved[0].split("-")[1].split(".")[0])
+    assert saved_step >= 30
+    assert run_processes(job.run_id) == []
+
+    # the same spec, with a reachable end, resumed in the same run directory
+    job.spec.write_text(job.spec.read_text().replace("steps: 100000", f"steps: {saved_step + 40}"))
+    resumed = __import__("subprocess").run(
+        [*job.command()[:-3], "--resume", str(job.run_dir), "--plain"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=job.root,
+    )
+    assert resumed.returncode == 0, resumed.stdout
+    assert (
+        f"resumed from {job.run_dir / 'checkpoints'}/ckpt-{saved_step} at step {saved_step}" in resumed.stdout
+    )
+    st = status(job)
+    assert st["state"] == "SUCCEEDED" and st["attempt"] == 1
+    assert [t["last_step"] for t in st["tasks"]] == [saved_step + 40] * 2
+
+
+def test_sigterm_to_one_worker_is_a_preemption_restart_outside_the_budget(job_factory):
+    job = loop_job(job_factory, steps=400, every=1000)
+    job.spec.write_text(job.spec.read_text().replace("max_restarts: 3", "max_restarts: 0"))
+    proc = job.start()
+    try:
+        assert wait_until(lambda: ((status(job).get("tasks") or [{}])[-1].get("last_step") or 0) >= 30, 90)
+        os.kill(status(job)["tasks"][1]["pid"], signal.SIGTERM)  # e.g. a host's maintenance
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    st = status(job)
+    assert st["state"] == "SUCCEEDED" and st["attempt"] == 1 and st["restarts"] == 0
+    assert [t["last_step"] for t in st["tasks"]] == [400, 400]
+    assert "preempted" in " ".join(e["reason"] for e in events(job))
+    assert "resumed from" in (job.run_dir / "logs" / "worker-1.log").read_text()
