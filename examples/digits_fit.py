@@ -2,6 +2,8 @@
 trained with Keras `model.fit` under MultiWorkerMirroredStrategy, then scored on held-out digits.
 
 Runs as any TF program would: TF_CONFIG (set by orchestrate) tells each worker its cluster.
+Fault tolerant: Keras' BackupAndRestore backs the training state up every 10 steps into the run
+directory, so when orchestrate restarts the job after a failure, it resumes mid-epoch.
 `model.fit` under MWMS needs tf-keras with TF_USE_LEGACY_KERAS=1 (set in cluster_specs/local.yaml):
 Keras 3's fit fails there on TF 2.21.
 """
@@ -56,11 +58,13 @@ with strategy.scope():
 
 steps_per_epoch = len(train) // args.global_batch_size
 chief = os.environ.get("ORCHESTRATE_TASK", "worker-0") in ("worker-0", "chief-0")
+run_dir = Path(os.environ.get("ORCHESTRATE_RUN_DIR", "."))
+backup = tf.keras.callbacks.BackupAndRestore(backup_dir=str(run_dir / "backup"), save_freq=10)
 model.fit(
     train_ds,
     epochs=args.epochs,
     steps_per_epoch=steps_per_epoch,
-    callbacks=[worker.ReportCallback()],
+    callbacks=[backup, worker.ReportCallback()],
     verbose=2 if chief else 0,
 )
 loss, accuracy = model.evaluate(test_ds, verbose=0)

@@ -82,18 +82,29 @@ def up(
     reservation = None
     try:
         reservation = reserve_ports(spec)
-        plan = make_plan(
-            spec,
-            ports=reservation.ports,
-            run=RunContext(
-                run_id=run_dir.name,
-                run_dir=run_dir.resolve(),
-                spec_dir=spec_path.resolve().parent,
-                coordinator_url=server.url,
-                python=sys.executable,
-            ),
+        context = RunContext(
+            run_id=run_dir.name,
+            run_dir=run_dir.resolve(),
+            spec_dir=spec_path.resolve().parent,
+            coordinator_url=server.url,
+            python=sys.executable,
         )
+        plan = make_plan(spec, ports=reservation.ports, run=context)
         record.write_plan(plan.to_json())
+
+        def replan() -> tuple[LaunchPlan, list[str]] | None:
+            assert reservation is not None
+            moved = reservation.renew_busy()
+            if not moved:
+                return None
+            new_plan = make_plan(spec, ports=reservation.ports, run=context)
+            record.write_plan(new_plan.to_json())
+            notes = [
+                f"port {old} of {task} is in use by another program; moved to {new}"
+                for task, (old, new) in moved.items()
+            ]
+            return new_plan, notes
+
         me = psutil.Process()
         record.write_coordinator(
             {
@@ -125,6 +136,7 @@ def up(
             on_change=on_change,
             first_attempt=first_attempt,
             restarts=restarts,
+            replan=replan,
         )
         with _stop_on_signals(supervisor):
             result = supervisor.run()

@@ -27,14 +27,39 @@ _SSH_DEFAULT_BASE = 23456  # remote hosts: free ports are checked there (`orches
 
 
 class PortReservation:
-    def __init__(self, ports: Mapping[str, int], fds: list[int]):
+    def __init__(
+        self,
+        ports: Mapping[str, int],
+        fds: Mapping[str, int],
+        lock_dir: Path = DEFAULT_LOCK_DIR,
+        rng: random.Random | None = None,
+    ):
         self.ports = dict(ports)
-        self._fds = fds
+        self._fds = dict(fds)  # task -> lock of its port (local backend only)
+        self._lock_dir = lock_dir
+        self._rng = rng or random.Random()
+
+    def renew_busy(self) -> dict[str, tuple[int, int]]:
+        """Move every task whose port another program took meanwhile to a new free port.
+
+        Returns {task: (old port, new port)}. Our own tasks are stopped when this is asked (between
+        attempts), so a port that cannot be bound now is taken by someone else.
+        """
+        moved = {}
+        for task, fd in list(self._fds.items()):
+            old = self.ports[task]
+            if port_is_free(old):
+                continue
+            new, new_fd = _claim_free(self._lock_dir, self._rng)
+            os.close(fd)
+            self._fds[task], self.ports[task] = new_fd, new
+            moved[task] = (old, new)
+        return moved
 
     def release(self) -> None:
-        for fd in self._fds:
+        for fd in self._fds.values():
             os.close(fd)
-        self._fds = []
+        self._fds = {}
 
     def __enter__(self) -> PortReservation:
         return self
@@ -54,10 +79,10 @@ def reserve_ports(
             base = host.base_port or _SSH_DEFAULT_BASE
             for i, slot in enumerate(s for s in slots if s.host_index == h):
                 ports[slot.name] = base + i
-        return PortReservation(ports, [])
+        return PortReservation(ports, {})
 
     _make_lock_dir(lock_dir)
-    fds: list[int] = []
+    fds: dict[str, int] = {}
     try:
         for h, host in enumerate(spec.hosts):
             for i, slot in enumerate(s for s in slots if s.host_index == h):
@@ -71,13 +96,13 @@ def reserve_ports(
                         )
                 else:
                     port, fd = _claim_free(lock_dir, rng)
-                fds.append(fd)
+                fds[slot.name] = fd
                 ports[slot.name] = port
     except BaseException:
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)
         raise
-    return PortReservation(ports, fds)
+    return PortReservation(ports, fds, lock_dir, rng)
 
 
 def port_is_free(port: int) -> bool:

@@ -18,21 +18,24 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name-de
 
     def __init__(self) -> None:
         super().__init__()
-        self._step = 0
+        self._step: int | None = None
         self._scale = 1.0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        try:
-            self._step = int(self.model.optimizer.iterations.numpy())
-        except (AttributeError, ValueError, TypeError):
-            self._step = 0
+        self._step = None  # read after the first batch: BackupAndRestore may restore the count first
         self._scale = 1.0 / _summed_replicas(self.model)
         steps, epochs = self.params.get("steps"), self.params.get("epochs")
         if steps and epochs:
             reporter().set_total_steps(int(steps) * int(epochs))
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self._step += 1
+        if self._step is None:
+            try:
+                self._step = int(self.model.optimizer.iterations.numpy())
+            except (AttributeError, ValueError, TypeError):
+                self._step = 1
+        else:
+            self._step += 1
         values = logs or {}
         if self._scale != 1.0:
             values = {k: _scaled(v, self._scale) for k, v in values.items()}

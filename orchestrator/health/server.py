@@ -16,14 +16,22 @@ from worker import wire
 log = logging.getLogger("orchestrator.health")
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A task that dies mid-request (killed, or its host cut off) resets its connection: routine
+        # here, and no reason to print a traceback on the coordinator's console.
+        log.debug("heartbeat connection from %s failed", client_address, exc_info=True)
+
+
 class HeartbeatServer:
     """Serves POST /v1/heartbeat on `host` (an ephemeral port) until `close()`."""
 
     def __init__(self, store: HealthStore, token: str, host: str = "127.0.0.1", port: int = 0):
         self._store = store
         self._token = token.encode()
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = _QuietServer((host, port), self._handler_class())
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.1},
@@ -53,7 +61,10 @@ class HeartbeatServer:
 
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 given = (self.headers.get(wire.TOKEN_HEADER) or "").encode()
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
                 if not hmac.compare_digest(given, server._token):
                     self._answer(401, b"bad or missing token", close=True)
                     return

@@ -115,6 +115,7 @@ class Supervisor:
         on_change: Callable[[Supervisor], None] | None = None,
         first_attempt: int = 0,
         restarts: int = 0,
+        replan: Callable[[], tuple[LaunchPlan, list[str]] | None] | None = None,
     ):
         self.plan = plan
         self.config = config
@@ -136,6 +137,7 @@ class Supervisor:
         self._stop: _Stop | None = None
         self._restart_at = 0.0
         self._interrupt: str | None = None
+        self._replan = replan  # between attempts: a new plan when a port was taken meanwhile
         self.hurry = threading.Event()
 
     # --- control -----------------------------------------------------------------------------
@@ -181,12 +183,24 @@ class Supervisor:
             self._teardown()
         elif self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
             self.attempt += 1
+            self._refresh_plan()
             self._launch_all()
         if self._on_change is not None:
             self._on_change(self)
         return before, self.state
 
     # --- states ------------------------------------------------------------------------------
+
+    def _refresh_plan(self) -> None:
+        changed = self._replan() if self._replan is not None else None
+        if changed is None:
+            return
+        self.plan, notes = changed
+        for task in self.plan.tasks:
+            self.tasks[task.name].plan = task
+        for note in notes:
+            self._sink.event(kind="port", attempt=self.attempt, reason=note)
+            log.warning("%s", note)
 
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)

@@ -260,3 +260,31 @@ def test_sigterm_to_one_worker_is_a_preemption_restart_outside_the_budget(job_fa
     assert [t["last_step"] for t in st["tasks"]] == [400, 400]
     assert "preempted" in " ".join(e["reason"] for e in events(job))
     assert "resumed from" in (job.run_dir / "logs" / "worker-1.log").read_text()
+
+
+def test_model_fit_with_backup_and_restore_resumes_mid_training_after_kill(job_factory, tmp_path):
+    import shutil
+
+    from tests.conftest import REPO
+
+    job = job_factory("", "restart: {max_restarts: 2, backoff_s: 0.5}\n")
+    shutil.copy(REPO / "examples" / "digits_fit.py", job.root / "job.py")
+    (job.root / "data").mkdir()
+    shutil.copy(REPO / "examples" / "data" / "digits.npz", job.root / "data" / "digits.npz")
+    spec = job.spec.read_text().replace('env: {TF_CPP_MIN_LOG_LEVEL: "2"}', 'env: {TF_USE_LEGACY_KERAS: "1"}')
+    job.spec.write_text(spec.replace("script: job.py", 'script: job.py\n  args: ["--epochs", "8"]'))
+    proc = job.start()
+    try:
+        assert wait_until(lambda: ((status(job).get("tasks") or [{}])[-1].get("last_step") or 0) >= 50, 90)
+        os.kill(status(job)["tasks"][1]["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    st = status(job)
+    assert st["state"] == "SUCCEEDED" and st["restarts"] == 1
+    assert [t["last_step"] for t in st["tasks"]] == [8 * 22] * 2  # exactly the planned steps
+    points = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    first_after_restart = min(p["step"] for p in points if p["attempt"] == 1)
+    assert first_after_restart > 40, first_after_restart  # resumed mid-training, not from step 1
+    assert "held-out accuracy" in (job.run_dir / "logs" / "worker-0.log").read_text()

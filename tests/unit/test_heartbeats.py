@@ -98,3 +98,22 @@ def test_reporter_keeps_points_while_coordinator_is_briefly_away(server):
     rep.report(2, loss=0.5)
     rep.finish()
     assert [p["step"] for p in points] == [1, 2]
+
+
+def test_garbage_content_length_and_reset_connections_do_not_break_the_server(server, capfd):
+    import socket
+
+    srv, store, _ = server
+    host, port = srv.url.removeprefix("http://").split(":")
+    for request in (
+        b"POST /v1/heartbeat HTTP/1.1\r\nX-Orchestrate-Token: right-token\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/heartbeat HTTP/1.1\r\nContent-Length: 5\r\n",  # cut off mid-headers
+    ):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(request)
+            s.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )  # RST on close
+    time.sleep(0.2)
+    assert post(srv.url, hb(step=4), "right-token") == 200
+    assert "Traceback" not in capfd.readouterr().err

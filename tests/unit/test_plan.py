@@ -558,3 +558,24 @@ def test_ssh_backend_ports_are_per_host_and_unlocked(tmp_path: Path) -> None:
         # worker-0/1 on host 0 from its base_port; host 1 (chief-0, worker-2) from the default base
         assert r.ports == {"worker-0": 31000, "worker-1": 31001, "chief-0": 23456, "worker-2": 23457}
     assert not locks.exists()  # nothing to lock on this machine for remote hosts
+
+
+def test_renew_busy_moves_only_a_port_another_program_took(tmp_path: Path) -> None:
+    import socket
+
+    from orchestrator.ports import reserve_ports
+
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
+    with reserve_ports(spec, lock_dir=tmp_path / "locks") as reservation:
+        assert reservation.renew_busy() == {}
+        before = dict(reservation.ports)
+        squatter = socket.socket()
+        squatter.bind(("0.0.0.0", before["worker-1"]))
+        squatter.listen()
+        try:
+            moved = reservation.renew_busy()
+        finally:
+            squatter.close()
+        assert list(moved) == ["worker-1"] and moved["worker-1"][0] == before["worker-1"]
+        assert reservation.ports["worker-0"] == before["worker-0"]
+        assert reservation.ports["worker-1"] == moved["worker-1"][1] != before["worker-1"]

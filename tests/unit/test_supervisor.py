@@ -297,3 +297,29 @@ def test_task_waiting_inside_its_strategy_is_not_lost_before_startup_deadline(tm
     clock.advance(31)
     sup.step()
     assert sup.state is ClusterState.STOPPING and sup.root_cause.kind is FailureKind.STARTUP_TIMEOUT
+
+
+def test_port_taken_between_attempts_gets_a_new_plan_before_relaunch(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path)
+    moved_plan = make_plan(
+        parse_spec(SPEC.format(workers=2), file="s.yaml", base_dir=tmp_path),
+        ports={"worker-0": 20000, "worker-1": 20555},
+        run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"),
+    )
+    calls = []
+
+    def replan():
+        calls.append(sup.attempt)
+        return moved_plan, ["port 20001 of worker-1 is in use by another program; moved to 20555"]
+
+    sup._replan = replan
+    start_running(sup, launcher, store, clock)
+    assert calls == []  # never before the first attempt
+    launcher.handles["worker-0"].code = -9
+    sup.step(), sup.step()
+    clock.advance(5)
+    sup.step()
+    assert calls == [1]
+    assert launcher.handles["worker-1"].task.port == 20555  # relaunched with the new plan
+    assert "20555" in launcher.handles["worker-0"].task.env["TF_CONFIG"]  # and every peer knows it
+    assert any(e["kind"] == "port" and "moved to 20555" in e["reason"] for e in sink.events)
