@@ -40,6 +40,7 @@ class Failure:
     detail: str
     exit_code: int | None = None
     error: TaskError | None = None
+    step: int | None = None  # the failing task's last reported step
 
     @property
     def is_peer_loss(self) -> bool:
@@ -84,10 +85,19 @@ class Decision:
     reason: str
 
 
-def decide(failure: Failure, *, restarts_used: int, max_restarts: int) -> Decision:
+def decide(
+    failure: Failure,
+    *,
+    restarts_used: int,
+    max_restarts: int,
+    first_attempt: bool = True,
+    history: tuple[Failure, ...] = (),
+) -> Decision:
     """Whole-job restart (MultiWorkerMirroredStrategy has no elasticity) while the budget lasts.
 
-    An exception in user code is not retried: the same code on the same data fails the same way.
+    An exception in the job's code is permanent on the run's first attempt, or when it repeats at
+    the step where an earlier attempt failed the same way: the same code on the same data fails
+    the same way. One that first appears after a restart gets the benefit of the doubt.
     """
     if failure.kind is FailureKind.LAUNCH:
         return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
@@ -96,10 +106,21 @@ def decide(failure: Failure, *, restarts_used: int, max_restarts: int) -> Decisi
             Action.RESTART, f"{failure.describe()}; preempted, restarting (not counted as a restart)"
         )
     if failure.kind is FailureKind.EXCEPTION and not failure.is_peer_loss:
-        return Decision(
-            Action.FAIL,
-            f"{failure.describe()} — an error in the job's code; not restarted (it would fail again)",
+        repeated = any(
+            f.kind is FailureKind.EXCEPTION
+            and f.error is not None
+            and failure.error is not None
+            and f.error.type == failure.error.type
+            and f.step == failure.step
+            for f in history
         )
+        if first_attempt or repeated:
+            why = "on the first attempt" if first_attempt else f"again at step {failure.step}"
+            return Decision(
+                Action.FAIL,
+                f"{failure.describe()} — an error in the job's code {why}; "
+                "not restarted (it would fail again)",
+            )
     if restarts_used >= max_restarts:
         return Decision(
             Action.FAIL,

@@ -129,6 +129,8 @@ class Supervisor:
         self.state = ClusterState.PENDING
         self.reason = ""
         self.attempt = first_attempt  # > 0 when resuming an earlier run
+        self._first_attempt = first_attempt
+        self.failures: list[Failure] = []  # the root cause of every failed attempt, in order
         self.restarts = restarts
         self.tasks = {t.name: TaskRecord(t) for t in plan.tasks}
         self.root_cause: Failure | None = None
@@ -265,7 +267,8 @@ class Supervisor:
                 detail = _describe_exit(code)
                 kind = FailureKind.EXIT
             self._move_task(rec, TaskState.FAILED, detail)
-            return Failure(rec.plan.name, kind, self.attempt, detail, exit_code=code, error=error)
+            step = h.step if h is not None else None
+            return Failure(rec.plan.name, kind, self.attempt, detail, exit_code=code, error=error, step=step)
         if rec.state is TaskState.STARTING and h is not None and h.ready_at is not None:
             self._move_task(rec, TaskState.RUNNING, "strategy up")
         last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else rec.launched_at
@@ -311,8 +314,10 @@ class Supervisor:
 
     def _begin_stop(self, stop: _Stop) -> None:
         self._stop = stop
-        if stop.failure is not None and self.root_cause is None:
-            self.root_cause = stop.failure
+        if stop.failure is not None:
+            self.failures.append(stop.failure)
+            if self.root_cause is None:
+                self.root_cause = stop.failure
         self._move(ClusterState.STOPPING, stop.reason)
 
     def _teardown(self) -> None:
@@ -337,7 +342,11 @@ class Supervisor:
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
             decision = policy.decide(
-                stop.failure, restarts_used=self.restarts, max_restarts=self.config.max_restarts
+                stop.failure,
+                restarts_used=self.restarts,
+                max_restarts=self.config.max_restarts,
+                first_attempt=self.attempt == self._first_attempt,
+                history=tuple(self.failures[:-1]),
             )
             if decision.action is Action.RESTART:
                 wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)

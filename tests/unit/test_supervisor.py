@@ -323,3 +323,20 @@ def test_port_taken_between_attempts_gets_a_new_plan_before_relaunch(tmp_path):
     assert launcher.handles["worker-1"].task.port == 20555  # relaunched with the new plan
     assert "20555" in launcher.handles["worker-0"].task.env["TF_CONFIG"]  # and every peer knows it
     assert any(e["kind"] == "port" and "moved to 20555" in e["reason"] for e in sink.events)
+
+
+def test_exception_after_a_restart_is_retried_once_then_permanent_at_the_same_step(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=5)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-0"].code = -9  # attempt 0: a crash, retried
+    sup.step(), sup.step()
+    clock.advance(5)
+    for attempt, expected in ((1, ClusterState.RESTARTING), (2, ClusterState.FAILED)):
+        start_running(sup, launcher, store, clock, attempt=attempt)
+        beat(store, "worker-1", attempt, step=40, error=TaskError("OSError", "bad record 40", ""))
+        launcher.handles["worker-1"].code = 1
+        sup.step(), sup.step()
+        assert sup.state is expected, sup.reason
+        clock.advance(10)
+    assert "again at step 40" in sup.reason and "not restarted" in sup.reason
+    assert [f.kind for f in sup.failures] == [FailureKind.EXIT, FailureKind.EXCEPTION, FailureKind.EXCEPTION]
