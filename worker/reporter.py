@@ -183,6 +183,7 @@ class Reporter:
                 points=points,
                 done=self._done,
                 error=self._error,
+                user_frame=user_frame(),
             )
         return hb.to_bytes(), points
 
@@ -222,6 +223,29 @@ class Reporter:
         if os.getpgrp() == os.getpid():
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os._exit(75)
+
+
+_LIBRARY_PATHS = tuple(
+    {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    | {os.path.dirname(os.path.realpath(__file__))}  # this package
+)
+
+
+def user_frame() -> str | None:
+    """Where a thread is executing the job's own code right now (main thread first), if any.
+
+    A task stuck in its own code shows it here; one waiting on its peers sits inside TensorFlow.
+    That tells the stalled task from the ones it makes wait.
+    """
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    for ident in sorted(frames, key=lambda i: i != main):
+        frame = frames[ident]
+        path = frame.f_code.co_filename
+        if path.startswith("<") or os.path.realpath(path).startswith(_LIBRARY_PATHS):
+            continue
+        return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return None
 
 
 def _number(value: Any) -> float | None:

@@ -82,6 +82,7 @@ class Heartbeat:
     points: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
     error: TaskError | None = None
+    user_frame: str | None = None  # where a thread is executing the job's own code ("train.py:23 in wait")
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -112,6 +113,7 @@ class Heartbeat:
                 metrics={str(k): float(v) for k, v in _typed(raw, "metrics", dict, {}).items()},
                 points=[dict(p) for p in _typed(raw, "points", list, [])],
                 done=_typed(raw, "done", bool, False),
+                user_frame=_typed(raw, "user_frame", (str, type(None)), None),
                 error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
                 if error
                 else None,

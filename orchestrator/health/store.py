@@ -35,6 +35,7 @@ class TaskHealth:
     done: bool = False
     error: TaskError | None = None
     steps_per_s: float | None = None
+    user_frame: str | None = None
 
 
 class HealthStore:
@@ -94,6 +95,7 @@ class HealthStore:
                 done=old.done or hb.done,
                 error=hb.error or old.error,
                 steps_per_s=rate,
+                user_frame=hb.user_frame,
             )
         if hb.points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, hb.points)

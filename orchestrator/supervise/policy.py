@@ -41,6 +41,7 @@ class Failure:
     exit_code: int | None = None
     error: TaskError | None = None
     step: int | None = None  # the failing task's last reported step
+    where: str | None = None  # a stalled task busy in the job's own code: where
 
     @property
     def is_peer_loss(self) -> bool:
@@ -59,14 +60,17 @@ class Failure:
 def root_cause(failures: list[Failure]) -> Failure:
     """The failure most likely to have caused the others seen in the same instant.
 
-    Order: external deaths (a signal, a lost or stalled task, a launch or start-up failure) first,
-    then exceptions in user code, then plain non-zero exits, and last the errors TensorFlow raises
-    in the survivors when a peer vanishes.
+    Order: external deaths (a signal, a lost task, one stalled in its own code, a launch or start-up
+    failure) first, then exceptions in user code, then plain non-zero exits and tasks stalled
+    inside TensorFlow (waiting on a peer), and last the errors TensorFlow raises in the survivors
+    when a peer vanishes.
     """
 
     def rank(f: Failure) -> int:
         if f.kind is FailureKind.EXCEPTION:
             return 3 if f.is_peer_loss else 1
+        if f.kind is FailureKind.STALLED and f.where is None:
+            return 2  # stalled inside TensorFlow: most likely waiting for the one stuck in its own code
         if f.kind is FailureKind.EXIT:
             return 0 if (f.exit_code or 0) < 0 else 2
         return 0

@@ -43,6 +43,7 @@ class EventSink(Protocol):
 
 @dataclass(frozen=True)
 class SupervisorConfig:
+    heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     stall_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
@@ -55,6 +56,7 @@ class SupervisorConfig:
     @classmethod
     def from_spec(cls, spec: ClusterSpec, **overrides: Any) -> SupervisorConfig:
         return cls(
+            heartbeat_interval_s=spec.health.heartbeat_interval_s,
             heartbeat_timeout_s=spec.health.heartbeat_timeout_s,
             stall_timeout_s=spec.health.stall_timeout_s,
             startup_timeout_s=spec.health.startup_timeout_s,
@@ -237,6 +239,8 @@ class Supervisor:
                     self._sink.event(kind="warning", task=rec.plan.name, reason=failure.describe())
         if failures:
             first = policy.root_cause(failures)
+            if first.is_peer_loss:
+                first = self._frozen_peer(now) or first
             self._begin_stop(_Stop(ClusterState.FAILED, first.describe(), first))
             return
         deciders = [r for r in self.tasks.values() if r.decides_success]
@@ -289,12 +293,31 @@ class Supervisor:
             and not h.done
             and now - h.step_changed_at > self.config.stall_timeout_s
         ):
+            where = f", busy in {h.user_frame}" if h.user_frame else ", waiting inside TensorFlow"
             detail = (
-                f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive "
+                f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive{where} "
                 f"(health.stall_timeout_s = {self.config.stall_timeout_s:g})"
             )
             self._move_task(rec, TaskState.FAILED, detail)
-            return Failure(rec.plan.name, FailureKind.STALLED, self.attempt, detail)
+            return Failure(
+                rec.plan.name, FailureKind.STALLED, self.attempt, detail, step=h.step, where=h.user_frame
+            )
+        return None
+
+    def _frozen_peer(self, now: float) -> Failure | None:
+        """When the survivors report losing a peer, the peer may be alive but frozen (SIGSTOP, a host
+        cut off): still running, yet silent for several heartbeats. Name it, not the survivor."""
+        quiet_s = max(2.5 * self.config.heartbeat_interval_s, 1.5)
+        for rec in self.tasks.values():
+            h = rec.health
+            if rec.state.is_terminal or h is None or h.last_heartbeat_at is None:
+                continue
+            if now - h.last_heartbeat_at > quiet_s:
+                detail = (
+                    f"went silent {now - h.last_heartbeat_at:.1f} s ago and its peers lost contact with it"
+                )
+                self._move_task(rec, TaskState.LOST, detail)
+                return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
         return None
 
     def _startup_failure(self, deciders: list[TaskRecord]) -> Failure:

@@ -117,3 +117,25 @@ def test_garbage_content_length_and_reset_connections_do_not_break_the_server(se
     time.sleep(0.2)
     assert post(srv.url, hb(step=4), "right-token") == 200
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_user_frame_names_the_jobs_own_code_not_libraries(tmp_path):
+    import threading
+
+    from worker.reporter import user_frame
+
+    script = tmp_path / "stuck_job.py"
+    script.write_text("import time\ndef wait(ev):\n    while not ev.is_set():\n        time.sleep(0.01)\n")
+    namespace: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)
+    ev = threading.Event()
+    t = threading.Thread(target=namespace["wait"], args=(ev,))
+    t.start()
+    try:
+        time.sleep(0.05)
+        where = user_frame()
+    finally:
+        ev.set()
+        t.join()
+    # the main thread is inside this package (user_frame itself): skipped; the stuck thread is named
+    assert where == "stuck_job.py:4 in wait"

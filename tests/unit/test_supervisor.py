@@ -340,3 +340,29 @@ def test_exception_after_a_restart_is_retried_once_then_permanent_at_the_same_st
         clock.advance(10)
     assert "again at step 40" in sup.reason and "not restarted" in sup.reason
     assert [f.kind for f in sup.failures] == [FailureKind.EXIT, FailureKind.EXCEPTION, FailureKind.EXCEPTION]
+
+
+def test_survivors_peer_loss_blames_the_silent_frozen_peer(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, heartbeat_interval_s=0.5, heartbeat_timeout_s=10)
+    start_running(sup, launcher, store, clock)
+    clock.advance(2.0)  # worker-1 frozen: silent since; worker-0 keeps beating, then loses its peer
+    peer_loss = TaskError(
+        "tensorflow.python.framework.errors_impl.UnavailableError", "task 1 unreachable", ""
+    )
+    beat(store, "worker-0", step=9, error=peer_loss)
+    launcher.handles["worker-0"].code = 1
+    sup.step()
+    assert sup.root_cause.task == "worker-1" and sup.root_cause.kind is FailureKind.LOST
+    assert sup.tasks["worker-1"].state is TaskState.LOST
+
+
+def test_of_two_stalled_tasks_the_one_busy_in_its_own_code_is_the_cause(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0)
+    start_running(sup, launcher, store, clock)
+    for _ in range(5):
+        beat(store, "worker-0", step=7)  # waiting for its peer inside a collective
+        beat(store, "worker-1", step=7, user_frame="train.py:23 in wait")
+        clock.advance(8)
+        sup.step()
+    assert sup.root_cause.task == "worker-1"
+    assert "busy in train.py:23 in wait" in sup.root_cause.detail

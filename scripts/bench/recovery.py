@@ -1,0 +1,149 @@
+"""P4/P5: detection latency per detector against its configured value, recovery time (kill ->
+first step after resume) next to the bare TensorFlow import time, and steps lost per failure
+against checkpoint_every. Each figure is the median of several runs.
+
+Detectors: process exit (kill -9 of a worker), heartbeat timeout (SIGSTOP of a worker), stall (a
+worker alive but stuck in Python). Latency = signal sent -> the run's STOPPING event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, iso_to_s, median, tmpdir, write_spec
+
+LOOP_SPEC = """\
+name: bench-recovery
+hosts: [{{address: 127.0.0.1, tasks: {{worker: 2}}}}]
+job:
+  loop: {module}
+  env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
+train: {{steps: 100000, global_batch_size: 64, checkpoint_every: {every}}}
+health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: {hb}, stall_timeout_s: {stall}}}
+restart: {{max_restarts: 1, backoff_s: 0}}
+"""
+
+STUCK_MODULE = """
+import os, time
+import tensorflow as tf
+import worker
+__file__ = {digits!r}  # the digits module finds its data beside itself
+exec(open(__file__).read())
+_make = make_dataset
+def make_dataset(ctx, gbs):
+    ds = _make(ctx, gbs).repeat()
+    if os.environ["ORCHESTRATE_TASK"] == "worker-1" and os.environ["ORCHESTRATE_ATTEMPT"] == "0":
+        def stick(x, y):
+            def wait(v):
+                if os.path.exists({flag!r}):
+                    while True:
+                        time.sleep(0.1)     # alive, heartbeats flowing, stuck in Python
+                return v
+            return tf.py_function(wait, [x], tf.float32), y
+        ds = ds.map(stick)
+    return ds
+"""
+
+
+def _status(run: Path) -> dict:
+    try:
+        return json.loads((run / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _wait(pred, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError("benchmark run did not reach the expected state")
+
+
+def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> dict:
+    folder = tmpdir()
+    flag = folder / "stick-now"
+    module = folder / "train.py"
+    digits = REPO / "examples" / "digits_loop.py"
+    if kind == "stall":
+        module.write_text(STUCK_MODULE.format(digits=str(digits), flag=str(flag)))
+    else:
+        module = digits
+    spec = write_spec(folder, LOOP_SPEC.format(module=module, every=every, hb=hb, stall=stall))
+    run = folder / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run), "--plain"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=folder,
+    )
+    try:
+        _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
+        st = _status(run)
+        victim, at_step = st["tasks"][1]["pid"], st["tasks"][1]["last_step"]
+        t0 = time.time()
+        if kind == "exit":
+            os.kill(victim, signal.SIGKILL)
+        elif kind == "heartbeat":
+            os.kill(victim, signal.SIGSTOP)
+        else:
+            flag.write_text("now")
+        _wait(lambda: any(e.get("new") == "STOPPING" for e in _events(run)), 120)
+        detected = next(iso_to_s(e["time"]) for e in _events(run) if e.get("new") == "STOPPING") - t0
+        _wait(lambda: _first_step_of_attempt(run, 1) is not None, 180)
+        recovered = _first_step_of_attempt(run, 1)[0] - t0
+        resumed_step = _first_step_of_attempt(run, 1)[1] - 1
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return {"detected_s": detected, "recovery_s": recovered, "steps_lost": max(0, at_step - resumed_step)}
+
+
+def _first_step_of_attempt(run: Path, attempt: int) -> tuple[float, int] | None:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            p = json.loads(line)
+        except ValueError:
+            continue
+        if p["attempt"] == attempt:
+            return iso_to_s(p["time"]), p["step"]
+    return None
+
+
+def tf_import_s() -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import tensorflow"], check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    ns = parser.parse_args()
+    out: dict = {"configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50}}
+    for kind in ("exit", "heartbeat", "stall"):
+        runs = [one_run(kind) for _ in range(ns.runs)]
+        out[kind] = {k: round(median([r[k] for r in runs]), 2) for k in runs[0]} | {"runs": runs}
+    out["tf_import_s"] = round(median([tf_import_s() for _ in range(ns.runs)]), 2)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
