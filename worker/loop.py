@@ -252,8 +252,16 @@ def _write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task
                 "fix its permissions or free space, or set train.checkpoint_dir"
             ) from None
         return checkpoint_dir
-    # Non-chief workers must save too (the save is a collective), but where nobody reads it.
-    return Path(tempfile.mkdtemp(prefix=f"orchestrate-ckpt-{task_type}-{task_id}-"))
+    # Non-chief workers must save too (the save is a collective), but where nobody reads it: a
+    # folder of their own beside the real checkpoints (invisible to latest_checkpoint), emptied
+    # first, so what a killed attempt left there goes with the next one.
+    own = checkpoint_dir / f".{task_type}-{task_id}"
+    shutil.rmtree(own, ignore_errors=True)
+    try:
+        own.mkdir(parents=True)
+    except OSError:
+        own = Path(tempfile.mkdtemp(prefix=f"orchestrate-ckpt-{task_type}-{task_id}-"))
+    return own
 
 
 def _default_loss(tf: Any) -> Any:

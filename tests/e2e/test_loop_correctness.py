@@ -66,3 +66,26 @@ def test_two_workers_train_to_the_same_weights_as_one(tmp_path_factory):
     assert moved > 1e-2  # training changed the weights, so the equality below means something
     for a, b in zip(one, two, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_epochs_mode_runs_whole_epochs_and_leaves_no_worker_checkpoints(tmp_path):
+    from tests.conftest import Job, run_processes
+
+    job = Job(tmp_path, "", "train: {epochs: 2, global_batch_size: 32, checkpoint_every: 10}\n", workers=2)
+    (job.root / "train.py").write_text(textwrap.dedent(MODULE))
+    job.spec.write_text(job.spec.read_text().replace("script: job.py", "loop: train.py"))
+    try:
+        out = job.up(timeout_s=180)
+    finally:
+        for proc in run_processes(job.run_id):
+            proc.kill()
+    assert out.returncode == 0, out.stdout
+    import json
+
+    status = json.loads((job.run_dir / "status.json").read_text())
+    assert [t["last_step"] for t in status["tasks"]] == [2 * 960 // 32] * 2
+    checkpoints = job.run_dir / "checkpoints"
+    assert (checkpoints / "ckpt-60.index").exists()
+    assert [
+        p.name for p in checkpoints.iterdir() if p.name.startswith(".")
+    ] == []  # worker-1's copies removed

@@ -38,26 +38,32 @@ def events(job) -> list[dict]:
     return [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def test_stalled_task_is_detected_and_the_job_restarted(job_factory):
+def test_stalled_task_is_detected_named_and_the_job_restarted(job_factory):
+    # MWMS: worker-1 is stuck in its own Python code, so worker-0 waits in a collective forever
     job = job_factory(
         plain(
             """
+    import tensorflow as tf
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        v = tf.Variable(0.0)
+    step = tf.function(lambda: strategy.run(lambda: v.assign_add(1.0)))
     for i in range(1, 41):
-        worker.report(step=i)
         if task == "worker-1" and attempt == 0 and i == 10:
             while True:          # alive, heartbeats flowing, no progress
                 time.sleep(0.1)
-        time.sleep(0.05)
+        step()
+        worker.report(step=i)
     """
         ),
-        "health: {stall_timeout_s: 3}\nrestart: {max_restarts: 2, backoff_s: 0.5}\n",
+        "health: {stall_timeout_s: 4}\nrestart: {max_restarts: 2, backoff_s: 0.5}\n",
     )
     out = job.up(timeout_s=120)
     assert out.returncode == 0, out.stdout
     st = status(job)
     assert st["state"] == "SUCCEEDED" and st["restarts"] == 1
     reasons = [e["reason"] for e in events(job) if e.get("new") == "STOPPING"]
-    assert any("worker-1 stalled at step 10" in r for r in reasons), reasons
+    assert any("worker-1 stalled at step 9" in r and "busy in job.py" in r for r in reasons), reasons
     assert run_processes(job.run_id) == []
 
 
@@ -108,7 +114,7 @@ def test_sigstop_is_detected_by_heartbeat_timeout_then_restarted(job_factory):
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert detected_s <= 3 + 1.5, detected_s  # heartbeat_timeout_s (+ one poll and a heartbeat interval)
+    assert detected_s <= 3 + 1, detected_s  # within heartbeat_timeout_s (+1 s)
     lost = [e for e in events(job) if e.get("new") == "LOST"]
     assert lost and lost[0]["task"] == "worker-1"
     assert status(job)["restarts"] == 1
