@@ -3,6 +3,7 @@ for the same data and global batch size (the seed's loop summed unscaled losses:
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import numpy as np
@@ -37,12 +38,11 @@ MODULE = """
 """
 
 
-def _train(root, workers: int) -> list[np.ndarray]:
-    import tensorflow as tf  # only to read the saved model back
-
+def _run_loop(root, train: str, workers: int):
+    """Run MODULE with the built-in loop; returns the finished Job."""
     from tests.conftest import Job, run_processes
 
-    job = Job(root, "", "train: {steps: 30, global_batch_size: 32, checkpoint_every: 10}\n", workers=workers)
+    job = Job(root, "", f"train: {train}\n", workers=workers)
     (job.root / "train.py").write_text(textwrap.dedent(MODULE))
     job.spec.write_text(job.spec.read_text().replace("script: job.py", "loop: train.py"))
     try:
@@ -51,6 +51,13 @@ def _train(root, workers: int) -> list[np.ndarray]:
         for proc in run_processes(job.run_id):
             proc.kill()
     assert out.returncode == 0, out.stdout
+    return job
+
+
+def _train(root, workers: int) -> list[np.ndarray]:
+    import tensorflow as tf  # only to read the saved model back
+
+    job = _run_loop(root, "{steps: 30, global_batch_size: 32, checkpoint_every: 10}", workers)
     model = tf.keras.models.load_model(job.run_dir / "model" / "model.keras")
     return [w.copy() for w in model.get_weights()]
 
@@ -69,23 +76,10 @@ def test_two_workers_train_to_the_same_weights_as_one(tmp_path_factory):
 
 
 def test_epochs_mode_runs_whole_epochs_and_leaves_no_worker_checkpoints(tmp_path):
-    from tests.conftest import Job, run_processes
-
-    job = Job(tmp_path, "", "train: {epochs: 2, global_batch_size: 32, checkpoint_every: 10}\n", workers=2)
-    (job.root / "train.py").write_text(textwrap.dedent(MODULE))
-    job.spec.write_text(job.spec.read_text().replace("script: job.py", "loop: train.py"))
-    try:
-        out = job.up(timeout_s=180)
-    finally:
-        for proc in run_processes(job.run_id):
-            proc.kill()
-    assert out.returncode == 0, out.stdout
-    import json
-
+    job = _run_loop(tmp_path, "{epochs: 2, global_batch_size: 32, checkpoint_every: 10}", workers=2)
     status = json.loads((job.run_dir / "status.json").read_text())
     assert [t["last_step"] for t in status["tasks"]] == [2 * 960 // 32] * 2
     checkpoints = job.run_dir / "checkpoints"
     assert (checkpoints / "ckpt-60.index").exists()
-    assert [
-        p.name for p in checkpoints.iterdir() if p.name.startswith(".")
-    ] == []  # worker-1's copies removed
+    hidden = [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]
+    assert hidden == []  # worker-1's own copies are removed at the end
