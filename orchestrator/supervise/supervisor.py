@@ -9,7 +9,6 @@ does the work. Time and sleep are injected so tests can step it deterministicall
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -17,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
-from orchestrator.health.store import HealthStore, TaskHealth
-from orchestrator.launch.api import Launcher, TaskHandle
-from orchestrator.plan import LaunchPlan, TaskPlan
+from orchestrator.health.store import HealthStore
+from orchestrator.launch.api import Launcher
+from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.supervise import policy
 from orchestrator.supervise.policy import Action, Failure, FailureKind
+from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
 from orchestrator.supervise.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
@@ -65,34 +65,6 @@ class SupervisorConfig:
             stop_grace_s=spec.health.stop_grace_s,
             **overrides,
         )
-
-
-@dataclass
-class TaskRecord:
-    """The supervisor's own view of one task (mutated only by the control loop)."""
-
-    plan: TaskPlan
-    state: TaskState = TaskState.PENDING
-    handle: TaskHandle | None = None
-    launched_at: float | None = None
-    exit_code: int | None = None
-    reason: str = ""
-    health: TaskHealth | None = None
-
-    @property
-    def decides_success(self) -> bool:
-        return self.plan.in_cluster  # the evaluator watches; it never decides the job's outcome
-
-
-@dataclass(frozen=True)
-class RunResult:
-    state: ClusterState
-    reason: str
-    attempt: int
-    restarts: int
-    root_cause: Failure | None
-    started_at: str
-    ended_at: str
 
 
 @dataclass
@@ -268,7 +240,7 @@ class Supervisor:
                 detail = f"raised {error.type}: {error.message}"
                 kind = FailureKind.EXCEPTION
             else:
-                detail = _describe_exit(code)
+                detail = describe_exit(code)
                 kind = FailureKind.EXIT
             self._move_task(rec, TaskState.FAILED, detail)
             step = h.step if h is not None else None
@@ -419,39 +391,5 @@ class Supervisor:
             "reason": self.reason,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "tasks": [_task_status(r) for r in self.tasks.values()],
+            "tasks": [task_status(r) for r in self.tasks.values()],
         }
-
-
-def _task_status(rec: TaskRecord) -> dict[str, Any]:
-    h = rec.health
-    proc = rec.handle.process if rec.handle is not None else None
-    return {
-        "task": rec.plan.name,
-        "role": rec.plan.role.value,
-        "index": rec.plan.index,
-        "host": rec.plan.host,
-        "state": rec.state.value,
-        "reason": rec.reason,
-        "pid": proc.pid if proc else None,
-        "pgid": proc.pgid if proc else None,
-        "create_time": proc.create_time if proc else None,
-        "exit_code": rec.exit_code,
-        "last_step": h.step if h else None,
-        "total_steps": h.total_steps if h else None,
-        "metrics": dict(h.metrics) if h else {},
-        "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
-        "rss_bytes": h.rss_bytes if h else None,
-        "last_heartbeat_at": h.last_heartbeat_wall if h else None,
-        "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
-    }
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
-    return f"exited with code {code}"

@@ -1,0 +1,77 @@
+"""Supervision layer: the supervisor's records of a run — one task's live view, the run's outcome —
+and how they read in status.json (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.health.store import TaskHealth
+from orchestrator.launch.api import TaskHandle
+from orchestrator.plan import TaskPlan
+from orchestrator.supervise.policy import Failure
+from orchestrator.supervise.states import ClusterState, TaskState
+
+
+@dataclass
+class TaskRecord:
+    """The supervisor's own view of one task (mutated only by the control loop)."""
+
+    plan: TaskPlan
+    state: TaskState = TaskState.PENDING
+    handle: TaskHandle | None = None
+    launched_at: float | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    health: TaskHealth | None = None
+
+    @property
+    def decides_success(self) -> bool:
+        return self.plan.in_cluster  # the evaluator watches; it never decides the job's outcome
+
+
+@dataclass(frozen=True)
+class RunResult:
+    state: ClusterState
+    reason: str
+    attempt: int
+    restarts: int
+    root_cause: Failure | None
+    started_at: str
+    ended_at: str
+
+
+def task_status(rec: TaskRecord) -> dict[str, Any]:
+    h = rec.health
+    proc = rec.handle.process if rec.handle is not None else None
+    return {
+        "task": rec.plan.name,
+        "role": rec.plan.role.value,
+        "index": rec.plan.index,
+        "host": rec.plan.host,
+        "state": rec.state.value,
+        "reason": rec.reason,
+        "pid": proc.pid if proc else None,
+        "pgid": proc.pgid if proc else None,
+        "create_time": proc.create_time if proc else None,
+        "exit_code": rec.exit_code,
+        "last_step": h.step if h else None,
+        "total_steps": h.total_steps if h else None,
+        "metrics": dict(h.metrics) if h else {},
+        "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
+        "rss_bytes": h.rss_bytes if h else None,
+        "last_heartbeat_at": h.last_heartbeat_wall if h else None,
+        "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
+    }
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
