@@ -158,24 +158,26 @@ def loop_job(job_factory, steps=300, every=20, build_extra="pass"):
 
 def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(job_factory):
     job = loop_job(job_factory, steps=300, every=20)
-    kill_at = random.Random().randrange(40, 160)
+    rng = random.Random()
+    kill_at, victim = rng.randrange(40, 160), rng.randrange(2)  # the chief (it writes checkpoints) or not
     proc = job.start()
     try:
 
         def progressed() -> bool:
             tasks = status(job).get("tasks") or []
-            return bool(tasks) and (tasks[1].get("last_step") or 0) >= kill_at
+            return bool(tasks) and (tasks[victim].get("last_step") or 0) >= kill_at
 
         assert wait_until(progressed, 90)
         st = status(job)
-        killed_at_step = st["tasks"][1]["last_step"]
-        os.kill(st["tasks"][1]["pid"], signal.SIGKILL)
+        killed_at_step = st["tasks"][victim]["last_step"]
+        os.kill(st["tasks"][victim]["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0, out
     st = status(job)
     assert st["state"] == "SUCCEEDED" and st["restarts"] >= 1
+    assert f"worker-{victim} was killed by SIGKILL" in " ".join(e["reason"] for e in events(job))
     assert [t["last_step"] for t in st["tasks"]] == [300, 300]  # the final step count is exact
     log = (job.run_dir / "logs" / "worker-0.log").read_text()
     resumed = [line for line in log.splitlines() if "resumed from" in line]
