@@ -215,6 +215,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from orchestrator.rundir import coordinator_alive, read_status, resolve_run_dir
+    from orchestrator.supervise.states import ClusterState
     from orchestrator.view import render_status
 
     run_dir = resolve_run_dir(args.run_dir)
@@ -225,8 +226,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"run directory: {run_dir}")
     console.print(render_status(status))
-    terminal = status["state"] in ("SUCCEEDED", "FAILED", "INTERRUPTED")
-    if not terminal and coordinator_alive(run_dir) is None:
+    if not ClusterState(status["state"]).is_terminal and coordinator_alive(run_dir) is None:
         console.print(
             "[yellow]its coordinator is gone: this is the last recorded state; "
             f"`orchestrate down {run_dir}` stops anything it left[/yellow]"

@@ -7,7 +7,6 @@ before this returns.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import signal
@@ -21,7 +20,7 @@ from types import FrameType
 import psutil
 
 from orchestrator import rundir
-from orchestrator.errors import LaunchError, UsageError
+from orchestrator.errors import LaunchError, RunDirError, UsageError
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Launcher
@@ -31,6 +30,7 @@ from orchestrator.plan import LaunchPlan, RunContext, make_plan
 from orchestrator.ports import reserve_ports
 from orchestrator.record import RunRecord, new_run_dir, now_iso
 from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import RunResult, Supervisor, SupervisorConfig
 from orchestrator.view import LiveView, PlainView
 
@@ -159,19 +159,15 @@ def up(
 def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int]:
     """The attempt number and restart count a resumed run continues with."""
     try:
-        status = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UsageError(
-            f"--resume {run_dir}: not a run directory with a readable status.json ({exc})"
-        ) from None
+        status = rundir.read_status(run_dir)
+    except RunDirError as exc:
+        raise UsageError(f"--resume {run_dir}: {exc}") from None
     if status.get("name") != spec.name:
         raise UsageError(
             f"--resume {run_dir}: that run is {status.get('name')!r}, this spec is {spec.name!r}; "
             "resume a run with the spec that started it"
         )
-    if status.get("state") not in ("SUCCEEDED", "FAILED", "INTERRUPTED") and rundir.coordinator_alive(
-        run_dir
-    ):
+    if not ClusterState(status.get("state", "PENDING")).is_terminal and rundir.coordinator_alive(run_dir):
         raise UsageError(f"--resume {run_dir}: that run is still going (state {status.get('state')})")
     return int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))
 

@@ -159,14 +159,16 @@ class Reporter:
 
     def _snapshot(self) -> tuple[bytes, list[dict[str, Any]]]:
         assert self._config is not None
+        # Syscalls and the stack walk happen outside the lock that report() takes on every step.
+        try:
+            rss = self._proc.memory_info().rss
+            cpu = self._proc.cpu_percent(None)
+        except psutil.Error:
+            rss, cpu = 0, 0.0
+        where = user_frame()
         with self._lock:
             points, self._points = self._points, []
             self._seq += 1
-            try:
-                rss = self._proc.memory_info().rss
-                cpu = self._proc.cpu_percent(None)
-            except psutil.Error:
-                rss, cpu = 0, 0.0
             hb = wire.Heartbeat(
                 task=self._config.task,
                 attempt=self._config.attempt,
@@ -183,7 +185,7 @@ class Reporter:
                 points=points,
                 done=self._done,
                 error=self._error,
-                user_frame=user_frame(),
+                user_frame=where,
             )
         return hb.to_bytes(), points
 

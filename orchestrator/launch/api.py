@@ -53,4 +53,4 @@ class Launcher(abc.ABC):
 
     def close(self) -> None:
         """Release what the launcher holds (connections). Running tasks must be stopped first."""
-        return None  # the local launcher holds nothing
+        return None  # nothing to release by default
