@@ -72,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--backend", choices=["local", "ssh"])
     validate.set_defaults(func=cmd_validate)
 
+    check = sub.add_parser(
+        "check", help="preflight every host: SSH, host keys, Python/TensorFlow versions, ports, disk, peers"
+    )
+    check.add_argument("spec", type=Path)
+    check.add_argument("--backend", choices=["local", "ssh"])
+    check.set_defaults(func=cmd_check)
+
     status = sub.add_parser("status", help="show a run's state (default: the latest run under runs/)")
     status.add_argument("run_dir", nargs="?")
     status.add_argument("--json", action="store_true")
@@ -145,6 +152,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<per-run secret>")
     print("\n(local ports are free now and re-chosen at launch unless the spec fixes base_port)")
     return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from orchestrator import preflight
+    from orchestrator.ports import reserve_ports
+    from orchestrator.spec import Backend
+
+    spec = _load(args)
+    if spec.backend is not Backend.SSH:
+        print(f"{args.spec}: backend {spec.backend.value} runs every task on this machine; nothing to check")
+        return EXIT_OK
+    with reserve_ports(spec) as reservation:
+        reports = preflight.inspect(spec, reservation.ports, peers=True)
+    try:
+        rows = preflight.table_rows(reports)
+        table = Table(title=f"{spec.name}: {len(reports)} host(s)")
+        for column in rows[0]:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row.values())
+        console = Console(highlight=False, soft_wrap=True)
+        console.print(table)
+        for warning in preflight.warnings(reports):
+            console.print(f"warning: {warning}")
+        problems = preflight.problems(reports)
+        for problem in problems:
+            console.print(f"problem: {problem}")
+        if problems:
+            return EXIT_LAUNCH
+        console.print("all hosts ready")
+        return EXIT_OK
+    finally:
+        preflight.close(reports)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

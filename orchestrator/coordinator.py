@@ -44,12 +44,22 @@ class UpResult:
     plan: LaunchPlan
 
 
-def make_launcher(spec: ClusterSpec) -> Launcher:
+def make_launcher(spec: ClusterSpec, run_id: str) -> Launcher:
     if spec.backend is Backend.LOCAL:
         return LocalLauncher()
-    raise LaunchError(
-        "the ssh backend is not available in this version yet; run on this machine with --backend local"
-    )
+    from orchestrator.launch.ssh import SshLauncher  # paramiko loads only when needed
+
+    return SshLauncher(spec, run_id)
+
+
+def heartbeat_bind(spec: ClusterSpec) -> tuple[str, int]:
+    """Where the heartbeat server listens: loopback (local tasks, SSH tunnels) or the address the
+    hosts reach directly (ssh.coordinator_address)."""
+    direct = spec.ssh.coordinator_address if spec.backend is Backend.SSH else None
+    if direct is None:
+        return "127.0.0.1", 0
+    host, _, port = direct.partition(":")
+    return host, int(port or 0)
 
 
 def up(
@@ -61,12 +71,12 @@ def up(
     live: bool | None = None,
     config_overrides: dict[str, float] | None = None,
 ) -> UpResult:
-    launcher = make_launcher(spec)
     first_attempt, restarts = 0, 0
     if resume:
         assert run_dir is not None
         first_attempt, restarts = _resume_point(run_dir, spec)
     run_dir = run_dir or new_run_dir(spec.name)
+    launcher = make_launcher(spec, run_dir.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = RunRecord(run_dir)
     if resume:
@@ -74,7 +84,15 @@ def up(
     record.write_spec(spec_path.read_text(encoding="utf-8"))
     token = secrets.token_urlsafe(32)
     store = HealthStore(time.monotonic, on_points=record.metrics)
-    server = HeartbeatServer(store, token).start()
+    bind_host, bind_port = heartbeat_bind(spec)
+    try:
+        server = HeartbeatServer(store, token, host=bind_host, port=bind_port).start()
+    except OSError as exc:
+        launcher.close()
+        raise LaunchError(
+            f"cannot listen for heartbeats on {bind_host}:{bind_port} (ssh.coordinator_address): "
+            f"{exc.strerror or exc}"
+        ) from None
     use_live = sys.stdout.isatty() if live is None else live
     view = LiveView() if use_live else PlainView()
     tailer = None
@@ -82,15 +100,19 @@ def up(
     reservation = None
     try:
         reservation = reserve_ports(spec)
+        direct = server.url if spec.backend is Backend.SSH and spec.ssh.coordinator_address else None
+        hosts = launcher.prepare(reservation.ports, ("127.0.0.1", server.port), direct)
         context = RunContext(
             run_id=run_dir.name,
             run_dir=run_dir.resolve(),
             spec_dir=spec_path.resolve().parent,
             coordinator_url=server.url,
             python=sys.executable,
+            hosts=hosts,
         )
         plan = make_plan(spec, ports=reservation.ports, run=context)
         record.write_plan(plan.to_json())
+        launcher.deploy(plan)
 
         def replan() -> tuple[LaunchPlan, list[str]] | None:
             assert reservation is not None

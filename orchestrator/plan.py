@@ -8,6 +8,8 @@ training cluster it watches.
 from __future__ import annotations
 
 import json
+import posixpath
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +35,14 @@ class TaskSlot:
 
 
 @dataclass(frozen=True)
+class HostContext:
+    """What the ssh backend learned of one host before planning."""
+
+    workdir: str  # absolute on that host; runs live in WORKDIR/runs/<run id>
+    coordinator_url: str  # where its tasks post heartbeats (a tunnel's port, or the direct address)
+
+
+@dataclass(frozen=True)
 class RunContext:
     """What the planner needs beyond the spec; chosen by the caller, so planning stays pure."""
 
@@ -41,6 +51,7 @@ class RunContext:
     spec_dir: Path
     coordinator_url: str
     python: str  # interpreter for local tasks (the coordinator's own)
+    hosts: Mapping[int, HostContext] = field(default_factory=dict)  # ssh backend, by host index
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class TaskPlan:
     env: Mapping[str, str]
     cwd: str
     in_cluster: bool  # False for the evaluator
+    host_index: int = 0
 
     @property
     def log_name(self) -> str:
@@ -122,18 +134,26 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
         if any(s.role is role for s in slots)
     }
     gpus = _split_gpus(spec, slots)
+    local = spec.backend is Backend.LOCAL
     tasks = []
     for slot in slots:
         host = spec.hosts[slot.host_index]
+        if local:
+            run_folder, coordinator_url, cwd = str(run.run_dir), run.coordinator_url, str(run.spec_dir)
+            python: tuple[str, ...] = (run.python,)
+        else:
+            ctx = run.hosts.get(slot.host_index) or default_host_context(spec, slot.host_index)
+            run_folder, coordinator_url = remote_run_folder(ctx, run.run_id), ctx.coordinator_url
+            cwd, python = posixpath.join(run_folder, "code"), tuple(shlex.split(host.python))
         tf_config = {"cluster": cluster, "task": {"type": slot.role.value, "index": slot.index}}
         env = {
             **spec.job.env,
             **host.env,
             "TF_CONFIG": json.dumps(tf_config, separators=(",", ":")),
             wire.ENV_RUN_ID: run.run_id,
-            wire.ENV_RUN_DIR: str(run.run_dir),
+            wire.ENV_RUN_DIR: run_folder,
             wire.ENV_TASK: slot.name,
-            wire.ENV_COORDINATOR: run.coordinator_url,
+            wire.ENV_COORDINATOR: coordinator_url,
             wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
             # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
             wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
@@ -144,7 +164,9 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
         }
         if slot.name in gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]
-        local = spec.backend is Backend.LOCAL
+        if not local:  # the worker runtime copied beside the job comes first
+            lib = posixpath.join(run_folder, "lib")
+            env["PYTHONPATH"] = f"{lib}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else lib
         tasks.append(
             TaskPlan(
                 name=slot.name,
@@ -153,23 +175,51 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
                 host=host_address(spec, host),
                 address=addresses[slot.name],
                 port=ports[slot.name],
-                argv=_argv(spec, python=run.python if local else host.python, run_dir=run.run_dir),
+                argv=_argv(spec, python=python, run_folder=run_folder, local=local),
                 env=env,
-                cwd=str(run.spec_dir) if local else (host.workdir or "."),
+                cwd=cwd,
                 in_cluster=slot.role in _CLUSTER_ROLES,
+                host_index=slot.host_index,
             )
         )
     return LaunchPlan(spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks))
 
 
-def _argv(spec: ClusterSpec, *, python: str, run_dir: Path) -> tuple[str, ...]:
+def default_host_context(spec: ClusterSpec, index: int) -> HostContext:
+    """A host's context before connecting (for `orchestrate plan`): its folder as written."""
+    direct = spec.ssh.coordinator_address
+    url = f"http://{direct}" if direct else "http://127.0.0.1:<port forwarded through SSH>"
+    return HostContext(spec.hosts[index].workdir or "~/.orchestrate", url)
+
+
+def remote_run_folder(ctx: HostContext, run_id: str) -> str:
+    return posixpath.join(ctx.workdir, "runs", run_id)
+
+
+def job_files_root(spec: ClusterSpec) -> Path:
+    """The folder copied to every host for the ssh backend (job.files, or the job's own folder)."""
+    entry = spec.job.script or spec.job.loop
+    assert entry is not None
+    return spec.job.files or entry.parent
+
+
+def _job_path(spec: ClusterSpec, path: Path, *, run_folder: str, local: bool) -> str:
+    if local:
+        return str(path)
+    rel = path.relative_to(job_files_root(spec)).as_posix()
+    return posixpath.join(run_folder, "code", rel)
+
+
+def _argv(spec: ClusterSpec, *, python: tuple[str, ...], run_folder: str, local: bool) -> tuple[str, ...]:
     job = spec.job
     if job.script is not None:
-        return (python, "-m", "worker", "run", "--script", str(job.script), "--", *job.args)
+        script = _job_path(spec, job.script, run_folder=run_folder, local=local)
+        return (*python, "-m", "worker", "run", "--script", script, "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    checkpoint_dir = train.checkpoint_dir or run_dir / "checkpoints"
-    argv = [python, "-m", "worker", "loop", "--module", str(job.loop), "--strategy", spec.strategy.value]
+    checkpoint_dir = train.checkpoint_dir or posixpath.join(run_folder, "checkpoints")
+    module = _job_path(spec, job.loop, run_folder=run_folder, local=local)
+    argv = [*python, "-m", "worker", "loop", "--module", module, "--strategy", spec.strategy.value]
     argv += ["--steps", str(train.steps)] if train.steps else ["--epochs", str(train.epochs)]
     argv += [
         "--global-batch-size",

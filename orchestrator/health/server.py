@@ -40,6 +40,10 @@ class HeartbeatServer:
         )
 
     @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}"

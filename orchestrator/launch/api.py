@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from orchestrator.plan import TaskPlan
+from orchestrator.errors import LaunchError
+from orchestrator.plan import HostContext, LaunchPlan, TaskPlan
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,32 @@ class TaskHandle(abc.ABC):
 
 
 class Launcher(abc.ABC):
+    def prepare(
+        self, ports: Mapping[str, int], heartbeat: tuple[str, int], direct_url: str | None
+    ) -> dict[int, HostContext]:
+        """Reach and check every host before planning (nothing starts if one fails); what the
+        planner needs to know of each. `heartbeat` is the coordinator's local server."""
+        return {}
+
+    def deploy(self, plan: LaunchPlan) -> None:
+        """Put what the tasks need (code, runtime) where they run."""
+        return None
+
     @abc.abstractmethod
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         """Start one task; raises LaunchError when it cannot be started at all."""
+
+    def start_all(
+        self, tasks: list[TaskPlan], attempt: int, token: str, log_paths: list[Path]
+    ) -> list[TaskHandle | LaunchError]:
+        """Start every task (a launcher may do it in parallel); per task, its handle or its error."""
+        out: list[Any] = []
+        for task, log_path in zip(tasks, log_paths, strict=True):
+            try:
+                out.append(self.start(task, attempt, token, log_path))
+            except LaunchError as exc:
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:

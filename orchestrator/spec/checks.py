@@ -123,6 +123,18 @@ def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
     for key, path in (("script", job.script), ("loop", job.loop)):
         if path is not None and not path.is_file():
             problems.append(SpecProblem(("job", key), f"no such file: {path}"))
+    entry = job.script or job.loop
+    if job.files is not None:
+        if not job.files.is_dir():
+            problems.append(SpecProblem(("job", "files"), f"no such folder: {job.files}"))
+        elif entry is not None and not entry.is_relative_to(job.files):
+            key = "script" if job.script is not None else "loop"
+            problems.append(
+                SpecProblem(
+                    ("job", "files"),
+                    f"job.{key} {entry} must be inside this folder (it is copied to the hosts)",
+                )
+            )
     if job.loop is not None and spec.train is None:
         problems.append(
             SpecProblem(("train",), "job.loop needs a train: section (steps or epochs, batch size)")

@@ -90,8 +90,12 @@ class HostSpec(_Strict):
     user: str | None = None
     port: int = Field(default=22, ge=1, le=65535)
     identity_file: Path | None = None
-    python: str = Field(default="python3", min_length=1)
-    workdir: str | None = None
+    python: str = Field(
+        default="python3", min_length=1, description="the host's interpreter (with TensorFlow)"
+    )
+    workdir: str | None = Field(
+        default=None, description="folder on the host for runs and the file cache (default ~/.orchestrate)"
+    )
     env: EnvMap = Field(default_factory=dict)
 
     _resolve_identity = field_validator("identity_file")(_resolve)
@@ -102,8 +106,12 @@ class JobSpec(_Strict):
     loop: Path | None = Field(default=None, description="mode 2: a module for the built-in training loop")
     args: list[str] = Field(default_factory=list)
     env: EnvMap = Field(default_factory=dict)
+    files: Path | None = Field(
+        default=None,
+        description="ssh backend: the folder copied to every host (default: the script's folder)",
+    )
 
-    _resolve_paths = field_validator("script", "loop")(_resolve)
+    _resolve_paths = field_validator("script", "loop", "files")(_resolve)
 
     @model_validator(mode="after")
     def _one_mode(self) -> JobSpec:
@@ -160,6 +168,12 @@ class SshSpec(_Strict):
     known_hosts: Path = Path("~/.ssh/known_hosts")
     host_key_policy: HostKeyPolicy = HostKeyPolicy.STRICT
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    coordinator_address: str | None = Field(
+        default=None,
+        pattern=r"^[^\s:/]+(:[0-9]{1,5})?$",
+        description="host[:port] of this machine that the hosts can reach; heartbeats go there directly "
+        "(default: through each SSH connection, which works behind NAT)",
+    )
 
     @field_validator("known_hosts")
     @classmethod

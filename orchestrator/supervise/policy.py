@@ -101,9 +101,10 @@ def decide(
 
     An exception in the job's code is permanent on the run's first attempt, or when it repeats at
     the step where an earlier attempt failed the same way: the same code on the same data fails
-    the same way. One that first appears after a restart gets the benefit of the doubt.
+    the same way. One that first appears after a restart gets the benefit of the doubt. So does
+    a launch failure after a restart (a host that was cut off may be back by the next attempt).
     """
-    if failure.kind is FailureKind.LAUNCH:
+    if failure.kind is FailureKind.LAUNCH and first_attempt:
         return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
     if failure.is_preemption:
         return Decision(

@@ -20,7 +20,7 @@ from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Launcher
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import ClusterSpec
+from orchestrator.spec.model import Backend, ClusterSpec
 from orchestrator.supervise import policy
 from orchestrator.supervise.policy import Action, Failure, FailureKind
 from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
@@ -181,19 +181,27 @@ class Supervisor:
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
-        for rec in self.tasks.values():
+        records = list(self.tasks.values())
+        for rec in records:
             rec.exit_code, rec.health, rec.handle = None, None, None
-            try:
-                rec.handle = self._launcher.start(
-                    rec.plan, self.attempt, self._token, self._sink.log_path(rec.plan.log_name)
-                )
-            except LaunchError as exc:
-                self._move_task(rec, TaskState.FAILED, str(exc))
-                failure = Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(exc))
-                self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
-                return
+        results = self._launcher.start_all(
+            [r.plan for r in records],
+            self.attempt,
+            self._token,
+            [self._sink.log_path(r.plan.log_name) for r in records],
+        )
+        failed: Failure | None = None
+        for rec, result in zip(records, results, strict=True):
+            if isinstance(result, LaunchError):
+                self._move_task(rec, TaskState.FAILED, str(result))
+                failed = failed or Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(result))
+                continue
+            rec.handle = result
             rec.launched_at = self._clock()
-            self._move_task(rec, TaskState.STARTING, f"pid {rec.handle.process.pid}")
+            where = f" on {rec.plan.host}" if self.plan.backend is not Backend.LOCAL else ""
+            self._move_task(rec, TaskState.STARTING, f"pid {result.process.pid}{where}")
+        if failed is not None:  # the tasks that did start are stopped by the teardown
+            self._begin_stop(_Stop(ClusterState.FAILED, failed.describe(), failed))
 
     def _observe(self) -> None:
         now = self._clock()

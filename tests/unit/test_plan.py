@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import dataclasses
 import json
 import os
 import random
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.plan import LaunchPlan, RunContext, make_plan, task_slots
+from orchestrator.plan import HostContext, LaunchPlan, RunContext, make_plan, task_slots
 from orchestrator.ports import reserve_ports
 from orchestrator.spec import ClusterSpec, Role, parse_spec
 
@@ -214,12 +215,62 @@ def test_ssh_backend_uses_host_addresses(tmp_path: Path) -> None:
         ("worker-2", "node-b.lab", "node-b.lab:20002"),
     ]
     assert plan.cluster["worker"] == ["10.0.0.1:20000", "10.0.0.1:20001", "node-b.lab:20002"]
-    # remote tasks use the host's interpreter and workdir
+    # remote tasks use the host's interpreter; they run in the run's folder under the host's workdir
     assert [(t.argv[0], t.cwd) for t in plan.tasks] == [
-        ("/opt/py/bin/python", "/srv/job"),
-        ("/opt/py/bin/python", "/srv/job"),
-        ("python3", "."),
+        ("/opt/py/bin/python", "/srv/job/runs/demo-20250101-000000/code"),
+        ("/opt/py/bin/python", "/srv/job/runs/demo-20250101-000000/code"),
+        ("python3", "~/.orchestrate/runs/demo-20250101-000000/code"),
     ]
+    assert [t.host_index for t in plan.tasks] == [0, 0, 1]
+
+
+def test_ssh_backend_paths_point_into_the_copied_files(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("")
+    spec = spec_of(
+        tmp_path,
+        TWO_HOSTS,
+        backend="ssh",
+        job="script: src/train.py\n  files: .\n  env: {PYTHONPATH: /opt/mine}",
+    )
+    hosts = {
+        0: HostContext("/home/ann/.orchestrate", "http://127.0.0.1:41000"),
+        1: HostContext("/scratch/o", "http://127.0.0.1:42000"),
+    }
+    plan = plan_of(spec, run=dataclasses.replace(RUN, hosts=hosts))
+    w0, w2 = plan.task("worker-0"), plan.task("worker-2")
+    run0 = "/home/ann/.orchestrate/runs/demo-20250101-000000"
+    # job.files is the copied root: the script keeps its path inside it
+    assert w0.argv[:6] == (
+        "/opt/py/bin/python",
+        "-m",
+        "worker",
+        "run",
+        "--script",
+        f"{run0}/code/src/train.py",
+    )
+    assert w0.env["ORCHESTRATE_RUN_DIR"] == run0
+    assert w0.env["ORCHESTRATE_COORDINATOR"] == "http://127.0.0.1:41000"
+    assert w2.env["ORCHESTRATE_COORDINATOR"] == "http://127.0.0.1:42000"
+    # the copied worker runtime comes first on the path, the user's entries after it
+    assert w0.env["PYTHONPATH"] == f"{run0}/lib:/opt/mine"
+    assert w2.env["PYTHONPATH"] == "/scratch/o/runs/demo-20250101-000000/lib:/opt/mine"
+
+
+def test_ssh_loop_checkpoints_default_to_the_hosts_run_folder(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").write_text("")
+    spec = spec_of(
+        tmp_path,
+        "- address: 10.0.0.1\n  tasks: {worker: 1}\n  python: python3 -X dev",
+        backend="ssh",
+        job="loop: loop.py",
+        extra="train: {steps: 10}\n",
+    )
+    argv = plan_of(spec).task("worker-0").argv
+    assert argv[:3] == ("python3", "-X", "dev")  # a multi-word interpreter stays several words
+    folder = "~/.orchestrate/runs/demo-20250101-000000"
+    assert argv[argv.index("--module") + 1] == f"{folder}/code/loop.py"
+    assert argv[argv.index("--checkpoint-dir") + 1] == f"{folder}/checkpoints"
 
 
 def test_ports_come_from_the_ports_mapping(tmp_path: Path) -> None:

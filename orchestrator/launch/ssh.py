@@ -1,0 +1,314 @@
+"""Launch layer: tasks on lab hosts over SSH (Fabric/paramiko).
+
+Before any task starts, every host is connected and checked in parallel (`prepare`); one host that
+fails stops the launch with nothing started anywhere. Each task then runs under `worker/shim.py`
+on its host, one SSH channel per attempt: the shim starts the task in its own session (process
+group), streams its log back, passes on TERM/KILL, and stops the task when the channel closes for
+any reason — the coordinator exiting, dying, or losing the connection. Nothing is ever killed by
+name; the task's recorded process group is the only target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import posixpath
+import shlex
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import fabric
+import paramiko
+
+from orchestrator import preflight
+from orchestrator.errors import LaunchError
+from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
+from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed
+from orchestrator.launch.sync import job_files, sync, worker_files
+from orchestrator.launch.tunnel import open_reverse_tunnel
+from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
+from orchestrator.record import now_iso
+from orchestrator.spec.model import ClusterSpec
+from worker import wire
+
+log = logging.getLogger("orchestrator.ssh")
+_KILL_WAIT_S = 5.0  # after SIGKILL, how long a host may take to confirm the exit
+
+
+class SshTaskHandle(TaskHandle):
+    def __init__(self, task: TaskPlan, attempt: int, log_path: Path, host: Host, channel: paramiko.Channel):
+        super().__init__(task, attempt, log_path)
+        self.host = host
+        self._channel = channel
+        self._started = threading.Event()
+        self._ended = threading.Event()  # exit reported, or the channel closed
+        self._exit_code: int | None = None
+        self._info: ProcessInfo | None = None
+        self._messages: list[str] = []  # stderr text that is not an event (a failed start)
+        self._threads = [
+            threading.Thread(target=self._pump_output, daemon=True, name=f"{task.name}-out"),
+            threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events"),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def process(self) -> ProcessInfo:
+        return self._info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
+
+    def poll(self) -> int | None:
+        return self._exit_code
+
+    @property
+    def ended(self) -> bool:
+        """The task's exit is known, or its channel is gone (nothing more can be learned)."""
+        return self._ended.is_set()
+
+    def wait_started(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._started.is_set() and not self._ended.is_set() and time.monotonic() < deadline:
+            self._started.wait(0.05)
+        if self._started.is_set():
+            return
+        said = "; ".join(self._messages[-3:]) or (
+            "the channel closed" if self._ended.is_set() else f"no answer within {timeout_s:g} s"
+        )
+        self._channel.close()
+        raise LaunchError(f"cannot start {self.task.name} on {self.host.label}: {said}")
+
+    def send(self, command: str) -> None:
+        # A channel already gone is fine: the shim stops the task by itself then.
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            self._channel.sendall(f"{command}\n".encode())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _pump_output(self) -> None:
+        with open(self.log_path, "ab") as out:
+            while True:
+                try:
+                    data = self._channel.recv(65536)
+                except (OSError, EOFError, paramiko.SSHException):
+                    data = b""
+                if not data:
+                    return
+                out.write(data)
+                out.flush()
+
+    def _pump_events(self) -> None:
+        buffer = b""
+        try:
+            while True:
+                data = self._channel.recv_stderr(65536)
+                if not data:
+                    break
+                buffer += data
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    self._on_line(line.decode(errors="replace"))
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+        if buffer:
+            self._on_line(buffer.decode(errors="replace"))
+        self._ended.set()
+
+    def _on_line(self, line: str) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if not isinstance(event, dict) or "event" not in event:
+            if line.strip():
+                self._messages.append(line.strip())
+            return
+        if event["event"] == "started":
+            self._info = ProcessInfo(event["pid"], event["pgid"], float(event["create_time"]))
+            self._started.set()
+        elif event["event"] == "exit":
+            self._exit_code = int(event["code"])
+            self._ended.set()
+        elif event["event"] == "error":
+            self._messages.append(str(event.get("message")))
+
+
+class SshLauncher(Launcher):
+    def __init__(self, spec: ClusterSpec, run_id: str):
+        self._spec = spec
+        self._run_id = run_id
+        self._hosts = hosts_of(spec)
+        self._conns: dict[int, fabric.Connection] = {}
+        self._contexts: dict[int, HostContext] = {}
+        self._suspect: set[int] = set()  # hosts whose connection must be renewed before use
+        self._heartbeat: tuple[str, int] | None = None
+        self._direct_url: str | None = None
+        self._lock = threading.Lock()
+        self.reports: list[preflight.HostReport] = []
+
+    # --- before the first attempt ---
+
+    def prepare(
+        self, ports: Mapping[str, int], heartbeat: tuple[str, int], direct_url: str | None
+    ) -> dict[int, HostContext]:
+        """Connect to every host and check it (the fast part of `orchestrate check`); open the
+        heartbeat tunnels. Raises LaunchError naming every host with a problem."""
+        self._heartbeat, self._direct_url = heartbeat, direct_url
+        self.reports = preflight.inspect(self._spec, ports, peers=False)
+        self._conns = {r.host.index: r.conn for r in self.reports if r.conn is not None}
+        problems = preflight.problems(self.reports)
+        for warning in preflight.warnings(self.reports):
+            log.warning("%s", warning)
+        if problems:
+            raise LaunchError("preflight failed (see `orchestrate check`):\n  " + "\n  ".join(problems))
+        for report in self.reports:
+            assert report.facts is not None
+            self._contexts[report.host.index] = HostContext(
+                workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
+            )
+        return dict(self._contexts)
+
+    def deploy(self, plan: LaunchPlan) -> None:
+        """Copy the job's files and the worker runtime into the run's folder on every host."""
+        entries = worker_files() + job_files(job_files_root(self._spec))
+        used = sorted({t.host_index for t in plan.tasks})
+
+        def one(index: int) -> Any:
+            ctx = self._contexts[index]
+            return sync(
+                self._conns[index],
+                self._hosts[index],
+                ctx.workdir,
+                remote_run_folder(ctx, plan.run_id),
+                entries,
+            )
+
+        results = on_all(used, one)
+        raise_if_failed(results, "copying the job's files")
+        for index, result in zip(used, results, strict=True):
+            log.info(
+                "%s: %d file(s) copied (%d bytes), %d unchanged",
+                self._hosts[index].label,
+                result.uploaded,
+                result.uploaded_bytes,
+                result.unchanged,
+            )
+
+    def _coordinator_url(self, index: int) -> str:
+        if self._direct_url is not None:
+            return self._direct_url
+        assert self._heartbeat is not None
+        transport = self._conns[index].transport
+        assert transport is not None
+        try:
+            port = open_reverse_tunnel(transport, self._heartbeat)
+        except paramiko.SSHException as exc:
+            raise LaunchError(
+                f"{self._hosts[index].label}: sshd refused the heartbeat tunnel ({exc}); allow "
+                "AllowTcpForwarding there, or set ssh.coordinator_address to an address of this "
+                "machine the hosts can reach"
+            ) from None
+        return f"http://127.0.0.1:{port}"
+
+    # --- per attempt ---
+
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        handle = self._open(task, attempt, token, log_path)
+        handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
+        return handle
+
+    def start_all(self, tasks: list[TaskPlan], attempt: int, token: str, log_paths: list[Path]) -> list[Any]:
+        def one(i: int) -> Any:
+            return self.start(tasks[i], attempt, token, log_paths[i])
+
+        return on_all(list(range(len(tasks))), one)
+
+    def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
+        host = self._hosts[task.host_index]
+        conn = self._connection(task.host_index)
+        ctx = self._contexts[task.host_index]
+        folder = remote_run_folder(ctx, self._run_id)
+        env = task.launch_env(attempt=attempt, token=token)
+        env[wire.ENV_COORDINATOR] = ctx.coordinator_url  # a renewed tunnel may have a new port
+        job = {
+            "argv": list(task.argv),
+            "env": env,
+            "cwd": task.cwd,
+            "log": posixpath.join(folder, "logs", task.log_name),
+            "pidfile": posixpath.join(folder, "tasks", f"{task.name}.json"),
+            "run_id": self._run_id,
+            "task": task.name,
+            "attempt": attempt,
+            "grace_s": self._spec.health.stop_grace_s,
+        }
+        with open(log_path, "ab") as out:
+            marker = (
+                f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label} ====="
+            )
+            out.write(f"{marker}\n".encode())
+        command = "exec " + shlex.join([*host.python, posixpath.join(folder, "lib", "worker", "shim.py")])
+        transport = conn.transport
+        assert transport is not None
+        try:
+            channel = transport.open_session(timeout=self._spec.ssh.connect_timeout_s)
+            channel.exec_command(command)
+            channel.sendall((json.dumps(job) + "\n").encode())
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            self._suspect.add(task.host_index)
+            raise LaunchError(
+                f"cannot start {task.name} on {host.label}: {exc or type(exc).__name__}"
+            ) from None
+        return SshTaskHandle(task, attempt, log_path, host, channel)
+
+    def _connection(self, index: int) -> fabric.Connection:
+        """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
+        with self._lock:
+            conn = self._conns.get(index)
+            alive = conn is not None and conn.transport is not None and conn.transport.is_active()
+            if alive and index not in self._suspect:
+                assert conn is not None
+                return conn
+            if conn is not None:
+                close_all({index: conn})
+            log.info("%s: reconnecting", self._hosts[index].label)
+            conn = connect(self._hosts[index], self._spec.ssh)
+            self._conns[index] = conn
+            self._suspect.discard(index)
+            ctx = self._contexts[index]
+            self._contexts[index] = HostContext(ctx.workdir, self._coordinator_url(index))
+            return conn
+
+    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
+        mine = [h for h in handles if isinstance(h, SshTaskHandle)]
+        live = [h for h in mine if not h.ended]
+        for h in live:
+            h.send("TERM")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+            if all(h.ended for h in live):
+                break
+            time.sleep(0.05)
+        late = [h for h in live if not h.ended]
+        for h in late:
+            h.send("KILL")
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while time.monotonic() < deadline and not all(h.ended for h in late):
+            time.sleep(0.05)
+        for h in mine:
+            h.close()
+        unconfirmed = [h for h in mine if h.poll() is None]
+        for h in unconfirmed:
+            self._suspect.add(h.task.host_index)
+        if unconfirmed:
+            names = ", ".join(f"{h.task.name} on {h.host.label}" for h in unconfirmed)
+            raise LaunchError(
+                f"{names}: exit not confirmed (connection lost); such a task stops by itself once its "
+                "SSH connection or the coordinator is gone, and a new attempt there stops any leftover first"
+            )
+
+    def close(self) -> None:
+        close_all(self._conns)
+        self._conns = {}

@@ -1,0 +1,192 @@
+"""Preflight of the ssh backend: `orchestrate check`, and its fast part before `orchestrate up`.
+
+Per host, in parallel: SSH reachable with a known host key, the host's Python with TensorFlow and
+psutil, GPUs, the work folder writable with free disk, the TF ports free. With `peers=True` also
+whether every host reaches every other host's TF ports (each host listens on its ports while the
+others connect). Versions are compared across hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fabric
+import paramiko
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, on_all, probe
+from orchestrator.plan import task_slots
+from orchestrator.spec.model import ClusterSpec
+
+log = logging.getLogger("orchestrator.ssh")
+
+MIN_DISK_BYTES = 256 * 1024**2
+_PYTHON_MIN = (3, 10)
+
+
+@dataclass
+class HostReport:
+    host: Host
+    ports: dict[int, str]  # port -> task that uses it
+    conn: fabric.Connection | None = None
+    error: str | None = None  # could not connect or run anything
+    facts: dict[str, Any] | None = None
+    peers: dict[str, str | None] = field(default_factory=dict)  # "addr:port" -> error or None
+
+    @property
+    def own_problems(self) -> list[str]:
+        if self.error is not None:
+            return [self.error]
+        f = self.facts or {}
+        i, label, out = self.host.index, self.host.label, []
+        python = shlex.join(self.host.python)
+        if tuple(int(x) for x in f.get("python", "0.0").split(".")[:2]) < _PYTHON_MIN:
+            out.append(
+                f"{label}: {python} is Python {f.get('python')}; the worker needs 3.10+ (hosts[{i}].python)"
+            )
+        if f.get("tensorflow") is None:
+            out.append(
+                f"{label}: TensorFlow is not installed for {python} (install it, or set hosts[{i}].python)"
+            )
+        if f.get("psutil") is None:
+            out.append(f"{label}: psutil is not installed for {python} (the worker runtime needs it)")
+        if f.get("workdir_error"):
+            out.append(f"{label}: work folder {f.get('workdir')}: {f['workdir_error']} (hosts[{i}].workdir)")
+        elif int(f.get("disk_free_bytes", 0)) < MIN_DISK_BYTES:
+            out.append(
+                f"{label}: only {_size(int(f.get('disk_free_bytes', 0)))} free under {f.get('workdir')}"
+            )
+        for port, free in (f.get("ports") or {}).items():
+            if not free:
+                out.append(
+                    f"{label}: port {port} ({self.ports[int(port)]}) is in use there; "
+                    f"set hosts[{i}].base_port to a free range"
+                )
+        for target, err in self.peers.items():
+            if err is not None:
+                out.append(f"{label}: cannot reach {target}: {err} (a firewall between the hosts?)")
+        return out
+
+
+def inspect(spec: ClusterSpec, ports: Mapping[str, int], *, peers: bool) -> list[HostReport]:
+    """Connect to every host and gather its facts; connections stay open in the reports."""
+    slots = task_slots(spec)
+    reports = [
+        HostReport(host, {ports[s.name]: s.name for s in slots if s.host_index == host.index})
+        for host in hosts_of(spec)
+    ]
+
+    def one(report: HostReport) -> None:
+        try:
+            report.conn = connect(report.host, spec.ssh)
+            workdir = spec.hosts[report.host.index].workdir or "~/.orchestrate"
+            report.facts = probe(report.conn, report.host, "facts", workdir, *map(str, sorted(report.ports)))
+        except LaunchError as exc:
+            report.error = str(exc)
+
+    on_all(reports, one)
+    if peers:
+        _check_peers(spec, reports, ports)
+    return reports
+
+
+def _check_peers(spec: ClusterSpec, reports: list[HostReport], ports: Mapping[str, int]) -> None:
+    ready = [r for r in reports if r.conn is not None and r.facts is not None]
+    listeners: list[paramiko.Channel] = []
+    targets: list[str] = []
+    try:
+        for r in ready:
+            free = [p for p, ok in r.facts["ports"].items() if ok] if r.facts else []
+            if not free:
+                continue
+            assert r.conn is not None and r.conn.transport is not None
+            chan = r.conn.transport.open_session(timeout=spec.ssh.connect_timeout_s)
+            chan.settimeout(spec.ssh.connect_timeout_s + 10)
+            chan.exec_command(shlex.join([*r.host.python, "-c", PROBE_SOURCE, "listen", *free]))
+            listeners.append(chan)
+            bound = json.loads(chan.makefile("r").readline() or "{}")
+            targets += [f"{r.host.address}:{p}" for p, err in bound.items() if err is None]
+
+        def one(r: HostReport) -> None:
+            assert r.conn is not None
+            try:
+                r.peers = probe(r.conn, r.host, "connect", "3", *targets)
+            except LaunchError as exc:
+                r.peers = {"(peers)": str(exc)}
+
+        on_all(ready, one)
+    finally:
+        for chan in listeners:
+            chan.close()
+
+
+def _versions(reports: list[HostReport], name: str) -> dict[str, str]:
+    return {r.host.label: str(r.facts[name]) for r in reports if r.facts and r.facts.get(name)}
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def problems(reports: list[HostReport]) -> list[str]:
+    """What stops a launch: each host's own problems, and TensorFlow minor versions that differ."""
+    out = [p for r in reports for p in r.own_problems]
+    tf = _versions(reports, "tensorflow")
+    if len({_minor(v) for v in tf.values()}) > 1:
+        listed = ", ".join(f"{h} {v}" for h, v in tf.items())
+        out.append(f"TensorFlow versions differ across hosts ({listed}); one cluster needs one version")
+    return out
+
+
+def warnings(reports: list[HostReport]) -> list[str]:
+    """Worth a look, not a stop: patch versions of TensorFlow or Python that differ."""
+    out = []
+    for name in ("tensorflow", "python"):
+        seen = _versions(reports, name)
+        minors_differ = name == "tensorflow" and len({_minor(v) for v in seen.values()}) > 1
+        if len(set(seen.values())) > 1 and not minors_differ:
+            listed = ", ".join(f"{h} {v}" for h, v in seen.items())
+            out.append(f"{name} versions differ across hosts: {listed}")
+    return out
+
+
+def close(reports: list[HostReport]) -> None:
+    close_all({r.host.index: r.conn for r in reports if r.conn is not None})
+
+
+def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
+    """One row per host for the `check` table (strings, in column order)."""
+    rows = []
+    for r in reports:
+        f = r.facts or {}
+        gpus = f.get("gpus")
+        busy = [p for p, ok in (f.get("ports") or {}).items() if not ok]
+        unreachable = [t for t, e in r.peers.items() if e is not None]
+        rows.append(
+            {
+                "host": r.host.label,
+                "ssh": "ok" if r.conn is not None and r.error is None else "FAILED",
+                "python": f.get("python", "-"),
+                "tensorflow": f.get("tensorflow") or ("MISSING" if f else "-"),
+                "gpus": "-" if not f else (str(len(gpus)) if gpus is not None else "none"),
+                "disk free": _size(int(f["disk_free_bytes"])) if f else "-",
+                "ports": "-" if not f else (f"busy: {','.join(busy)}" if busy else f"{len(f['ports'])} free"),
+                "peers": "-"
+                if not r.peers
+                else (f"{len(unreachable)} unreachable" if unreachable else f"{len(r.peers)} ok"),
+            }
+        )
+    return rows
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"

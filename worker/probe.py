@@ -1,0 +1,222 @@
+"""Remote side of the ssh backend: small jobs run on a lab host with its own Python.
+
+The coordinator runs this file on each host as `PYTHON -c SOURCE MODE ARGS…` (nothing needs to
+be installed there first). Standard library only; each mode prints one JSON object on stdout.
+
+- facts WORKDIR PORT…     Python, TensorFlow and psutil versions, GPUs, home, the work folder
+                          (made absolute, created, writable?), its free disk, which TF ports are free.
+- listen PORT…            bind each port, print which bound, then accept and drop connections
+                          until stdin closes (peers test that they can reach this host).
+- connect TIMEOUT ADDR…   try a TCP connection to each host:port.
+- materialize CACHE DEST  stdin: JSON [[relpath, sha256, mode], …]; copy each cached file into
+                          DEST (write-then-rename, so concurrent runs never see half a file).
+- stop RUN_ID PIDFILE…    stop the process groups recorded in these pidfiles, if they still
+                          carry RUN_ID (`orchestrate down` when the coordinator is gone).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+
+def facts(workdir: str, *ports: str) -> dict[str, Any]:
+    from importlib import metadata
+
+    def version(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    out: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+        "tensorflow": version("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"),
+        "psutil": version("psutil"),
+        "home": os.path.expanduser("~"),
+        "gpus": _gpus(),
+    }
+    path = os.path.abspath(os.path.expanduser(workdir))
+    out["workdir"] = path
+    try:
+        os.makedirs(path, exist_ok=True)
+        out["workdir_error"] = None if os.access(path, os.W_OK) else "not writable"
+    except OSError as exc:
+        out["workdir_error"] = str(exc)
+    probe = path
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    usage = shutil.disk_usage(probe)
+    out["disk_free_bytes"] = usage.free
+    out["ports"] = {p: _port_free(int(p)) for p in ports}
+    return out
+
+
+def _gpus() -> list[str] | None:
+    """GPU names from nvidia-smi; None when the host has no NVIDIA driver."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        res = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+
+def _port_free(port: int) -> bool:
+    # TensorFlow's gRPC server binds every interface; test the same way.
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue
+            return False
+    return True
+
+
+def listen(*ports: str) -> None:
+    bound: dict[str, str | None] = {}
+    socks = []
+    for p in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", int(p)))
+            s.listen(64)
+        except OSError as exc:
+            s.close()
+            bound[p] = str(exc)
+            continue
+        bound[p] = None
+        socks.append(s)
+        threading.Thread(target=_accept_forever, args=(s,), daemon=True).start()
+    print(json.dumps(bound), flush=True)
+    deadline = time.monotonic() + 120  # never outlive a forgotten check
+    reader = threading.Thread(target=sys.stdin.read, daemon=True)
+    reader.start()
+    reader.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _accept_forever(s: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = s.accept()
+        except OSError:
+            return
+        conn.close()
+
+
+def connect(timeout_s: str, *targets: str) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+
+    def one(target: str) -> None:
+        host, _, port = target.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=float(timeout_s)):
+                results[target] = None
+        except OSError as exc:
+            results[target] = str(exc) or type(exc).__name__
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def materialize(cache: str, dest: str) -> dict[str, Any]:
+    entries = json.load(sys.stdin)
+    missing = []
+    for rel, digest, mode in entries:
+        src = os.path.join(cache, digest)
+        target = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(src):
+            missing.append(rel)
+            continue
+        tmp = f"{target}.tmp{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    return {"copied": len(entries) - len(missing), "missing": missing}
+
+
+def stop(run_id: str, *pidfiles: str) -> dict[str, str]:
+    out = {}
+    for path in pidfiles:
+        try:
+            with open(path) as f:
+                pgid = int(json.load(f).get("pgid", 0))
+        except (OSError, ValueError):
+            out[path] = "no record"
+            continue
+        if pgid <= 1 or not _alive(pgid):
+            out[path] = "not running"
+            continue
+        try:
+            with open(f"/proc/{pgid}/environ", "rb") as f:
+                ours = f"ORCHESTRATE_RUN_ID={run_id}".encode() in f.read().split(b"\0")
+        except OSError:
+            ours = False
+        if not ours:
+            out[path] = f"process group {pgid} is not this run's; left alone"
+            continue
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(pgid):
+            time.sleep(0.1)
+        if _alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        out[path] = f"stopped process group {pgid}"
+    return out
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pgid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # the leader is gone; other members may remain
+
+
+def main(argv: list[str]) -> int:
+    mode, args = argv[0], argv[1:]
+    if mode == "listen":
+        listen(*args)
+        return 0
+    handlers: dict[str, Any] = {"facts": facts, "connect": connect, "materialize": materialize, "stop": stop}
+    print(json.dumps(handlers[mode](*args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

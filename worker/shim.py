@@ -1,0 +1,227 @@
+"""Remote side of the ssh backend: the shim that runs one task on a lab host.
+
+The coordinator copies this file (with the rest of the package) to each host and runs it over
+an SSH channel as `PYTHON shim.py`. Standard library only, so it runs before anything else is
+known to work on the host, and it imports nothing of this package.
+
+Protocol (one SSH channel per task attempt):
+- stdin, first line: JSON {argv, env, cwd, log, pidfile, run_id, task, attempt, grace_s}. The
+  environment travels here rather than on a command line: no shell ever parses a value (a JSON
+  TF_CONFIG or `$(...)` stays literal) and the per-run secret does not show in `ps`.
+- stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL".
+  End of file — the coordinator closed the channel, died, or lost the connection — means the same
+  as TERM, then SIGKILL after grace_s: a task never outlives its SSH connection.
+- stdout: the task's output, followed live from its log file on the host (the task writes to the
+  file itself, so a slow or dead connection never blocks it and the host keeps the full log).
+- stderr: one JSON line per event: {"event": "started", pid, pgid, create_time}, then
+  {"event": "exit", "code": N} (negative N: killed by signal -N). Anything else on stderr comes
+  from a failed start (e.g. the shell's "python3: not found").
+
+Before starting, the shim stops a previous attempt of the same task still alive on this host
+(recorded in the pidfile and checked by its run id), so a task is never running twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+_RUN_ID_ENV = "ORCHESTRATE_RUN_ID"
+
+
+def main() -> int:
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 2
+    job: dict[str, Any] = json.loads(line)
+    for path in (job["log"], job["pidfile"]):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    stale = _stop_stale(job["pidfile"], job["run_id"])
+    out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    out.write(f"===== orchestrate: {job['task']} attempt {job['attempt']} started {stamp} =====\n".encode())
+    if stale:
+        out.write(f"orchestrate: stopped a previous attempt still running here ({stale})\n".encode())
+    out.flush()
+    offset = out.tell()
+    try:
+        child = subprocess.Popen(
+            job["argv"],
+            cwd=job["cwd"],
+            env={**os.environ, **job["env"]},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, stopped as one
+        )
+    except OSError as exc:
+        _emit({"event": "error", "message": f"cannot start {job['argv'][0]}: {exc}"})
+        return 127
+    out.close()
+    pgid = child.pid
+    info = {"pid": child.pid, "pgid": pgid, "create_time": _create_time(child.pid)}
+    _write_json(job["pidfile"], {**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()})
+    _emit({"event": "started", **info})
+
+    follower = _Follower(job["log"], offset)
+    follower.start()
+    control = threading.Thread(target=_control, args=(pgid, float(job["grace_s"]), child), daemon=True)
+    control.start()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        # sshd or an admin stopping the shim: the task goes too
+        signal.signal(sig, lambda *_: _stop_group(pgid, float(job["grace_s"]), child))
+    code = child.wait()
+    _reap_group(pgid)  # nothing of the task outlives it (its own children included)
+    follower.finish()
+    _emit({"event": "exit", "code": code})
+    return code if code >= 0 else 128 - code
+
+
+def _control(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:
+    for raw in sys.stdin.buffer:
+        command = raw.strip().decode(errors="replace")
+        if command == "TERM":
+            _signal_group(pgid, signal.SIGTERM)
+            _signal_group(pgid, signal.SIGCONT)
+        elif command == "KILL":
+            _signal_group(pgid, signal.SIGKILL)
+    # End of file: the coordinator or its connection is gone. Stop the task; never orphan it.
+    _stop_group(pgid, grace_s, child)
+
+
+def _stop_group(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:
+    _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _reap_group(pgid: int, grace_s: float = 2.0) -> None:
+    if not _group_alive(pgid):
+        return
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _stop_stale(pidfile: str, run_id: str) -> str:
+    """Stop the previous attempt of this task if it still runs here (a host that was cut off)."""
+    try:
+        with open(pidfile) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    pgid = int(old.get("pgid", 0))
+    if pgid <= 1 or not _group_alive(pgid) or not _has_run_id(pgid, run_id):
+        return ""
+    _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGCONT)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+    return f"process group {pgid}"
+
+
+def _has_run_id(pid: int, run_id: str) -> bool:
+    """The run tag: a process of ours carries ORCHESTRATE_RUN_ID in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{_RUN_ID_ENV}={run_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A group of zombies still answers; look for a live member.
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _create_time(pid: int) -> float:
+    """As psutil computes it: boot time + start ticks (guards a recorded pid against reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return 0.0
+
+
+class _Follower(threading.Thread):
+    """Copies what the task appends to its log file to stdout (the SSH channel), live."""
+
+    def __init__(self, path: str, offset: int):
+        super().__init__(daemon=True)
+        self._path, self._offset = path, offset
+        self._done = threading.Event()
+        self._broken = False
+
+    def run(self) -> None:
+        with open(self._path, "rb") as f:
+            f.seek(self._offset)
+            while True:
+                finishing = self._done.is_set()
+                data = f.read(65536)
+                if data and not self._broken:
+                    try:
+                        os.write(1, data)
+                    except OSError:
+                        self._broken = True  # the connection is gone; the log file still has it all
+                elif not data:
+                    if finishing:
+                        return
+                    time.sleep(0.1)
+
+    def finish(self) -> None:
+        self._done.set()
+        self.join(timeout=10.0)
+
+
+def _emit(event: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (json.dumps(event) + "\n").encode())
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
