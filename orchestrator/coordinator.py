@@ -28,7 +28,7 @@ from orchestrator.launch.local import LocalLauncher
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, RunContext, make_plan
 from orchestrator.ports import reserve_ports
-from orchestrator.record import RunRecord, new_run_dir, now_iso
+from orchestrator.record import RunRecord, new_run_dir, now_iso, write_json_atomic
 from orchestrator.spec.model import Backend, ClusterSpec
 from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import RunResult, Supervisor, SupervisorConfig
@@ -102,6 +102,9 @@ def up(
         reservation = reserve_ports(spec)
         direct = server.url if spec.backend is Backend.SSH and spec.ssh.coordinator_address else None
         hosts = launcher.prepare(reservation.ports, ("127.0.0.1", server.port), direct)
+        hosts_record = launcher.hosts_record()
+        if hosts_record is not None:
+            write_json_atomic(run_dir / "hosts.json", hosts_record)
         context = RunContext(
             run_id=run_dir.name,
             run_dir=run_dir.resolve(),

@@ -17,6 +17,7 @@ from orchestrator.errors import RunDirError
 from orchestrator.launch.local import group_alive, signal_group
 from orchestrator.logtail import LogTailer
 from orchestrator.record import RUNS_DIR, read_json
+from orchestrator.supervise.states import ClusterState
 
 
 def resolve_run_dir(arg: str | None) -> Path:
@@ -97,6 +98,8 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
             os.kill(pid, signal.SIGTERM)  # second signal: immediate teardown
             time.sleep(3)
     status = read_status(run_dir)
+    if (run_dir / "hosts.json").exists():  # ssh backend: the tasks ran on other machines
+        return _down_remote(run_dir, status, out)
     groups = live_task_groups(status)
     if groups:
         out.write(f"coordinator gone; stopping {len(groups)} task process group(s) it left\n")
@@ -110,6 +113,25 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
     status = read_status(run_dir)
     out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
     return 0
+
+
+def _down_remote(run_dir: Path, status: dict[str, Any], out: Any) -> int:
+    """The hosts are asked only when the coordinator may have left something: it died mid-run, or
+    it could not confirm that a task on a cut-off host had exited."""
+    events = run_dir / "events.jsonl"
+    unconfirmed = events.exists() and "exit not confirmed" in events.read_text(encoding="utf-8")
+    ok = True
+    if not ClusterState(status.get("state", "PENDING")).is_terminal or unconfirmed:
+        from orchestrator.launch.ssh import stop_leftovers
+
+        out.write("asking the hosts to stop what is left of the run…\n")
+        plan_tasks = read_json(run_dir / "plan.json")["tasks"]
+        for line, reached in stop_leftovers(read_json(run_dir / "hosts.json"), plan_tasks):
+            out.write(line + "\n")
+            ok = ok and reached
+    status = read_status(run_dir)
+    out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
+    return 0 if ok else 1
 
 
 def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = sys.stdout) -> int:

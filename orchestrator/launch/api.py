@@ -52,6 +52,10 @@ class Launcher(abc.ABC):
         planner needs to know of each. `heartbeat` is the coordinator's local server."""
         return {}
 
+    def hosts_record(self) -> dict[str, Any] | None:
+        """How to reach the hosts later (`orchestrate down` without a coordinator); None if local."""
+        return None
+
     def deploy(self, plan: LaunchPlan) -> None:
         """Put what the tasks need (code, runtime) where they run."""
         return None

@@ -27,12 +27,12 @@ import paramiko
 from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
-from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed
+from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, probe, raise_if_failed
 from orchestrator.launch.sync import job_files, sync, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
 from orchestrator.record import now_iso
-from orchestrator.spec.model import ClusterSpec
+from orchestrator.spec.model import ClusterSpec, SshSpec
 from worker import wire
 
 log = logging.getLogger("orchestrator.ssh")
@@ -170,6 +170,29 @@ class SshLauncher(Launcher):
                 workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
             )
         return dict(self._contexts)
+
+    def hosts_record(self) -> dict[str, Any]:
+        ssh = self._spec.ssh
+        return {
+            "run_id": self._run_id,
+            "ssh": {
+                "known_hosts": str(ssh.known_hosts),
+                "host_key_policy": ssh.host_key_policy.value,
+                "connect_timeout_s": ssh.connect_timeout_s,
+            },
+            "hosts": [
+                {
+                    "index": h.index,
+                    "address": h.address,
+                    "port": h.ssh_port,
+                    "user": h.user,
+                    "identity_file": str(h.identity_file) if h.identity_file else None,
+                    "python": shlex.join(h.python),
+                    "workdir": self._contexts[h.index].workdir if h.index in self._contexts else None,
+                }
+                for h in self._hosts
+            ],
+        }
 
     def deploy(self, plan: LaunchPlan) -> None:
         """Copy the job's files and the worker runtime into the run's folder on every host."""
@@ -312,3 +335,40 @@ class SshLauncher(Launcher):
     def close(self) -> None:
         close_all(self._conns)
         self._conns = {}
+
+
+def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """`orchestrate down` when the coordinator is gone: stop, on every host, the recorded process
+    groups of this run's tasks (plan.json's) that still carry its run id. Per host: a line, and
+    whether the host could be asked."""
+    ssh = SshSpec(**record["ssh"])
+    run_id = record["run_id"]
+    hosts = []
+    for h in record["hosts"]:
+        if h.get("workdir") is None:
+            continue
+        host = Host(
+            index=h["index"],
+            address=h["address"],
+            ssh_port=h["port"],
+            user=h["user"],
+            identity_file=Path(h["identity_file"]) if h["identity_file"] else None,
+            python=tuple(shlex.split(h["python"])),
+        )
+        folder = posixpath.join(h["workdir"], "runs", run_id, "tasks")
+        names = [t["name"] for t in tasks if t.get("host_index") == h["index"]]
+        hosts.append((host, [posixpath.join(folder, f"{n}.json") for n in names]))
+
+    def one(item: tuple[Host, list[str]]) -> str:
+        host, pidfiles = item
+        if not pidfiles:
+            return f"{host.label}: no task"
+        conn = connect(host, ssh)
+        try:
+            answer = probe(conn, host, "stop", run_id, *pidfiles)
+        finally:
+            close_all({host.index: conn})
+        return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())
+
+    results = on_all(hosts, one)
+    return [(str(r), not isinstance(r, BaseException)) for r in results]

@@ -91,8 +91,10 @@ def sync(
     """Bring `entries` into `run_folder` on the host, uploading only what its cache lacks."""
     cache = posixpath.join(workdir, "cache")
     sftp = conn.sftp()
-    with contextlib.suppress(OSError):  # already there (a real failure shows at the upload)
-        sftp.mkdir(cache)
+    parts = cache.split("/")
+    for i in range(2, len(parts) + 1):  # mkdir -p; one already there is fine (a real failure shows next)
+        with contextlib.suppress(OSError):
+            sftp.mkdir("/".join(parts[:i]))
     try:
         have = set(sftp.listdir(cache))
     except OSError as exc:

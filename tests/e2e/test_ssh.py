@@ -4,8 +4,8 @@ loopback sshd instances otherwise. Real SSH, real keys, real TensorFlow, real si
 from __future__ import annotations
 
 import json
-import secrets
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -326,3 +326,77 @@ def test_cut_off_host_is_detected_and_the_job_restarts(ssh_job, lab):
     # the coordinator said it could not confirm the cut-off task's exit, then reconnected
     assert any("worker-1" in e.get("reason", "") and "not confirmed" in e["reason"] for e in events)
     assert job.hosts_empty(), job.host_pids()
+
+
+def test_down_from_another_terminal_stops_an_ssh_run_and_is_idempotent(ssh_job):
+    job = ssh_job(PLAIN)
+    res = subprocess.run(
+        [*job.command(), "--detach"], capture_output=True, text=True, timeout=30, cwd=job.root
+    )
+    assert res.returncode == 0, res.stderr
+    assert wait_until(lambda: job.steps() >= 3, 60), job.status()
+    down = [sys.executable, "-m", "orchestrator", "down", str(job.run_dir)]
+    first = subprocess.run(down, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert job.status()["state"] == "INTERRUPTED"
+    assert wait_until(lambda: run_processes(job.run_id) == [], 10)
+    assert job.hosts_empty(), job.host_pids()
+    again = subprocess.run(down, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "INTERRUPTED" in again.stdout
+
+
+def test_down_stops_a_task_left_behind_when_its_shim_and_the_coordinator_died(ssh_job):
+    # Both safety nets gone at once: the shim (kill -9) and the coordinator (kill -9). The task's
+    # own guard would stop it after heartbeat_timeout_s; `down` does it now, from the records.
+    job = ssh_job(PLAIN, spec={"health": {"heartbeat_timeout_s": 30}})
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 3, 60), job.status()
+        pidfile = job.lab.hosts[0].workdir / "runs" / job.run_id / "tasks" / "worker-0.json"
+        record = json.loads(pidfile.read_text())
+        os.kill(record["shim"], signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # worker-1's shim saw its channel close and stopped it; worker-0 runs on, orphaned
+    assert wait_until(lambda: [p.pid for p in run_processes(job.run_id)] == [record["pid"]], 10)
+    res = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "down", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"worker-0 stopped process group {record['pgid']}" in res.stdout
+    assert wait_until(lambda: run_processes(job.run_id) == [], 5)
+
+
+def test_files_travel_once_and_only_when_changed(lab, tmp_path):
+    from orchestrator.launch.hosts import Host, close_all, connect
+    from orchestrator.launch.sync import job_files, sync
+    from orchestrator.spec.model import SshSpec
+
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "job.py").write_text("print('v1')\n")
+    (src / "data" / "big.bin").write_bytes(os.urandom(300_000))
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "job.cpython-311.pyc").write_bytes(b"skip me")
+    h = lab.hosts[0]
+    host = Host(0, h.address, h.ssh_port, None, lab.client_key, (sys.executable,))
+    conn = connect(host, SshSpec(known_hosts=lab.known_hosts))
+    workdir = str(tmp_path / "remote")
+    try:
+        first = sync(conn, host, workdir, f"{workdir}/runs/a", job_files(src))
+        again = sync(conn, host, workdir, f"{workdir}/runs/b", job_files(src))
+        (src / "job.py").write_text("print('v2')\n")
+        changed = sync(conn, host, workdir, f"{workdir}/runs/c", job_files(src))
+    finally:
+        close_all({0: conn})
+    assert (first.uploaded, again.uploaded, changed.uploaded) == (2, 0, 1)
+    assert (again.unchanged, changed.unchanged) == (2, 1)
+    assert Path(f"{workdir}/runs/b/code/data/big.bin").read_bytes() == (src / "data" / "big.bin").read_bytes()
+    assert Path(f"{workdir}/runs/c/code/job.py").read_text() == "print('v2')\n"
+    assert not Path(f"{workdir}/runs/a/code/__pycache__").exists()
