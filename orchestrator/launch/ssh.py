@@ -146,7 +146,7 @@ class SshLauncher(Launcher):
         self._suspect: set[int] = set()  # hosts whose connection must be renewed before use
         self._heartbeat: tuple[str, int] | None = None
         self._direct_url: str | None = None
-        self._lock = threading.Lock()
+        self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
         self.reports: list[preflight.HostReport] = []
 
     # --- before the first attempt ---
@@ -288,7 +288,7 @@ class SshLauncher(Launcher):
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
-        with self._lock:
+        with self._locks[index]:
             conn = self._conns.get(index)
             alive = conn is not None and conn.transport is not None and conn.transport.is_active()
             if alive and index not in self._suspect:

@@ -676,6 +676,32 @@ BAD_SPECS = [
         "ssh.host_key_policy",
         "strict",
     ),
+    (
+        "coordinator-address-with-scheme",
+        MINIMAL
+        + """\
+    ssh:
+      coordinator_address: http://10.0.0.5
+    """,
+        8,
+        "ssh.coordinator_address",
+        "pattern",
+    ),
+    (
+        "job-files-missing-folder",
+        """
+        name: demo
+        hosts:
+          - address: 127.0.0.1
+            tasks: {worker: 1}
+        job:
+          script: train.py
+          files: no-such-folder
+        """,
+        7,
+        "job.files",
+        "no such folder",
+    ),
 ]
 
 
@@ -690,6 +716,15 @@ def test_bad_spec_names_line_and_key(tmp_path: Path, text: str, line: int, key: 
         f"expected {FILE}:{line}: {key}: …{message}…, got:\n{info.value}"
     )
     assert info.value.exit_code == 2
+
+
+def test_job_files_must_hold_the_script(tmp_path: Path) -> None:
+    (tmp_path / "lib").mkdir()
+    with pytest.raises(SpecError) as info:
+        parse(tmp_path, MINIMAL + "      files: lib\n")
+    assert [(ln, k) for ln, k, _ in problems_of(info.value)] == [(7, "job.files")]
+    assert "must be inside this folder" in str(info.value)
+    assert parse(tmp_path, MINIMAL + "      files: .\n").job.files == tmp_path
 
 
 def test_every_problem_is_reported_sorted_by_line(tmp_path: Path) -> None:

@@ -1,0 +1,154 @@
+"""P7 SSH fan-out: `orchestrate up` on K lab hosts (K = 1, 2, 4, 8), one task per host.
+
+Launch time = from starting `orchestrate up` to the last task process running on its host (its
+"pid … on …" event): CLI start, parallel connect + preflight, file sync, heartbeat tunnels, and one
+shim per task. The task itself is trivial (no TensorFlow), so what is measured is the fan-out,
+not TensorFlow's import. K = 1, measured in the same run, is the baseline; the file cache is warm
+(one unmeasured run per host first), as for a researcher's second run. Also: detection time of a
+cut-off host (heartbeat_timeout_s = 3) on a 2-host MultiWorkerMirroredStrategy job.
+
+Needs root (network namespaces) and openssh-server: `sudo .venv/bin/python scripts/bench/ssh_fanout.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import iso_to_s  # noqa: E402
+from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
+
+TRIVIAL = "import worker\nworker.report(step=1)\n"
+MWMS = """
+import time
+import tensorflow as tf
+import worker
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    v = tf.Variable(0.0, aggregation=tf.VariableAggregation.SUM)
+step = tf.function(lambda: strategy.run(lambda: v.assign_add(1.0)))
+for i in range(1, 100000):
+    step()
+    worker.report(step=i)
+    time.sleep(0.02)
+"""
+
+
+def spec_for(lab: NetnsLab, root: Path, hosts: list[int], script: str, **extra: object) -> Path:
+    (root / "job").mkdir(parents=True, exist_ok=True)
+    (root / "job" / "job.py").write_text(script)
+    data = {
+        "name": "bench",
+        "backend": "ssh",
+        "hosts": [lab.host_spec(i) for i in hosts],
+        "job": {"script": "job/job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3, "stop_grace_s": 5},
+        "restart": {"max_restarts": 1, "backoff_s": 0.5},
+        "ssh": lab.ssh_spec(),
+        **extra,
+    }
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return spec
+
+
+def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float]:
+    """(launch time, total wall) of one `orchestrate up` on hosts 0..k-1."""
+    run_dir = root / f"run-{secrets.token_hex(3)}"
+    spec = spec_for(lab, root, list(range(k)), TRIVIAL)
+    t0 = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    total = time.time() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"K={k}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    started = [iso_to_s(e["time"]) for e in events if e.get("new") == "STARTING" and e.get("attempt") == 0]
+    assert len(started) == k, events
+    return max(started) - t0, total
+
+
+def cut_detection(lab: NetnsLab, root: Path) -> float:
+    run_dir = root / f"run-{secrets.token_hex(3)}"
+    spec = spec_for(lab, root, [0, 1], MWMS)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def state() -> dict:
+        try:
+            return json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = state()
+            if s.get("state") == "RUNNING" and min((t.get("last_step") or 0) for t in s["tasks"]) >= 20:
+                break
+            time.sleep(0.1)
+        lab.cut(1)
+        cut_at = time.monotonic()
+        while time.monotonic() < cut_at + 30 and state().get("state") == "RUNNING":
+            time.sleep(0.02)
+        return time.monotonic() - cut_at
+    finally:
+        lab.restore(1)
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if why_no_lab() or not can_netns():
+        print(f"P7 needs root and openssh-server: {why_no_lab() or 'not root'}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-ssh-") as tmp:
+        root = Path(tmp)
+        lab = NetnsLab(root / "lab", 8)
+        try:
+            launch_time(lab, root / "warm", 8)  # fills every host's file cache; not measured
+            ks = (1, 2, 4, 8)
+            runs: dict[int, list[tuple[float, float]]] = {k: [] for k in ks}
+            for _ in range(args.repeats):
+                for k in ks:  # interleaved, so drift on a noisy machine hits every K alike
+                    runs[k].append(launch_time(lab, root / f"k{k}", k))
+            base = statistics.median(t for t, _ in runs[1])
+            print("P7 ssh fan-out (median of %d; launch = `up` start -> last task running)" % args.repeats)
+            for k in ks:
+                launch = statistics.median(t for t, _ in runs[k])
+                total = statistics.median(w for _, w in runs[k])
+                print(
+                    f"  K={k}: launch {launch:.2f} s (x{launch / base:.2f} of K=1), whole trivial run {total:.2f} s"
+                )
+            detect = [cut_detection(lab, root / f"cut{i}") for i in range(args.repeats)]
+            print(
+                f"P4 host cut off (ip link down), heartbeat_timeout_s 3: detected after "
+                f"{statistics.median(detect):.2f} s (median; runs {', '.join(f'{d:.2f}' for d in detect)})"
+            )
+        finally:
+            lab.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
