@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +73,12 @@ class HostReport:
         return out
 
 
-def inspect(spec: ClusterSpec, ports: Mapping[str, int], *, peers: bool) -> list[HostReport]:
-    """Connect to every host and gather its facts; connections stay open in the reports."""
+def inspect(
+    spec: ClusterSpec, ports: Mapping[str, int], *, peers: bool, files: Sequence[str] = ()
+) -> list[HostReport]:
+    """Connect to every host and gather its facts (including which of `files`, by SHA-256, its
+    cache lacks); connections stay open in the reports."""
+    wanted = json.dumps(sorted(set(files)))
     slots = task_slots(spec)
     reports = [
         HostReport(host, {ports[s.name]: s.name for s in slots if s.host_index == host.index})
@@ -85,7 +89,8 @@ def inspect(spec: ClusterSpec, ports: Mapping[str, int], *, peers: bool) -> list
         try:
             report.conn = connect(report.host, spec.ssh)
             workdir = spec.hosts[report.host.index].workdir or "~/.orchestrate"
-            report.facts = probe(report.conn, report.host, "facts", workdir, *map(str, sorted(report.ports)))
+            ports_here = map(str, sorted(report.ports))
+            report.facts = probe(report.conn, report.host, "facts", workdir, *ports_here, stdin=wanted)
         except LaunchError as exc:
             report.error = str(exc)
 

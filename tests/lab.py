@@ -47,8 +47,13 @@ class LabHost:
     ssh_port: int
     netns: str | None
     host_key_pub: str
+    home: Path
     sshd_pid: int = 0
-    workdir: Path | None = None
+
+    @property
+    def workdir(self) -> Path:
+        """Where orchestrate keeps runs on this host (its default, ~/.orchestrate)."""
+        return self.home / ".orchestrate"
 
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.netns] if self.netns else []
@@ -77,7 +82,8 @@ class _Lab:
                     f"ListenAddress {host.address}",
                     f"HostKey {key}",
                     f"PidFile {self.root / f'sshd-{host.name}.pid'}",
-                    f"AuthorizedKeysFile {self.authorized_keys}",
+                    f"AuthorizedKeysFile {self.root / f'authorized_keys-{host.name}'}",
+                    "PermitUserEnvironment yes",
                     "PermitRootLogin prohibit-password",
                     "PasswordAuthentication no",
                     "KbdInteractiveAuthentication no",
@@ -116,7 +122,15 @@ class _Lab:
         key = self.root / f"hostkey-{name}"
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)])
         pub = " ".join(Path(f"{key}.pub").read_text().split()[:2])
-        host = LabHost(name, address, port, netns, pub, workdir=self.root / f"{name}-home")
+        # Each host has a home of its own, as separate machines do (and no shell start-up files:
+        # the account's real ~/.bashrc would run on every remote command).
+        home = self.root / f"{name}-home"
+        home.mkdir()
+        client = self.authorized_keys.read_text().strip()
+        keys = self.root / f"authorized_keys-{name}"
+        keys.write_text(f'environment="HOME={home}" {client}\n')
+        keys.chmod(0o600)
+        host = LabHost(name, address, port, netns, pub, home=home)
         self._start_sshd(host, key)
         known = address if port == 22 else f"[{address}]:{port}"
         with open(self.known_hosts, "a") as f:
@@ -134,7 +148,6 @@ class _Lab:
             "user": _user(),
             "identity_file": str(self.client_key),
             "python": _python(),
-            "workdir": str(h.workdir),
             "tasks": {"worker": 1},
         }
         spec.update(extra)

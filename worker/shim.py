@@ -1,11 +1,13 @@
 """Remote side of the ssh backend: the shim that runs one task on a lab host.
 
-The coordinator copies this file (with the rest of the package) to each host and runs it over
-an SSH channel as `PYTHON shim.py`. Standard library only, so it runs before anything else is
-known to work on the host, and it imports nothing of this package.
+The coordinator copies this file (with the rest of the package) into each host's file cache and
+runs it from there over an SSH channel as `PYTHON WORKDIR/cache/<sha256>`. Standard library only,
+and it imports nothing of this package: it is what puts the package in place.
 
 Protocol (one SSH channel per task attempt):
-- stdin, first line: JSON {argv, env, cwd, log, pidfile, run_id, task, attempt, grace_s}. The
+- stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
+  attempt, grace_s}. The shim first fills the run's folder from the cache (`files`: [relpath,
+  sha256, mode] — the job's files and the worker runtime), then starts the task. The
   environment travels here rather than on a command line: no shell ever parses a value (a JSON
   TF_CONFIG or `$(...)` stays literal) and the per-run secret does not show in `ps`.
 - stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL".
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +44,11 @@ def main() -> int:
     if not line:
         return 2
     job: dict[str, Any] = json.loads(line)
+    try:
+        _materialize(job["cache"], job["folder"], job["files"])
+    except OSError as exc:
+        _emit({"event": "error", "message": f"cannot fill {job['folder']} from {job['cache']}: {exc}"})
+        return 1
     for path in (job["log"], job["pidfile"]):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     stale = _stop_stale(job["pidfile"], job["run_id"])
@@ -82,6 +90,18 @@ def main() -> int:
     follower.finish()
     _emit({"event": "exit", "code": code})
     return code if code >= 0 else 128 - code
+
+
+def _materialize(cache: str, folder: str, files: list[list[Any]]) -> None:
+    """Copy each file from the cache into the run's folder: written under a temporary name, then
+    renamed, so tasks starting side by side on one host never see half a file."""
+    for rel, digest, mode in files:
+        target = os.path.join(folder, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.tmp{os.getpid()}"
+        shutil.copyfile(os.path.join(cache, digest), tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
 
 
 def _control(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:

@@ -28,7 +28,7 @@ from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, probe, raise_if_failed
-from orchestrator.launch.sync import job_files, sync, worker_files
+from orchestrator.launch.sync import FileEntry, job_files, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
 from orchestrator.record import now_iso
@@ -148,6 +148,7 @@ class SshLauncher(Launcher):
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
         self.reports: list[preflight.HostReport] = []
+        self._files: list[FileEntry] = []
 
     # --- before the first attempt ---
 
@@ -157,7 +158,9 @@ class SshLauncher(Launcher):
         """Connect to every host and check it (the fast part of `orchestrate check`); open the
         heartbeat tunnels. Raises LaunchError naming every host with a problem."""
         self._heartbeat, self._direct_url = heartbeat, direct_url
-        self.reports = preflight.inspect(self._spec, ports, peers=False)
+        self._files = worker_files() + job_files(job_files_root(self._spec))
+        files = [f.sha256 for f in self._files]
+        self.reports = preflight.inspect(self._spec, ports, peers=False, files=files)
         self._conns = {r.host.index: r.conn for r in self.reports if r.conn is not None}
         problems = preflight.problems(self.reports)
         for warning in preflight.warnings(self.reports):
@@ -195,18 +198,14 @@ class SshLauncher(Launcher):
         }
 
     def deploy(self, plan: LaunchPlan) -> None:
-        """Copy the job's files and the worker runtime into the run's folder on every host."""
-        entries = worker_files() + job_files(job_files_root(self._spec))
+        """Send every host the files its cache lacks (the job's folder and the worker runtime)."""
+        reports = {r.host.index: r for r in self.reports}
         used = sorted({t.host_index for t in plan.tasks})
 
         def one(index: int) -> Any:
-            ctx = self._contexts[index]
-            return sync(
-                self._conns[index],
-                self._hosts[index],
-                ctx.workdir,
-                remote_run_folder(ctx, plan.run_id),
-                entries,
+            missing = (reports[index].facts or {}).get("missing", [])
+            return upload(
+                self._conns[index], self._hosts[index], self._contexts[index].workdir, self._files, missing
             )
 
         results = on_all(used, one)
@@ -256,7 +255,11 @@ class SshLauncher(Launcher):
         folder = remote_run_folder(ctx, self._run_id)
         env = task.launch_env(attempt=attempt, token=token)
         env[wire.ENV_COORDINATOR] = ctx.coordinator_url  # a renewed tunnel may have a new port
+        cache = posixpath.join(ctx.workdir, "cache")
         job = {
+            "cache": cache,
+            "folder": folder,
+            "files": [[f.rel, f.sha256, f.mode] for f in self._files],
             "argv": list(task.argv),
             "env": env,
             "cwd": task.cwd,
@@ -272,7 +275,8 @@ class SshLauncher(Launcher):
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label} ====="
             )
             out.write(f"{marker}\n".encode())
-        command = "exec " + shlex.join([*host.python, posixpath.join(folder, "lib", "worker", "shim.py")])
+        shim = posixpath.join(cache, shim_entry(self._files).sha256)  # it fills the run's folder itself
+        command = "exec " + shlex.join([*host.python, shim])
         transport = conn.transport
         assert transport is not None
         try:

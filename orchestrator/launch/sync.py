@@ -1,27 +1,27 @@
-"""Launch layer, ssh backend: copy the job's files and the worker runtime to each host.
+"""Launch layer, ssh backend: the job's files and the worker runtime, sent to each host once.
 
-Each host keeps a content-addressed cache (`WORKDIR/cache/<sha256>`); only files whose checksum it
-does not hold yet travel (SFTP, written under a temporary name then renamed). The run's own
-folder (`WORKDIR/runs/<run id>/code` and `/lib`) is then filled from the cache on the host.
+Each host keeps a content-addressed cache (`WORKDIR/cache/<sha256>`). The preflight asks each host
+which checksums it lacks; only those files travel (SFTP, written under a temporary name, then
+renamed). The shim, run from that cache, fills the run's folder (`WORKDIR/runs/<run id>/code` and
+`/lib`) on the host itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import posixpath
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import fabric
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.hosts import Host, probe
+from orchestrator.launch.hosts import Host
 
 MAX_FILES = 5000
 MAX_BYTES = 2 * 1024**3
@@ -76,6 +76,10 @@ def worker_files() -> list[FileEntry]:
     return [_entry(f"lib/worker/{p.name}", p) for p in sorted(_WORKER_DIR.glob("*.py"))]
 
 
+def shim_entry(entries: Sequence[FileEntry]) -> FileEntry:
+    return next(e for e in entries if e.rel == "lib/worker/shim.py")
+
+
 def _entry(rel: str, path: Path) -> FileEntry:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -85,32 +89,26 @@ def _entry(rel: str, path: Path) -> FileEntry:
     return FileEntry(rel, digest.hexdigest(), stat.S_IMODE(st.st_mode), st.st_size, path)
 
 
-def sync(
-    conn: fabric.Connection, host: Host, workdir: str, run_folder: str, entries: Sequence[FileEntry]
+def upload(
+    conn: fabric.Connection, host: Host, workdir: str, entries: Sequence[FileEntry], missing: Collection[str]
 ) -> SyncResult:
-    """Bring `entries` into `run_folder` on the host, uploading only what its cache lacks."""
+    """Send the files whose checksum the host's cache lacks (`missing`, from the preflight)."""
     cache = posixpath.join(workdir, "cache")
-    sftp = conn.sftp()
-    parts = cache.split("/")
-    for i in range(2, len(parts) + 1):  # mkdir -p; one already there is fine (a real failure shows next)
-        with contextlib.suppress(OSError):
-            sftp.mkdir("/".join(parts[:i]))
-    try:
-        have = set(sftp.listdir(cache))
-    except OSError as exc:
-        raise LaunchError(f"{host.label}: cannot list {cache}: {exc}") from None
-    sent, sent_bytes = 0, 0
-    for digest, entry in {e.sha256: e for e in entries if e.sha256 not in have}.items():
-        tmp = posixpath.join(cache, f".{digest}.{secrets.token_hex(4)}")
-        try:
-            sftp.put(str(entry.source), tmp)
-            sftp.posix_rename(tmp, posixpath.join(cache, digest))
-        except OSError as exc:
-            raise LaunchError(f"{host.label}: cannot copy {entry.source} to {cache}: {exc}") from None
-        sent += 1
-        sent_bytes += entry.size
-    manifest = json.dumps([[e.rel, e.sha256, e.mode] for e in entries])
-    answer = probe(conn, host, "materialize", cache, run_folder, stdin=manifest)
-    if answer["missing"]:
-        raise LaunchError(f"{host.label}: files missing from {cache} after upload: {answer['missing'][:5]}")
-    return SyncResult(uploaded=sent, uploaded_bytes=sent_bytes, unchanged=len(entries) - sent)
+    todo = {e.sha256: e for e in entries if e.sha256 in missing}
+    if todo:
+        sftp = conn.sftp()
+        parts = cache.split("/")
+        for i in range(2, len(parts) + 1):  # mkdir -p; one already there is fine
+            with contextlib.suppress(OSError):
+                sftp.mkdir("/".join(parts[:i]))
+        for digest, entry in todo.items():
+            tmp = posixpath.join(cache, f".{digest}.{secrets.token_hex(4)}")
+            try:
+                sftp.put(str(entry.source), tmp)
+                sftp.posix_rename(tmp, posixpath.join(cache, digest))
+            except OSError as exc:
+                raise LaunchError(f"{host.label}: cannot copy {entry.source} to {cache}: {exc}") from None
+    sent_bytes = sum(e.size for e in todo.values())
+    return SyncResult(
+        uploaded=len(todo), uploaded_bytes=sent_bytes, unchanged=len({e.sha256 for e in entries}) - len(todo)
+    )

@@ -374,8 +374,8 @@ def test_down_stops_a_task_left_behind_when_its_shim_and_the_coordinator_died(ss
 
 
 def test_files_travel_once_and_only_when_changed(lab, tmp_path):
-    from orchestrator.launch.hosts import Host, close_all, connect
-    from orchestrator.launch.sync import job_files, sync
+    from orchestrator.launch.hosts import Host, close_all, connect, probe
+    from orchestrator.launch.sync import job_files, upload
     from orchestrator.spec.model import SshSpec
 
     src = tmp_path / "src"
@@ -388,15 +388,21 @@ def test_files_travel_once_and_only_when_changed(lab, tmp_path):
     host = Host(0, h.address, h.ssh_port, None, lab.client_key, (sys.executable,))
     conn = connect(host, SshSpec(known_hosts=lab.known_hosts))
     workdir = str(tmp_path / "remote")
+
+    def send() -> int:
+        files = job_files(src)
+        facts = probe(conn, host, "facts", workdir, stdin=json.dumps([f.sha256 for f in files]))
+        return upload(conn, host, workdir, files, facts["missing"]).uploaded
+
     try:
-        first = sync(conn, host, workdir, f"{workdir}/runs/a", job_files(src))
-        again = sync(conn, host, workdir, f"{workdir}/runs/b", job_files(src))
+        assert sorted(f.rel for f in job_files(src)) == ["code/data/big.bin", "code/job.py"]  # no cache files
+        first, again = send(), send()
         (src / "job.py").write_text("print('v2')\n")
-        changed = sync(conn, host, workdir, f"{workdir}/runs/c", job_files(src))
+        changed = send()
     finally:
         close_all({0: conn})
-    assert (first.uploaded, again.uploaded, changed.uploaded) == (2, 0, 1)
-    assert (again.unchanged, changed.unchanged) == (2, 1)
-    assert Path(f"{workdir}/runs/b/code/data/big.bin").read_bytes() == (src / "data" / "big.bin").read_bytes()
-    assert Path(f"{workdir}/runs/c/code/job.py").read_text() == "print('v2')\n"
-    assert not Path(f"{workdir}/runs/a/code/__pycache__").exists()
+    assert (first, again, changed) == (2, 0, 1)
+    cached = {p.name: p.read_bytes() for p in Path(workdir, "cache").iterdir()}
+    assert (src / "data" / "big.bin").read_bytes() in cached.values()
+    assert b"print('v2')\n" in cached.values() and b"print('v1')\n" in cached.values()
+    assert not any(name.startswith(".") for name in cached)  # no half-written upload left
