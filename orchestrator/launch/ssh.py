@@ -276,7 +276,8 @@ class SshLauncher(Launcher):
             )
             out.write(f"{marker}\n".encode())
         shim = posixpath.join(cache, shim_entry(self._files).sha256)  # it fills the run's folder itself
-        command = "exec " + shlex.join([*host.python, shim])
+        # -S: the shim needs only the standard library; skipping site-packages starts it ~2x faster
+        command = "exec " + shlex.join([*host.python, "-S", shim])
         transport = conn.transport
         assert transport is not None
         try:

@@ -133,12 +133,13 @@ def main() -> int:
                 for k in ks:  # interleaved, so drift on a noisy machine hits every K alike
                     runs[k].append(launch_time(lab, root / f"k{k}", k))
             base = statistics.median(t for t, _ in runs[1])
-            print("P7 ssh fan-out (median of %d; launch = `up` start -> last task running)" % args.repeats)
+            print(f"P7 ssh fan-out (median of {args.repeats}; launch = `up` start -> last task running)")
             for k in ks:
                 launch = statistics.median(t for t, _ in runs[k])
                 total = statistics.median(w for _, w in runs[k])
+                ratio = launch / base
                 print(
-                    f"  K={k}: launch {launch:.2f} s (x{launch / base:.2f} of K=1), whole trivial run {total:.2f} s"
+                    f"  K={k}: launch {launch:.2f} s (x{ratio:.2f} of K=1), whole trivial run {total:.2f} s"
                 )
             detect = [cut_detection(lab, root / f"cut{i}") for i in range(args.repeats)]
             print(
