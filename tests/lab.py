@@ -51,6 +51,11 @@ class LabHost:
     sshd_pid: int = 0
 
     @property
+    def known_name(self) -> str:
+        """How known_hosts names this host."""
+        return self.address if self.ssh_port == 22 else f"[{self.address}]:{self.ssh_port}"
+
+    @property
     def workdir(self) -> Path:
         """Where orchestrate keeps runs on this host (its default, ~/.orchestrate)."""
         return self.home / ".orchestrate"
@@ -67,6 +72,7 @@ class _Lab:
         self.client_key = root / "id_lab"
         self.known_hosts = root / "known_hosts"
         self.authorized_keys = root / "authorized_keys"
+        self.tf_base_port: int | None = None
         root.mkdir(parents=True, exist_ok=True)
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "lab-client", "-f", str(self.client_key)])
         shutil.copy(f"{self.client_key}.pub", self.authorized_keys)
@@ -132,9 +138,8 @@ class _Lab:
         keys.chmod(0o600)
         host = LabHost(name, address, port, netns, pub, home=home)
         self._start_sshd(host, key)
-        known = address if port == 22 else f"[{address}]:{port}"
         with open(self.known_hosts, "a") as f:
-            f.write(f"{known} {pub}\n")
+            f.write(f"{host.known_name} {pub}\n")
         self.hosts.append(host)
         return host
 
@@ -150,6 +155,8 @@ class _Lab:
             "python": _python(),
             "tasks": {"worker": 1},
         }
+        if self.tf_base_port is not None:  # hosts that share one network need their own TF ports
+            spec["base_port"] = self.tf_base_port + 10 * i
         spec.update(extra)
         return spec
 
@@ -221,6 +228,7 @@ class LoopbackLab(_Lab):
     def __init__(self, root: Path, count: int):
         super().__init__(root, count)
         base = random.randrange(20000, 30000, 10)
+        self.tf_base_port = base + 100
         try:
             for i in range(count):
                 self._add_host(f"h{i}", f"127.0.0.{2 + i}", base + i, None)
@@ -246,7 +254,10 @@ class LoopbackLab(_Lab):
 
 
 def make_lab(root: Path, count: int) -> _Lab:
-    return NetnsLab(root, count) if can_netns() else LoopbackLab(root, count)
+    """Namespaces when root can make them, else loopback; ORCHESTRATE_LAB=loopback forces the latter."""
+    if can_netns() and os.environ.get("ORCHESTRATE_LAB") != "loopback":
+        return NetnsLab(root, count)
+    return LoopbackLab(root, count)
 
 
 def _free_subnet() -> int:

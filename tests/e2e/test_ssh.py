@@ -190,7 +190,9 @@ def test_unknown_host_key_is_refused_and_nothing_starts(ssh_job):
     job = ssh_job(PLAIN)
     known = Path(job.lab.known_hosts)
     keep = [
-        line for line in known.read_text().splitlines() if not line.startswith(job.lab.hosts[1].address + " ")
+        line
+        for line in known.read_text().splitlines()
+        if not line.startswith(job.lab.hosts[1].known_name + " ")
     ]
     only_first = job.root / "known_hosts"
     only_first.write_text("\n".join(keep) + "\n")
@@ -211,9 +213,9 @@ def test_accept_new_records_a_first_key_but_a_changed_key_is_refused(ssh_job, la
     res = subprocess.run(check, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     recorded = fresh.read_text().splitlines()
-    assert set(recorded) == {f"{h.address} {h.host_key_pub}" for h in lab.hosts[:2]}
+    assert set(recorded) == {f"{h.known_name} {h.host_key_pub}" for h in lab.hosts[:2]}
     # host 1's recorded key no longer matches what it presents (a reinstall, or an attack)
-    h1 = lab.hosts[1].address + " "
+    h1 = lab.hosts[1].known_name + " "
     fresh.write_text(
         "\n".join(f"{h1}{lab.hosts[2].host_key_pub}" if x.startswith(h1) else x for x in recorded) + "\n"
     )
