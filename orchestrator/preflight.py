@@ -55,6 +55,9 @@ class HostReport:
             )
         if f.get("psutil") is None:
             out.append(f"{label}: psutil is not installed for {python} (the worker runtime needs it)")
+        gpus = f.get("gpus") or {}
+        if gpus.get("error"):
+            out.append(f"{label}: nvidia-smi failed: {gpus['error']} (the GPUs cannot be used)")
         if f.get("workdir_error"):
             out.append(f"{label}: work folder {f.get('workdir')}: {f['workdir_error']} (hosts[{i}].workdir)")
         elif int(f.get("disk_free_bytes", 0)) < MIN_DISK_BYTES:
@@ -178,7 +181,7 @@ def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
                 "ssh": "ok" if r.conn is not None and r.error is None else "FAILED",
                 "python": f.get("python", "-"),
                 "tensorflow": f.get("tensorflow") or ("MISSING" if f else "-"),
-                "gpus": "-" if not f else (str(len(gpus)) if gpus is not None else "none"),
+                "gpus": "-" if not f else _gpu_cell(gpus),
                 "disk free": _size(int(f["disk_free_bytes"])) if f else "-",
                 "ports": "-" if not f else (f"busy: {','.join(busy)}" if busy else f"{len(f['ports'])} free"),
                 "peers": "-"
@@ -187,6 +190,15 @@ def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
             }
         )
     return rows
+
+
+def _gpu_cell(gpus: dict[str, Any] | None) -> str:
+    if gpus is None:
+        return "none"
+    if gpus.get("error"):
+        return "nvidia-smi failed"
+    cuda = f" (CUDA {gpus['cuda']})" if gpus.get("cuda") else ""
+    return f"{len(gpus['names'])}{cuda}"
 
 
 def _size(n: int) -> str:

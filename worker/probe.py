@@ -76,20 +76,32 @@ def version(*names: str) -> str | None:
     return None
 
 
-def _gpus() -> list[str] | None:
-    """GPU names from nvidia-smi; None when the host has no NVIDIA driver."""
+def _gpus() -> dict[str, Any] | None:
+    """GPU names, driver and CUDA version from nvidia-smi; None when the host has no NVIDIA driver."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        res = subprocess.run(
+        listing = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=10,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+        banner = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"names": [], "driver": None, "cuda": None, "error": str(exc)}
+    rows = [[c.strip() for c in line.split(",")] for line in listing.stdout.splitlines() if line.strip()]
+    cuda = None
+    for part in banner.stdout.split("|"):
+        if "CUDA Version:" in part:
+            cuda = part.split("CUDA Version:", 1)[1].split()[0]
+    error = (listing.stderr or listing.stdout).strip()[-200:] if listing.returncode != 0 else None
+    return {
+        "names": [r[0] for r in rows] if listing.returncode == 0 else [],
+        "driver": rows[0][1] if rows and len(rows[0]) > 1 else None,
+        "cuda": cuda,
+        "error": error,
+    }
 
 
 def _port_free(port: int) -> bool:

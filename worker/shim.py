@@ -244,4 +244,6 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # os._exit: the control thread may be blocked reading stdin, and an ordinary interpreter exit
+    # would wait on that buffer's lock and abort. Everything is written with os.write already.
+    os._exit(main())
