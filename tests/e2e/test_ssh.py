@@ -408,3 +408,37 @@ def test_files_travel_once_and_only_when_changed(lab, tmp_path):
     assert (src / "data" / "big.bin").read_bytes() in cached.values()
     assert b"print('v2')\n" in cached.values() and b"print('v1')\n" in cached.values()
     assert not any(name.startswith(".") for name in cached)  # no half-written upload left
+
+
+def test_check_prints_one_table_and_fails_on_a_busy_port(ssh_job, lab):
+    job = ssh_job(PLAIN, hosts=2)
+    port = yaml.safe_load(job.spec.read_text())["hosts"][1].get("base_port", 23456)
+    holder = subprocess.Popen(
+        [
+            *lab.hosts[1].exec_prefix(),
+            sys.executable,
+            "-c",
+            f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen()\n"
+            "time.sleep(60)",
+        ],
+    )
+    try:
+        check = [sys.executable, "-m", "orchestrator", "check", str(job.spec)]
+        assert wait_until(lambda: subprocess.run(check, capture_output=True, timeout=60).returncode == 3, 10)
+        res = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode == 3
+    rows = [line for line in res.stdout.splitlines() if line.startswith("│ hosts[")]
+    assert len(rows) == 2 and "busy" in rows[1] and "busy" not in rows[0]
+    assert (
+        "TensorFlow" not in res.stdout.split("problem:")[0] or "2.21" in res.stdout
+    )  # versions side by side
+    assert (
+        f"problem: hosts[1] {lab.hosts[1].address}" in res.stdout
+        and f"port {port} (worker-1) is in use" in res.stdout
+    )
+    assert "peers" in res.stdout and "1 ok" in rows[0]  # host 0 reached the one port that listened
+    res = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "all hosts ready" in res.stdout
