@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `orchestrate plan … | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,6 +144,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{plan.name}: {plan.strategy.value} on the {plan.backend.value} backend, {len(plan.tasks)} tasks")
     print(f"cluster: {json.dumps(dict(plan.cluster))}")
+    print("policy (spec key policy: <role>: {decides, on_failure, at_end}):")
+    for role, rule in plan.policy.items():
+        decides = str(rule.decides).lower()
+        keys = f"decides: {decides}, on_failure: {rule.on_failure.value}, at_end: {rule.at_end.value}"
+        print(f"  {role.value + ':':<11}{keys}\n  {'':<11}({rule.describe()})")
     for t in plan.tasks:
         print(
             f"\n{t.name}  host {t.host}  port {t.port}"
@@ -227,6 +236,10 @@ def _summarize(outcome: UpResult) -> int:
     r = outcome.result
     print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
     print(f"  attempts {r.attempt + 1}, restarts {r.restarts}; run record: {outcome.run_dir}")
+    for f in r.task_restarts:
+        print(f"  restarted alone: {f.describe()}")
+    for f in r.ignored:
+        print(f"  reported, did not stop the job: {f.describe()}")
     cause = r.root_cause
     if r.state is not ClusterState.SUCCEEDED and cause is not None:
         print(f"  first failure: {cause.describe()}")

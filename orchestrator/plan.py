@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.spec.model import Backend, ClusterSpec, HostSpec, Role, Strategy
+from orchestrator.spec.roles import RolePolicy, role_policies
 from worker import wire
 
 _CLUSTER_ROLES = (Role.CHIEF, Role.WORKER, Role.PS)
@@ -85,6 +86,7 @@ class LaunchPlan:
     backend: Backend
     cluster: Mapping[str, list[str]]
     tasks: tuple[TaskPlan, ...] = field(default_factory=tuple)
+    policy: Mapping[Role, RolePolicy] = field(default_factory=dict)
 
     def task(self, name: str) -> TaskPlan:
         for t in self.tasks:
@@ -92,11 +94,18 @@ class LaunchPlan:
                 return t
         raise KeyError(name)
 
+    def policy_of(self, task: TaskPlan) -> RolePolicy:
+        return self.policy[task.role]
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["strategy"] = self.strategy.value
         out["backend"] = self.backend.value
         out["tasks"] = list(out["tasks"])  # asdict keeps the tuple; the JSON form has lists only
+        out["policy"] = {
+            role.value: {"decides": p.decides, "on_failure": p.on_failure.value, "at_end": p.at_end.value}
+            for role, p in self.policy.items()
+        }
         for t, task in zip(out["tasks"], self.tasks, strict=True):
             t["role"] = task.role.value
             t["env"] = dict(task.env)
@@ -162,6 +171,9 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             wire.ENV_TF_REGISTER_TIMEOUT_S: repr(spec.health.startup_timeout_s),
             "PYTHONUNBUFFERED": "1",
         }
+        if spec.strategy is Strategy.PARAMETER_SERVER:
+            # A call to a lost task fails at once instead of waiting for it (DESIGN §7).
+            env["GRPC_FAIL_FAST"] = "use_caller"
         if slot.name in gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]
         if not local:  # the worker runtime copied beside the job comes first
@@ -175,14 +187,16 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
                 host=host_address(spec, host),
                 address=addresses[slot.name],
                 port=ports[slot.name],
-                argv=_argv(spec, python=python, run_folder=run_folder, local=local),
+                argv=_argv(spec, slot.role, python=python, run_folder=run_folder, local=local),
                 env=env,
                 cwd=cwd,
                 in_cluster=slot.role in _CLUSTER_ROLES,
                 host_index=slot.host_index,
             )
         )
-    return LaunchPlan(spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks))
+    return LaunchPlan(
+        spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks), role_policies(spec)
+    )
 
 
 def default_host_context(spec: ClusterSpec, index: int) -> HostContext:
@@ -210,15 +224,23 @@ def _job_path(spec: ClusterSpec, path: Path, *, run_folder: str, local: bool) ->
     return posixpath.join(run_folder, "code", rel)
 
 
-def _argv(spec: ClusterSpec, *, python: tuple[str, ...], run_folder: str, local: bool) -> tuple[str, ...]:
+def _argv(
+    spec: ClusterSpec, role: Role, *, python: tuple[str, ...], run_folder: str, local: bool
+) -> tuple[str, ...]:
+    """Mode 1: every task runs the script. Mode 2: the training tasks run the loop; the evaluator
+    scores its checkpoints; parameter_server's ps and worker tasks serve the chief."""
     job = spec.job
     if job.script is not None:
         script = _job_path(spec, job.script, run_folder=run_folder, local=local)
         return (*python, "-m", "worker", "run", "--script", script, "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    checkpoint_dir = train.checkpoint_dir or posixpath.join(run_folder, "checkpoints")
+    checkpoint_dir = str(train.checkpoint_dir or posixpath.join(run_folder, "checkpoints"))
     module = _job_path(spec, job.loop, run_folder=run_folder, local=local)
+    if role is Role.EVALUATOR:
+        return (*python, "-m", "worker", "evaluate", "--module", module, "--checkpoint-dir", checkpoint_dir)
+    if spec.strategy is Strategy.PARAMETER_SERVER and role in (Role.PS, Role.WORKER):
+        return (*python, "-m", "worker", "server")
     argv = [*python, "-m", "worker", "loop", "--module", module, "--strategy", spec.strategy.value]
     argv += ["--steps", str(train.steps)] if train.steps else ["--epochs", str(train.epochs)]
     argv += [
@@ -227,7 +249,9 @@ def _argv(spec: ClusterSpec, *, python: tuple[str, ...], run_folder: str, local:
         "--checkpoint-every",
         str(train.checkpoint_every),
     ]
-    argv += ["--checkpoint-dir", str(checkpoint_dir)]
+    argv += ["--checkpoint-dir", checkpoint_dir]
+    if train.cpu_replicas:
+        argv += ["--cpu-replicas", str(train.cpu_replicas)]
     return (*argv, "--", *job.args)
 
 

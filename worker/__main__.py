@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from worker import runtime
 
@@ -24,13 +25,29 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_argument("--global-batch-size", type=int, required=True)
     loop.add_argument("--checkpoint-every", type=int, required=True)
     loop.add_argument("--checkpoint-dir", required=True)
+    loop.add_argument("--cpu-replicas", type=int, help="mirrored without GPUs: logical CPU devices")
     loop.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("server", help="a ps or worker task of ParameterServerStrategy: serve until stopped")
+    evaluate = sub.add_parser("evaluate", help="the evaluator: score every new checkpoint of a loop module")
+    evaluate.add_argument("--module", required=True)
+    evaluate.add_argument("--checkpoint-dir", required=True)
+    evaluate.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     # Our own logger only: the user's program configures the root logger as it likes.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[orchestrate] %(levelname)s: %(message)s"))
     logging.getLogger("worker").addHandler(handler)
-    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    rest = getattr(ns, "args", [])
+    args = rest[1:] if rest[:1] == ["--"] else rest
+    if ns.command == "server":
+        from worker import ps
+
+        return runtime.run_reported(ps.serve)
+    if ns.command == "evaluate":
+        from worker import evaluate as evaluator
+
+        sys.argv = [ns.module, *args]
+        return runtime.run_reported(lambda: evaluator.run(Path(ns.module), Path(ns.checkpoint_dir)))
     if ns.command == "loop":
         from worker import loop as builtin_loop
 

@@ -17,6 +17,7 @@ all workers agree on a step, save there, and exit with code 42.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -32,16 +33,20 @@ from worker.runtime import reporter
 PREEMPTED_EXIT_CODE = 42  # TF's convention after a preemption save; the coordinator restarts on it
 
 
+FINAL_MARKER = "final.json"  # in the checkpoint folder: the last step, written when training is done
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     module: Path
-    strategy: str  # multi_worker_mirrored | mirrored
+    strategy: str  # multi_worker_mirrored | mirrored | parameter_server
     steps: int | None
     epochs: int | None
     global_batch_size: int
     checkpoint_every: int
     checkpoint_dir: Path
     run_dir: Path | None
+    cpu_replicas: int | None = None  # mirrored on a CPU-only host: this many logical CPU devices
 
     def finished(self, step: int, epoch: int) -> bool:
         return step >= self.steps if self.steps is not None else epoch >= (self.epochs or 0)
@@ -64,7 +69,20 @@ def load_module(path: Path) -> ModuleType:
 
 
 def run(config: LoopConfig) -> None:
-    _Trainer(config, load_module(config.module)).train()
+    user = load_module(config.module)
+    if config.strategy == "parameter_server":
+        from worker.ps import PsTrainer
+
+        PsTrainer(config, user).train()
+        return
+    _Trainer(config, user).train()
+
+
+def write_final_marker(checkpoint_dir: Path, step: int) -> None:
+    """Tell an evaluator that training is over and which checkpoint is the last one."""
+    tmp = checkpoint_dir / f".{FINAL_MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, "run_id": os.environ.get(wire.ENV_RUN_ID)}))
+    os.replace(tmp, checkpoint_dir / FINAL_MARKER)
 
 
 class _Trainer:
@@ -73,7 +91,7 @@ class _Trainer:
 
         self.tf = tf
         self.config = config
-        self.strategy = _make_strategy(tf, config.strategy)
+        self.strategy = _make_strategy(tf, config.strategy, config.cpu_replicas)
         resolver = self.strategy.cluster_resolver
         task_type = getattr(resolver, "task_type", None)
         task_id = getattr(resolver, "task_id", 0) or 0
@@ -164,6 +182,8 @@ class _Trainer:
                 self.writer.close()
             if not self.is_chief:
                 shutil.rmtree(self.write_dir, ignore_errors=True)
+        if self.is_chief:
+            write_final_marker(self.config.checkpoint_dir, final)
         if self.is_chief and self.config.run_dir is not None:
             path = self.config.run_dir / "model" / "model.keras"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,12 +244,20 @@ def _scalar(tf: Any, name: str, value: float) -> None:
     )
 
 
-def _make_strategy(tf: Any, name: str) -> Any:
+def _make_strategy(tf: Any, name: str, cpu_replicas: int | None = None) -> Any:
     if name == "multi_worker_mirrored":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
-    raise LoopError(f"the built-in loop does not support strategy {name!r} yet")
+        if cpu_replicas and not tf.config.list_physical_devices("GPU"):
+            # No GPU: split the CPU into logical devices, one replica each (testing, trying a job).
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_replicas
+            )
+            devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+            return tf.distribute.MirroredStrategy(devices=devices)
+        return tf.distribute.MirroredStrategy()  # every GPU of this host (or its CPU)
+    raise LoopError(f"the built-in loop does not support strategy {name!r}")
 
 
 def _is_chief(task_type: str | None, task_id: int, resolver: Any) -> bool:
@@ -282,4 +310,5 @@ def config_from_args(ns: Any) -> LoopConfig:
         checkpoint_every=ns.checkpoint_every,
         checkpoint_dir=Path(ns.checkpoint_dir),
         run_dir=Path(run_dir) if run_dir else None,
+        cpu_replicas=ns.cpu_replicas,
     )

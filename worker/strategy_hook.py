@@ -20,6 +20,7 @@ from typing import Any
 log = logging.getLogger("worker")
 
 _MODULE = "tensorflow.python.distribute.distribute_lib"
+_SERVER_MODULE = "tensorflow.python.training.server_lib"  # tf.distribute.Server: ps and PS workers
 _DEFAULT_STRATEGY = "_DefaultDistributionStrategy"
 _DEFAULT_EXTENDED = "_DefaultDistributionExtended"
 
@@ -51,10 +52,25 @@ def install(on_connecting: Callable[[Any], None], on_strategy_up: Callable[[Any]
         extended.__init__ = extended_init_hooked
         base.__init__ = base_init_hooked
 
-    if _MODULE in sys.modules:
-        patch(sys.modules[_MODULE])
-    else:
-        sys.meta_path.insert(0, _AfterImport(_MODULE, patch))
+    def patch_server(module: ModuleType) -> None:
+        server = getattr(module, "Server", None)
+        if server is None:
+            log.warning("tf.distribute.Server changed shape: cannot detect a server's start-up")
+            return
+        server_init = server.__init__
+
+        # A ps or worker task of ParameterServerStrategy has no strategy: its server is its "up".
+        def server_init_hooked(self: Any, *args: Any, **kwargs: Any) -> None:
+            server_init(self, *args, **kwargs)
+            on_strategy_up(self)
+
+        server.__init__ = server_init_hooked
+
+    for name, patcher in ((_MODULE, patch), (_SERVER_MODULE, patch_server)):
+        if name in sys.modules:
+            patcher(sys.modules[name])
+        else:
+            sys.meta_path.insert(0, _AfterImport(name, patcher))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -56,6 +56,11 @@ class HealthStore:
             self._attempt = attempt
             self._tasks = {t: TaskHealth(task=t, attempt=attempt) for t in tasks}
 
+    def reset_task(self, task: str) -> None:
+        """One task starts again alone (same attempt): forget what its previous process said."""
+        with self._lock:
+            self._tasks[task] = TaskHealth(task=task, attempt=self._attempt)
+
     def ingest(self, hb: Heartbeat) -> int:
         """Take one heartbeat; returns the HTTP status to answer with (200, 404 unknown task, 410 stale)."""
         now = self._clock()

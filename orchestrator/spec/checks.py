@@ -6,7 +6,8 @@ Each problem is reported at the key the user should change; `load.py` adds the l
 from __future__ import annotations
 
 from orchestrator.errors import SpecProblem
-from orchestrator.spec.model import Backend, ClusterSpec, Role, Strategy
+from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
+from orchestrator.spec.roles import role_policies
 from worker.wire import RESERVED_ENV
 
 _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
@@ -18,6 +19,7 @@ def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
     problems += _check_strategy_roles(spec)
     problems += _check_ports(spec)
     problems += _check_job(spec)
+    problems += _check_policy(spec)
     return problems
 
 
@@ -150,6 +152,57 @@ def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem(("train",), "train: applies to job.loop only; a job.script trains by itself")
         )
+    return problems
+
+
+def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
+    problems = []
+    for role in spec.policy:
+        if spec.role_count(role) == 0:
+            problems.append(SpecProblem(("policy", role.value), f"this spec has no {role.value} task"))
+    effective = role_policies(spec)
+    ps_strategy = spec.strategy is Strategy.PARAMETER_SERVER
+    for role, rule in effective.items():
+        where = ("policy", role.value)
+        if role is Role.EVALUATOR:
+            continue  # a sidecar: any policy is sound
+        if rule.on_failure is not OnFailure.RESTART_JOB and (not ps_strategy or role is not Role.WORKER):
+            why = (
+                "a MultiWorkerMirroredStrategy task cannot be restarted alone (TensorFlow rejects its new "
+                "incarnation) nor left out (the others would wait forever)"
+                if not ps_strategy
+                else f"a lost {role.value} takes the job's state with it"
+            )
+            problems.append(SpecProblem(where + ("on_failure",), f"{role.value} must use restart_job: {why}"))
+        if ps_strategy and role in (Role.PS, Role.WORKER):
+            if rule.decides:
+                problems.append(
+                    SpecProblem(
+                        where + ("decides",),
+                        f"{role.value} tasks serve until stopped; only the chief decides",
+                    )
+                )
+            if rule.at_end is not AtEnd.STOP:
+                problems.append(
+                    SpecProblem(
+                        where + ("at_end",), f"{role.value} tasks serve until stopped; they must be stopped"
+                    )
+                )
+    if effective and not any(rule.decides for rule in effective.values()):
+        problems.append(SpecProblem(("policy",), "no role decides success; the job could never end"))
+    if ps_strategy and spec.train is not None and spec.train.epochs is not None:
+        problems.append(
+            SpecProblem(
+                ("train", "epochs"),
+                "parameter_server trains asynchronously (workers pull batches): give train.steps",
+            )
+        )
+    if (
+        spec.train is not None
+        and spec.train.cpu_replicas is not None
+        and spec.strategy is not Strategy.MIRRORED
+    ):
+        problems.append(SpecProblem(("train", "cpu_replicas"), "applies to strategy: mirrored only"))
     return problems
 
 

@@ -43,6 +43,17 @@ class Role(str, enum.Enum):
     EVALUATOR = "evaluator"
 
 
+class OnFailure(str, enum.Enum):
+    RESTART_JOB = "restart_job"  # stop every task, restart all from the last checkpoint (the budget)
+    RESTART_TASK = "restart_task"  # restart this task alone, same address; the others go on
+    IGNORE = "ignore"  # report it; the job goes on without the task
+
+
+class AtEnd(str, enum.Enum):
+    WAIT = "wait"  # let the task finish by itself (bounded by health.final_wait_s)
+    STOP = "stop"  # stop it (servers that never exit: ps, PS workers)
+
+
 class HostKeyPolicy(str, enum.Enum):
     STRICT = "strict"
     ACCEPT_NEW = "accept-new"
@@ -128,6 +139,11 @@ class TrainSpec(_Strict):
     checkpoint_dir: Path | None = Field(
         default=None, description="default: checkpoints/ in the run directory"
     )
+    cpu_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="strategy mirrored on a host without GPUs: split its CPU into this many replicas",
+    )
 
     _resolve_dir = field_validator("checkpoint_dir")(_resolve)
 
@@ -148,6 +164,11 @@ class HealthSpec(_Strict):
         ge=0,
         description="on a stop, SIGTERM then this long (a final checkpoint) before SIGKILL",
     )
+    final_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="when training is done, how long tasks that end by themselves (the evaluator) may take",
+    )
 
     @model_validator(mode="after")
     def _timeout_above_interval(self) -> HealthSpec:
@@ -160,8 +181,18 @@ class HealthSpec(_Strict):
 
 
 class RestartSpec(_Strict):
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(
+        default=3, ge=0, description="whole-job restarts; also each task's own restarts (restart_task)"
+    )
     backoff_s: float = Field(default=2.0, ge=0)
+
+
+class RolePolicySpec(_Strict):
+    """How the supervisor treats one role's tasks; unset fields keep the strategy's default."""
+
+    decides: bool | None = Field(default=None, description="the job succeeds when these tasks all exit 0")
+    on_failure: OnFailure | None = Field(default=None, description="restart_job | restart_task | ignore")
+    at_end: AtEnd | None = Field(default=None, description="when the deciding tasks are done: wait | stop")
 
 
 class SshSpec(_Strict):
@@ -190,6 +221,9 @@ class ClusterSpec(_Strict):
     train: TrainSpec | None = None
     health: HealthSpec = HealthSpec()
     restart: RestartSpec = RestartSpec()
+    policy: dict[Role, RolePolicySpec] = Field(
+        default_factory=dict, description="per role: decides, on_failure, at_end (defaults per strategy)"
+    )
     ssh: SshSpec = SshSpec()
 
     def role_count(self, role: Role) -> int:

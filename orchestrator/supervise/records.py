@@ -11,6 +11,7 @@ from typing import Any
 from orchestrator.health.store import TaskHealth
 from orchestrator.launch.api import TaskHandle
 from orchestrator.plan import TaskPlan
+from orchestrator.spec.roles import RolePolicy
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState, TaskState
 
@@ -20,16 +21,15 @@ class TaskRecord:
     """The supervisor's own view of one task (mutated only by the control loop)."""
 
     plan: TaskPlan
+    policy: RolePolicy
     state: TaskState = TaskState.PENDING
     handle: TaskHandle | None = None
     launched_at: float | None = None
     exit_code: int | None = None
     reason: str = ""
     health: TaskHealth | None = None
-
-    @property
-    def decides_success(self) -> bool:
-        return self.plan.in_cluster  # the evaluator watches; it never decides the job's outcome
+    restarts: int = 0  # restarts of this task alone (role policy restart_task), over the whole run
+    restart_at: float | None = None  # when this task alone is due to start again
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class RunResult:
     root_cause: Failure | None
     started_at: str
     ended_at: str
+    ignored: tuple[Failure, ...] = ()  # failures of roles whose policy is `ignore` (the evaluator)
+    task_restarts: tuple[Failure, ...] = ()  # failures answered by restarting that task alone
 
 
 def task_status(rec: TaskRecord) -> dict[str, Any]:

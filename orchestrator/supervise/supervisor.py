@@ -8,6 +8,7 @@ does the work. Time and sleep are injected so tests can step it deterministicall
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Launcher
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure
 from orchestrator.supervise import policy
 from orchestrator.supervise.policy import Action, Failure, FailureKind
 from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
@@ -50,6 +51,7 @@ class SupervisorConfig:
     max_restarts: int = 3
     backoff_s: float = 2.0
     stop_grace_s: float = 30.0  # a stop asked for: time for the tasks' final checkpoint
+    final_wait_s: float = 120.0  # training done: time for tasks that end by themselves (evaluator)
     failure_grace_s: float = 3.0  # a failure: the job's collectives are broken, no checkpoint can be agreed
     poll_interval_s: float = 0.1
 
@@ -63,6 +65,7 @@ class SupervisorConfig:
             max_restarts=spec.restart.max_restarts,
             backoff_s=spec.restart.backoff_s,
             stop_grace_s=spec.health.stop_grace_s,
+            final_wait_s=spec.health.final_wait_s,
             **overrides,
         )
 
@@ -106,8 +109,11 @@ class Supervisor:
         self._first_attempt = first_attempt
         self.failures: list[Failure] = []  # the root cause of every failed attempt, in order
         self.restarts = restarts
-        self.tasks = {t.name: TaskRecord(t) for t in plan.tasks}
+        self.tasks = {t.name: TaskRecord(t, plan.policy_of(t)) for t in plan.tasks}
         self.root_cause: Failure | None = None
+        self.ignored: list[Failure] = []  # failures of tasks whose role's policy is `ignore`
+        self.task_failures: list[Failure] = []  # failures answered by restarting that task alone
+        self._end_deadline: float | None = None  # training done: until when to wait for the rest
         self.started_at = now_iso()
         self.ended_at: str | None = None
         self._stop: _Stop | None = None
@@ -141,6 +147,8 @@ class Supervisor:
             self.root_cause,
             self.started_at,
             self.ended_at or "",
+            tuple(self.ignored),
+            tuple(self.task_failures),
         )
 
     def step(self) -> tuple[ClusterState, ClusterState]:
@@ -182,8 +190,9 @@ class Supervisor:
         self._store.reset(self.attempt, self.tasks)
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
         records = list(self.tasks.values())
+        self._end_deadline = None
         for rec in records:
-            rec.exit_code, rec.health, rec.handle = None, None, None
+            rec.exit_code, rec.health, rec.handle, rec.restart_at = None, None, None, None
         results = self._launcher.start_all(
             [r.plan for r in records],
             self.attempt,
@@ -208,30 +217,114 @@ class Supervisor:
         health = self._store.snapshot()
         failures: list[Failure] = []
         for rec in self.tasks.values():
+            if rec.restart_at is not None and now >= rec.restart_at:
+                failure = self._restart_task(rec)
+                if failure is not None:
+                    failures.append(failure)
+                continue
             if rec.handle is None or rec.state.is_terminal:
                 continue
             rec.health = health.get(rec.plan.name)
             failure = self._check_task(rec, now)
-            if failure is not None:
-                if rec.decides_success:
-                    failures.append(failure)
-                else:
-                    self._sink.event(kind="warning", task=rec.plan.name, reason=failure.describe())
+            if failure is None:
+                continue
+            on_failure = rec.policy.on_failure
+            if on_failure is OnFailure.RESTART_TASK and rec.restarts >= self.config.max_restarts:
+                detail = (
+                    f"{failure.detail}; its own restart budget is exhausted ({rec.restarts} of "
+                    f"restart.max_restarts = {self.config.max_restarts})"
+                )
+                failures.append(dataclasses.replace(failure, detail=detail))
+            elif on_failure is OnFailure.RESTART_TASK:
+                self._schedule_task_restart(rec, failure)
+            elif on_failure is OnFailure.IGNORE:
+                self.ignored.append(failure)
+                self._sink.event(kind="warning", task=rec.plan.name, reason=f"{failure.describe()} (ignored)")
+            else:
+                failures.append(failure)
         if failures:
             first = policy.root_cause(failures)
             if first.is_peer_loss:
                 first = self._frozen_peer(now) or first
             self._begin_stop(_Stop(ClusterState.FAILED, first.describe(), first))
             return
-        deciders = [r for r in self.tasks.values() if r.decides_success]
+        in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
+        deciders = [r for r in self.tasks.values() if r.policy.decides]
         if self.state is ClusterState.LAUNCHING:
-            if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in deciders):
+            if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
                 self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
             elif now - self._launched_at() > self.config.startup_timeout_s:
-                failure = self._startup_failure(deciders)
+                failure = self._startup_failure(in_cluster)
                 self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
-            self._begin_stop(_Stop(ClusterState.SUCCEEDED, "every training task exited 0"))
+            self._finish_training(now, deciders)
+
+    def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
+        """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
+        if {r.plan.name for r in deciders} == {r.plan.name for r in self.tasks.values() if r.plan.in_cluster}:
+            done = "every training task exited 0"
+        else:
+            done = f"{', '.join(r.plan.name for r in deciders)} exited 0"
+        waiting = [
+            r
+            for r in self.tasks.values()
+            if r.policy.at_end is AtEnd.WAIT and r.handle is not None and not r.state.is_terminal
+        ]
+        if waiting and self._end_deadline is None:
+            self._end_deadline = now + self.config.final_wait_s
+            names = ", ".join(r.plan.name for r in waiting)
+            self._sink.event(
+                kind="run",
+                attempt=self.attempt,
+                reason=f"{done}; waiting up to {self.config.final_wait_s:g} s for {names} to finish",
+            )
+        if waiting and self._end_deadline is not None and now < self._end_deadline:
+            return
+        if waiting:
+            names = ", ".join(r.plan.name for r in waiting)
+            done += f"; {names} still running after health.final_wait_s = {self.config.final_wait_s:g}"
+        self._begin_stop(_Stop(ClusterState.SUCCEEDED, done))
+
+    def _schedule_task_restart(self, rec: TaskRecord, failure: Failure) -> None:
+        """Stop what is left of the task (a frozen one still runs), then restart it after the backoff."""
+        assert rec.handle is not None
+        try:
+            self._launcher.stop([rec.handle], self.config.failure_grace_s, self.hurry)
+        except LaunchError as exc:
+            self._sink.event(kind="error", task=rec.plan.name, reason=str(exc))
+        wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
+        rec.restart_at = self._clock() + wait_s
+        self.task_failures.append(failure)
+        self._sink.event(
+            kind="task_restart",
+            task=rec.plan.name,
+            attempt=self.attempt,
+            reason=(
+                f"{failure.describe()}; restarting it alone in {wait_s:g} s "
+                f"(restart {rec.restarts + 1} of {self.config.max_restarts}; the others go on)"
+            ),
+        )
+
+    def _restart_task(self, rec: TaskRecord) -> Failure | None:
+        rec.restart_at = None
+        rec.restarts += 1
+        rec.exit_code, rec.health = None, None
+        self._store.reset_task(rec.plan.name)
+        try:
+            rec.handle = self._launcher.start(
+                rec.plan, self.attempt, self._token, self._sink.log_path(rec.plan.log_name)
+            )
+        except LaunchError as exc:
+            self._move_task(rec, TaskState.FAILED, str(exc))
+            return Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(exc))
+        rec.launched_at = self._clock()
+        self._move_task(
+            rec,
+            TaskState.STARTING,
+            f"restarted alone (restart {rec.restarts} of {self.config.max_restarts}), "
+            f"pid {rec.handle.process.pid}",
+        )
+        return None
 
     def _check_task(self, rec: TaskRecord, now: float) -> Failure | None:
         """Move one live task's state from what we see; return its failure, if it failed."""
@@ -335,6 +428,7 @@ class Supervisor:
             self._sink.event(kind="error", reason=str(exc))
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
+            rec.restart_at = None  # a task waiting for its own restart is part of the stop, too
             rec.health = health.get(rec.plan.name, rec.health)
             if rec.handle is not None and not rec.state.is_terminal:
                 rec.exit_code = rec.handle.poll()

@@ -1,0 +1,134 @@
+"""Worker runtime: ParameterServerStrategy (asynchronous training) in the built-in loop.
+
+- ps and worker tasks run `tf.distribute.Server(...).join()` (`python -m worker server`): they hold
+  variables (ps) or run what the chief schedules (worker) and report liveness until stopped.
+- The chief runs the loop with `ClusterCoordinator`: per-worker datasets (the user's make_dataset,
+  repeated: workers pull batches as they go), one `schedule()` per step, `join()` at every report
+  and checkpoint. A worker that dies and comes back on the same address is picked up again by the
+  coordinator (TensorFlow re-runs its lost steps); a ps that dies fails the chief (whole-job
+  restart, resumed from the chief's last checkpoint).
+
+One step is one global batch applied by one worker; `train.steps` counts them (epochs do not apply
+to asynchronous training).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from worker.runtime import reporter
+
+REPORT_EVERY = 10  # steps between join()s that report progress (each join waits for stragglers)
+
+
+def serve() -> None:
+    """A ps or worker task: start this task's TF server and serve until stopped."""
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type not in ("ps", "worker"):
+        raise SystemExit(f"`worker server` is for ps and worker tasks, not {resolver.task_type!r}")
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        start=True,
+    )
+    reporter().mark_ready()
+    print(f"[orchestrate] {resolver.task_type} {resolver.task_id} serving at {server.target}", flush=True)
+    server.join()
+
+
+class PsTrainer:
+    """The chief of a ParameterServerStrategy job (built-in loop)."""
+
+    def __init__(self, config: Any, user: ModuleType):
+        import tensorflow as tf
+
+        from worker.loop import _default_loss, _write_dir
+
+        self.tf, self.config = tf, config
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        self.strategy = tf.distribute.ParameterServerStrategy(resolver)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.write_dir = _write_dir(config.checkpoint_dir, True, "chief", 0)
+        with self.strategy.scope():
+            self.model = user.build_model()
+            self.optimizer = (
+                user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
+            )
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.per_example_loss = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.write_dir), max_to_keep=3)
+        latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
+        if latest:
+            self.checkpoint.restore(latest)
+            print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
+        gbs = config.global_batch_size
+
+        def dataset_fn() -> Any:
+            return self.strategy.distribute_datasets_from_function(
+                lambda ctx: user.make_dataset(ctx, gbs).repeat()
+            )
+
+        self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
+        self.step_fn = tf.function(self._step_fn)
+        self._stop = False
+
+    def _step_fn(self, iterator: Any) -> Any:
+        tf, gbs = self.tf, self.config.global_batch_size
+
+        def replica_step(features: Any, labels: Any) -> Any:
+            with tf.GradientTape() as tape:
+                predictions = self.model(features, training=True)
+                per_example = self.per_example_loss(labels, predictions)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gbs)
+                if self.model.losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+            return loss
+
+        per_replica = self.strategy.run(replica_step, args=next(iterator))
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def train(self) -> None:
+        from worker.loop import PREEMPTED_EXIT_CODE, write_final_marker
+
+        rep = reporter()
+        total = self.config.steps
+        rep.set_total_steps(total)
+        # SIGTERM (the coordinator's stop): finish the steps in flight, save, exit 42 (restartable).
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        step = int(self.step.numpy())
+        while step < total:
+            every = self.config.checkpoint_every
+            chunk = min(REPORT_EVERY, total - step, every - step % every)
+            last = None
+            for _ in range(chunk):
+                last = self.coordinator.schedule(self.step_fn, args=(self.iterator,))
+            self.coordinator.join()
+            step += chunk
+            self.step.assign(step)
+            loss = float(last.fetch()) if last is not None else float("nan")
+            rep.report(step, loss=loss)
+            if step % self.config.checkpoint_every == 0 or step >= total:
+                self.manager.save(checkpoint_number=step)
+                print(f"[orchestrate] step {step}/{total}: loss {loss:.4f}, checkpoint saved", flush=True)
+            if self._stop:
+                latest = self.manager.latest_checkpoint
+                if latest is None or not latest.endswith(f"-{step}"):
+                    self.manager.save(checkpoint_number=step)
+                print("[orchestrate] stop requested: checkpoint saved, exiting", flush=True)
+                raise SystemExit(PREEMPTED_EXIT_CODE)
+        write_final_marker(self.config.checkpoint_dir, step)
+        if self.config.run_dir is not None:
+            path = Path(self.config.run_dir) / "model" / "model.keras"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.model.save(str(path))
+            print(f"[orchestrate] saved the trained model to {path}", flush=True)
