@@ -92,6 +92,8 @@ class _Trainer:
         self.tf = tf
         self.config = config
         self.strategy = _make_strategy(tf, config.strategy, config.cpu_replicas)
+        replicas = self.strategy.num_replicas_in_sync
+        print(f"[orchestrate] {type(self.strategy).__name__}: num_replicas_in_sync={replicas}", flush=True)
         resolver = self.strategy.cluster_resolver
         task_type = getattr(resolver, "task_type", None)
         task_id = getattr(resolver, "task_id", 0) or 0

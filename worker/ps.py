@@ -15,6 +15,7 @@ to asynchronous training).
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,7 +41,10 @@ def serve() -> None:
     )
     reporter().mark_ready()
     print(f"[orchestrate] {resolver.task_type} {resolver.task_id} serving at {server.target}", flush=True)
-    server.join()
+    # Not server.join(): it blocks in C++, where Python's SIGTERM handler never gets to run (a stop
+    # would wait out the whole grace period). The server serves from its own threads meanwhile.
+    while True:
+        time.sleep(1.0)
 
 
 class PsTrainer:
@@ -55,6 +59,11 @@ class PsTrainer:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         self.strategy = tf.distribute.ParameterServerStrategy(resolver)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        workers = len(resolver.cluster_spec().as_dict().get("worker", []))
+        print(
+            f"[orchestrate] ParameterServerStrategy: {workers} worker(s), steps scheduled by the chief",
+            flush=True,
+        )
         self.write_dir = _write_dir(config.checkpoint_dir, True, "chief", 0)
         with self.strategy.scope():
             self.model = user.build_model()

@@ -630,3 +630,91 @@ def test_renew_busy_moves_only_a_port_another_program_took(tmp_path: Path) -> No
         assert list(moved) == ["worker-1"] and moved["worker-1"][0] == before["worker-1"]
         assert reservation.ports["worker-0"] == before["worker-0"]
         assert reservation.ports["worker-1"] == moved["worker-1"][1] != before["worker-1"]
+
+
+# ---------------------------------------------------------------- commands and policy per strategy
+
+LOOP_JOB = "loop: loop.py"
+LOOP_TRAIN = "train: {steps: 100, checkpoint_every: 20}\n"
+
+
+def loop_plan(tmp_path: Path, strategy: str, tasks: str, extra: str = "") -> LaunchPlan:
+    (tmp_path / "loop.py").write_text("")
+    spec = spec_of(
+        tmp_path,
+        f"- address: 127.0.0.1\n  tasks: {tasks}",
+        strategy=strategy,
+        job=LOOP_JOB,
+        extra=LOOP_TRAIN + extra,
+    )
+    return plan_of(spec)
+
+
+def verb(plan: LaunchPlan, name: str) -> str:
+    argv = plan.task(name).argv
+    return argv[argv.index("worker") + 1]
+
+
+def test_parameter_server_roles_run_loop_server_and_evaluator(tmp_path: Path) -> None:
+    plan = loop_plan(tmp_path, "parameter_server", "{chief: 1, worker: 2, ps: 1, evaluator: 1}")
+    assert {t.name: verb(plan, t.name) for t in plan.tasks} == {
+        "chief-0": "loop",
+        "worker-0": "server",
+        "worker-1": "server",
+        "ps-0": "server",
+        "evaluator-0": "evaluate",
+    }
+    chief = plan.task("chief-0").argv
+    assert chief[chief.index("--strategy") + 1] == "parameter_server"
+    ev = plan.task("evaluator-0").argv
+    assert ev[ev.index("--checkpoint-dir") + 1] == chief[chief.index("--checkpoint-dir") + 1]
+    # a call to a lost task fails at once instead of waiting (every task)
+    assert {t.env.get("GRPC_FAIL_FAST") for t in plan.tasks} == {"use_caller"}
+
+
+def test_policy_defaults_per_strategy(tmp_path: Path) -> None:
+    ps = loop_plan(tmp_path, "parameter_server", "{chief: 1, worker: 2, ps: 1, evaluator: 1}").to_json()[
+        "policy"
+    ]
+    assert ps == {
+        "chief": {"decides": True, "on_failure": "restart_job", "at_end": "wait"},
+        "worker": {"decides": False, "on_failure": "restart_task", "at_end": "stop"},
+        "ps": {"decides": False, "on_failure": "restart_job", "at_end": "stop"},
+        "evaluator": {"decides": False, "on_failure": "ignore", "at_end": "wait"},
+    }
+    mwms = loop_plan(tmp_path, "multi_worker_mirrored", "{worker: 2, evaluator: 1}").to_json()["policy"]
+    assert mwms == {
+        "worker": {"decides": True, "on_failure": "restart_job", "at_end": "wait"},
+        "evaluator": {"decides": False, "on_failure": "ignore", "at_end": "wait"},
+    }
+    assert (
+        "GRPC_FAIL_FAST"
+        not in loop_plan(tmp_path, "multi_worker_mirrored", "{worker: 2}").task("worker-0").env
+    )
+
+
+def test_policy_from_the_spec_overrides_the_default(tmp_path: Path) -> None:
+    plan = loop_plan(
+        tmp_path,
+        "multi_worker_mirrored",
+        "{worker: 2, evaluator: 1}",
+        "policy:\n  evaluator: {on_failure: restart_task, at_end: stop}\n",
+    )
+    assert plan.to_json()["policy"]["evaluator"] == {
+        "decides": False,
+        "on_failure": "restart_task",
+        "at_end": "stop",
+    }
+
+
+def test_mirrored_cpu_replicas_reach_the_loop(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").write_text("")
+    spec = spec_of(
+        tmp_path,
+        "- address: 127.0.0.1\n  tasks: {worker: 1}",
+        strategy="mirrored",
+        job=LOOP_JOB,
+        extra="train: {steps: 10, cpu_replicas: 2}\n",
+    )
+    argv = plan_of(spec).task("worker-0").argv
+    assert argv[argv.index("--cpu-replicas") + 1] == "2"

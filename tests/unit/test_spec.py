@@ -688,6 +688,90 @@ BAD_SPECS = [
         "pattern",
     ),
     (
+        "mwms-task-cannot-restart-alone",
+        MINIMAL
+        + """\
+    policy:
+      worker: {on_failure: restart_task}
+    """,
+        8,
+        "policy.worker.on_failure",
+        "cannot be restarted alone",
+    ),
+    (
+        "policy-for-a-role-not-in-the-spec",
+        MINIMAL
+        + """\
+    policy:
+      ps: {on_failure: restart_job}
+    """,
+        8,
+        "policy.ps",
+        "no ps task",
+    ),
+    (
+        "policy-bad-on-failure-value",
+        MINIMAL
+        + """\
+    policy:
+      worker: {on_failure: retry}
+    """,
+        8,
+        "policy.worker.on_failure",
+        "restart_job",
+    ),
+    (
+        "ps-servers-cannot-decide",
+        """
+        name: demo
+        strategy: parameter_server
+        hosts:
+          - address: 127.0.0.1
+            tasks: {chief: 1, worker: 1, ps: 1}
+        job:
+          script: train.py
+        policy:
+          ps: {decides: true}
+        """,
+        9,
+        "policy.ps.decides",
+        "only the chief decides",
+    ),
+    (
+        "parameter-server-needs-steps",
+        """
+        name: demo
+        strategy: parameter_server
+        hosts:
+          - address: 127.0.0.1
+            tasks: {chief: 1, worker: 1, ps: 1}
+        job:
+          loop: train.py
+        train:
+          epochs: 3
+        """,
+        9,
+        "train.epochs",
+        "give train.steps",
+    ),
+    (
+        "cpu-replicas-only-for-mirrored",
+        """
+        name: demo
+        hosts:
+          - address: 127.0.0.1
+            tasks: {worker: 2}
+        job:
+          loop: train.py
+        train:
+          steps: 3
+          cpu_replicas: 2
+        """,
+        9,
+        "train.cpu_replicas",
+        "mirrored only",
+    ),
+    (
         "job-files-missing-folder",
         """
         name: demo

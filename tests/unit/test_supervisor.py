@@ -366,3 +366,138 @@ def test_of_two_stalled_tasks_the_one_busy_in_its_own_code_is_the_cause(tmp_path
         sup.step()
     assert sup.root_cause.task == "worker-1"
     assert "busy in train.py:23 in wait" in sup.root_cause.detail
+
+
+# ---------------------------------------------------------------- per-role policy (parameter_server)
+
+PS_SPEC = """
+name: t
+strategy: parameter_server
+hosts:
+  - address: 127.0.0.1
+    tasks: {chief: 1, worker: 2, ps: 1, evaluator: 1}
+job:
+  script: job.py
+health: {final_wait_s: 20}
+"""
+
+PS_TASKS = ("chief-0", "worker-0", "worker-1", "ps-0", "evaluator-0")
+
+
+def make_ps(tmp_path: Path, **cfg: Any):
+    (tmp_path / "job.py").write_text("")
+    spec = parse_spec(PS_SPEC, file="s.yaml", base_dir=tmp_path)
+    ports = {name: 20000 + i for i, name in enumerate(PS_TASKS)}
+    plan = make_plan(spec, ports=ports, run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"))
+    clock, launcher, sink = FakeClock(), FakeLauncher(), Sink()
+    store = HealthStore(clock)
+    config = SupervisorConfig(
+        **{
+            "heartbeat_timeout_s": 10,
+            "max_restarts": 2,
+            "backoff_s": 1,
+            "poll_interval_s": 0,
+            "final_wait_s": 20,
+            **cfg,
+        }
+    )
+    sup = Supervisor(plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None)
+    return sup, launcher, store, clock, sink
+
+
+def ps_running(sup, store, clock) -> None:
+    sup.step()  # launch
+    for name in PS_TASKS:
+        beat(store, name, ready=True)
+    sup.step()
+    assert sup.state is ClusterState.RUNNING
+
+
+def test_ps_worker_failure_restarts_that_worker_alone(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    ps_running(sup, store, clock)
+    launcher.handles["worker-1"].code = -9
+    sup.step()
+    assert sup.state is ClusterState.RUNNING  # the job goes on
+    assert sup.tasks["worker-1"].state is TaskState.FAILED
+    assert launcher.stopped == [["worker-1"]]  # only what is left of it
+    assert any(e.get("kind") == "task_restart" and e["task"] == "worker-1" for e in sink.events)
+    sup.step()
+    assert ("worker-1", 0) in launcher.started and launcher.started.count(("worker-1", 0)) == 1  # not yet
+    clock.advance(1.0)  # restart.backoff_s
+    sup.step()
+    assert launcher.started.count(("worker-1", 0)) == 2
+    assert (
+        sup.tasks["worker-1"].state is TaskState.STARTING
+        and "restarted alone" in sup.tasks["worker-1"].reason
+    )
+    assert sup.restarts == 0 and sup.attempt == 0  # no whole-job restart
+
+
+def test_ps_worker_that_keeps_failing_exhausts_its_own_budget(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path, max_restarts=1)
+    ps_running(sup, store, clock)
+    launcher.handles["worker-0"].code = 1
+    sup.step()
+    clock.advance(5)
+    sup.step()  # restarted alone (1 of 1)
+    launcher.handles["worker-0"].code = 1
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    assert "its own restart budget is exhausted" in sup.reason
+
+
+def test_ps_failure_restarts_the_whole_job(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    ps_running(sup, store, clock)
+    launcher.handles["ps-0"].code = -9
+    sup.step()
+    assert sup.state is ClusterState.STOPPING and sup.reason.startswith("ps-0 ")
+    sup.step()
+    assert sup.state is ClusterState.RESTARTING and sup.restarts == 1
+
+
+def test_evaluator_failure_is_reported_and_ignored(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    ps_running(sup, store, clock)
+    beat(store, "evaluator-0", error=TaskError("ValueError", "no eval data", ""), done=True)
+    launcher.handles["evaluator-0"].code = 1
+    sup.step()
+    assert sup.state is ClusterState.RUNNING
+    assert sup.tasks["evaluator-0"].state is TaskState.FAILED
+    assert [f.task for f in sup.ignored] == ["evaluator-0"]
+    assert any(e.get("kind") == "warning" and "(ignored)" in e["reason"] for e in sink.events)
+
+
+def test_chief_success_waits_for_the_evaluator_then_stops_servers(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    ps_running(sup, store, clock)
+    launcher.handles["chief-0"].code = 0
+    sup.step()
+    assert sup.state is ClusterState.RUNNING  # the evaluator is still scoring the last checkpoint
+    assert any("waiting up to 20 s for evaluator-0" in e.get("reason", "") for e in sink.events)
+    clock.advance(5)
+    launcher.handles["evaluator-0"].code = 0
+    sup.step()
+    assert sup.state is ClusterState.STOPPING and sup.reason == "chief-0 exited 0"
+    sup.step()
+    assert sup.state is ClusterState.SUCCEEDED
+    assert {n: sup.tasks[n].state for n in ("worker-0", "worker-1", "ps-0")} == dict.fromkeys(
+        ("worker-0", "worker-1", "ps-0"), TaskState.STOPPED
+    )
+
+
+def test_an_evaluator_that_never_ends_is_stopped_after_final_wait(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    ps_running(sup, store, clock)
+    launcher.handles["chief-0"].code = 0
+    sup.step()
+    clock.advance(21)
+    beat(store, "evaluator-0")  # alive, so not lost, just slow
+    for name in ("worker-0", "worker-1", "ps-0"):
+        beat(store, name)
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    assert "evaluator-0 still running after health.final_wait_s = 20" in sup.reason
+    sup.step()
+    assert sup.state is ClusterState.SUCCEEDED and sup.tasks["evaluator-0"].state is TaskState.STOPPED

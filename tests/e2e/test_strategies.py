@@ -1,0 +1,231 @@
+"""ParameterServerStrategy, MirroredStrategy and the evaluator end to end: real TensorFlow processes
+on the local backend, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_processes, wait_until
+
+pytestmark = pytest.mark.e2e
+
+# A small classification task: 8 features, 4 classes, learnable in a few dozen steps.
+LOOP = """
+    import numpy as np
+    import tensorflow as tf
+
+    def _data(n, seed):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(n, 8)).astype("float32")
+        y = (x[:, :4].argmax(axis=1)).astype("int64")
+        return x, y
+
+    def build_model():
+        layers = tf.keras.layers
+        hidden = layers.Dense(16, activation="relu")
+        return tf.keras.Sequential([layers.Input(shape=(8,)), hidden, layers.Dense(4)])
+
+    def make_optimizer():
+        return tf.keras.optimizers.Adam(0.02)
+
+    def make_dataset(ctx, global_batch_size):
+        x, y = _data(2048, 0)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        batch = ctx.get_per_replica_batch_size(global_batch_size)
+        return ds.shuffle(2048, seed=1).batch(batch, drop_remainder=True)
+
+    def make_eval_dataset():
+        {eval_body}
+"""
+EVAL_OK = "x, y = _data(256, 1)\n        return tf.data.Dataset.from_tensor_slices((x, y)).batch(64)"
+EVAL_CRASH = "raise RuntimeError('the eval data is missing')"
+
+
+class LoopJob:
+    def __init__(
+        self, root: Path, strategy: str, tasks: str, *, steps: int, eval_body: str = EVAL_OK, extra: str = ""
+    ):
+        self.root = root
+        self.run_dir = root / "run"
+        (root / "loop.py").write_text(textwrap.dedent(LOOP.replace("{eval_body}", eval_body)))
+        self.spec = root / "spec.yaml"
+        self.spec.write_text(
+            textwrap.dedent(
+                f"""\
+                name: s
+                strategy: {strategy}
+                hosts:
+                  - address: 127.0.0.1
+                    tasks: {tasks}
+                job:
+                  loop: loop.py
+                  env: {{TF_CPP_MIN_LOG_LEVEL: "2", TF_USE_LEGACY_KERAS: "1"}}
+                train: {{steps: {steps}, global_batch_size: 64, checkpoint_every: 20}}
+                health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 10, final_wait_s: 60}}
+                restart: {{max_restarts: 2, backoff_s: 0.5}}
+                """
+            )
+            + textwrap.dedent(extra)
+        )
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            str(self.spec),
+            "--run-dir",
+            str(self.run_dir),
+            "--plain",
+        ]
+
+    def up(self, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root
+        )
+
+    def start(self) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.root
+        )
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def task(self, name: str) -> dict:
+        return next((t for t in self.status().get("tasks", []) if t["task"] == name), {})
+
+    def events(self) -> list[dict]:
+        return [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines()]
+
+    def metrics(self, task: str) -> list[dict]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [m for m in map(json.loads, lines) if m["task"] == task]
+
+    def log(self, task: str) -> str:
+        return (self.run_dir / "logs" / f"{task}.log").read_text()
+
+
+@pytest.fixture
+def loop_job(tmp_path):
+    made: list[LoopJob] = []
+
+    def make(*args, **kw) -> LoopJob:
+        job = LoopJob(tmp_path, *args, **kw)
+        made.append(job)
+        return job
+
+    yield make
+    for job in made:
+        for proc in run_processes(job.run_dir.name):
+            proc.kill()
+
+
+PS_TASKS = "{chief: 1, worker: 2, ps: 1, evaluator: 1}"
+
+
+def test_parameter_server_job_trains_evaluates_and_leaves_no_server_behind(loop_job):
+    job = loop_job("parameter_server", PS_TASKS, steps=60)
+    res = job.up()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["reason"].startswith("chief-0 exited 0")
+    states = {t["task"]: t["state"] for t in status["tasks"]}
+    assert states == {
+        "chief-0": "SUCCEEDED",
+        "evaluator-0": "SUCCEEDED",  # it scored the final checkpoint, then ended by itself
+        "worker-0": "STOPPED",
+        "worker-1": "STOPPED",
+        "ps-0": "STOPPED",
+    }
+    assert job.task("chief-0")["last_step"] == 60
+    assert run_processes(job.run_dir.name) == []
+    # the evaluator scored the final checkpoint and reported it
+    scored = job.metrics("evaluator-0")
+    assert scored and scored[-1]["step"] == 60 and "eval_loss" in scored[-1]
+    assert scored[-1]["eval_accuracy"] > 0.5  # 4 classes: chance is 0.25
+    assert (job.run_dir / "model" / "model.keras").exists()
+    assert (job.run_dir / "tensorboard" / "eval").is_dir()
+
+
+def test_parameter_server_worker_killed_is_restarted_alone_while_the_chief_goes_on(loop_job):
+    job = loop_job("parameter_server", "{chief: 1, worker: 2, ps: 1}", steps=400)
+    proc = job.start()
+    try:
+        assert wait_until(lambda: (job.task("chief-0").get("last_step") or 0) >= 30, 120), job.status()
+        victim = job.task("worker-1")["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 0 and status["attempt"] == 0
+    events = job.events()
+    restart = next(e for e in events if e.get("kind") == "task_restart")
+    assert restart["task"] == "worker-1" and "SIGKILL" in restart["reason"]
+    assert any(e.get("task") == "worker-1" and "restarted alone" in e.get("reason", "") for e in events)
+    assert "restarted alone: worker-1 was killed by SIGKILL" in out
+    assert job.task("chief-0")["last_step"] == 400
+    assert run_processes(job.run_dir.name) == []
+
+
+def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(loop_job):
+    job = loop_job("parameter_server", "{chief: 1, worker: 2, ps: 1}", steps=400)
+    proc = job.start()
+    try:
+        assert wait_until(lambda: (job.task("chief-0").get("last_step") or 0) >= 50, 120), job.status()
+        os.kill(job.task("ps-0")["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
+    stopping = next(e for e in job.events() if e.get("new") == "STOPPING")
+    assert stopping["reason"].startswith("ps-0 was killed by SIGKILL"), stopping  # not the chief's error
+    log = job.log("chief-0")
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert resumed and int(resumed[-1].rsplit("step ", 1)[1]) >= 40  # from a checkpoint, not from 0
+    assert job.task("chief-0")["last_step"] == 400
+    assert run_processes(job.run_dir.name) == []
+
+
+def test_evaluator_crash_is_reported_and_the_job_still_succeeds(loop_job):
+    job = loop_job("multi_worker_mirrored", "{worker: 1, evaluator: 1}", steps=40, eval_body=EVAL_CRASH)
+    res = job.up()
+    assert res.returncode == 0, res.stdout[-3000:]
+    status = job.status()
+    assert status["state"] == "SUCCEEDED"
+    evaluator = job.task("evaluator-0")
+    assert evaluator["state"] == "FAILED" and "the eval data is missing" in evaluator["reason"]
+    assert (
+        "reported, did not stop the job: evaluator-0 raised RuntimeError: the eval data is missing"
+        in res.stdout
+    )
+    assert any(e.get("kind") == "warning" and e.get("task") == "evaluator-0" for e in job.events())
+
+
+def test_mirrored_with_two_logical_cpu_devices_trains_two_replicas(loop_job):
+    job = loop_job("mirrored", "{worker: 1}", steps=40, extra="")
+    text = job.spec.read_text().replace("checkpoint_every: 20}", "checkpoint_every: 20, cpu_replicas: 2}")
+    job.spec.write_text(text)
+    res = job.up()
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "MirroredStrategy: num_replicas_in_sync=2" in job.log("worker-0")
+    assert job.status()["state"] == "SUCCEEDED" and job.task("worker-0")["last_step"] == 40
+    assert (job.run_dir / "model" / "model.keras").exists()
