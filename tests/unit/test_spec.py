@@ -1144,3 +1144,11 @@ def test_cli_plan_bad_spec_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "bad.yaml:1: hosts: required key is missing" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("spec", sorted((REPO / "cluster_specs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_specs_validate_and_plan(spec: Path) -> None:
+    """Every example spec is valid as shipped (the strategies' e2e tests run the same shapes)."""
+    res = orchestrate("plan", str(spec), cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert "policy (spec key policy" in res.stdout
