@@ -360,6 +360,7 @@ class Supervisor:
             return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
         if (
             rec.state is TaskState.RUNNING
+            and rec.plan.in_cluster  # the evaluator's step is the last checkpoint's: it waits on the chief
             and h is not None
             and h.step is not None
             and h.step_changed_at is not None

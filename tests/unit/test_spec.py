@@ -772,6 +772,25 @@ BAD_SPECS = [
         "mirrored only",
     ),
     (
+        "ssh-evaluator-away-from-the-checkpoints",
+        """
+        name: demo
+        backend: ssh
+        hosts:
+          - address: 10.0.0.1
+            tasks: {worker: 2}
+          - address: 10.0.0.2
+            tasks: {evaluator: 1}
+        job:
+          loop: train.py
+        train:
+          steps: 3
+        """,
+        7,
+        "hosts[1].tasks.evaluator",
+        "set train.checkpoint_dir to a folder both hosts share",
+    ),
+    (
         "job-files-missing-folder",
         """
         name: demo

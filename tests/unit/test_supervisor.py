@@ -501,3 +501,15 @@ def test_an_evaluator_that_never_ends_is_stopped_after_final_wait(tmp_path: Path
     assert "evaluator-0 still running after health.final_wait_s = 20" in sup.reason
     sup.step()
     assert sup.state is ClusterState.SUCCEEDED and sup.tasks["evaluator-0"].state is TaskState.STOPPED
+
+
+def test_an_evaluator_waiting_for_checkpoints_is_not_stalled(tmp_path: Path) -> None:
+    sup, launcher, store, clock, sink = make_ps(tmp_path, stall_timeout_s=30)
+    ps_running(sup, store, clock)
+    beat(store, "evaluator-0", step=20)
+    for _ in range(4):  # 80 s without a new checkpoint, heartbeats flowing
+        clock.advance(20)
+        for name in PS_TASKS:
+            beat(store, name, step=20 if name == "evaluator-0" else None)
+        sup.step()
+    assert sup.state is ClusterState.RUNNING and sup.tasks["evaluator-0"].state is TaskState.RUNNING
