@@ -418,8 +418,9 @@ def test_check_prints_one_table_and_fails_on_a_busy_port(ssh_job, lab):
             *lab.hosts[1].exec_prefix(),
             sys.executable,
             "-c",
-            f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen()\n"
-            "time.sleep(60)",
+            # SO_REUSEADDR: earlier jobs' TF connections may linger in TIME_WAIT on this port
+            "import socket, time\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('0.0.0.0', {port})); s.listen(); time.sleep(60)",
         ],
     )
     try:

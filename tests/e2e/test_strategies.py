@@ -3,6 +3,7 @@ on the local backend, real signals."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
@@ -229,3 +230,73 @@ def test_mirrored_with_two_logical_cpu_devices_trains_two_replicas(loop_job):
     assert "MirroredStrategy: num_replicas_in_sync=2" in job.log("worker-0")
     assert job.status()["state"] == "SUCCEEDED" and job.task("worker-0")["last_step"] == 40
     assert (job.run_dir / "model" / "model.keras").exists()
+
+
+PS_SCRIPT = """
+    import time
+    import tensorflow as tf
+    import worker
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("ps", "worker"):
+        tf.distribute.Server(
+            resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id, protocol="grpc"
+        )
+        while True:  # not server.join(): SIGTERM must reach Python
+            time.sleep(1)
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def step():
+        v.assign_add(1.0)
+
+    for i in range(1, 21):
+        coordinator.schedule(step)
+        if i % 5 == 0:
+            coordinator.join()
+            worker.report(step=i)
+    print("FINAL", float(v.numpy()), flush=True)
+"""
+
+
+def test_parameter_server_mode_1_script_runs_on_every_task(tmp_path):
+    (tmp_path / "job.py").write_text(textwrap.dedent(PS_SCRIPT))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        textwrap.dedent(
+            """\
+            name: ps1
+            strategy: parameter_server
+            hosts:
+              - address: 127.0.0.1
+                tasks: {chief: 1, worker: 2, ps: 1}
+            job:
+              script: job.py
+              env: {TF_CPP_MIN_LOG_LEVEL: "2"}
+            """
+        )
+    )
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout[-3000:]
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    # the servers count as up by themselves (their tf.distribute.Server started): no startup deadline
+    up = {e["task"] for e in events if e.get("new") == "RUNNING" and e.get("kind") == "task"}
+    assert up == {"chief-0", "worker-0", "worker-1", "ps-0"}
+    assert "FINAL 20.0" in (run_dir / "logs" / "chief-0.log").read_text()
+    stopping = next(e for e in events if e.get("new") == "STOPPING")
+    done = next(e for e in events if e.get("new") == "SUCCEEDED" and e.get("kind") == "run")
+
+    def seconds(event: dict) -> float:
+        return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
+
+    assert seconds(done) - seconds(stopping) < 5  # servers answer SIGTERM at once
+    assert run_processes(run_dir.name) == []
