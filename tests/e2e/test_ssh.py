@@ -419,7 +419,8 @@ def test_check_prints_one_table_and_fails_on_a_busy_port(ssh_job, lab):
             sys.executable,
             "-c",
             # SO_REUSEADDR: earlier jobs' TF connections may linger in TIME_WAIT on this port
-            "import socket, time\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "import socket, time\ns = socket.socket()\n"
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
             f"s.bind(('0.0.0.0', {port})); s.listen(); time.sleep(60)",
         ],
     )
