@@ -8,11 +8,9 @@ and a restart finds its ports still ours. The locks vanish with the coordinator,
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import random
-import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 from orchestrator.errors import LaunchError
 from orchestrator.plan import task_slots
 from orchestrator.spec.model import Backend, ClusterSpec
+from worker.probe import port_free
 
 DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "orchestrate-ports"
 _LOW = 15000
@@ -106,17 +105,9 @@ def reserve_ports(
 
 
 def port_is_free(port: int) -> bool:
-    """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does)."""
-    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((addr, port))
-        except OSError as exc:
-            if exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) and family == socket.AF_INET6:
-                continue  # no IPv6 on this machine
-            return False
-    return True
+    """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does).
+    The same check the ssh backend runs on remote hosts."""
+    return port_free(port)
 
 
 def _ephemeral_low() -> int:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,28 +37,12 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
     return bool(predicate())
 
 
-class Job:
-    """A spec and its script in a temporary folder, run with the real `orchestrate` CLI."""
+class CliRun:
+    """One `orchestrate up` of a spec into a run directory, through the real CLI, and its record."""
 
-    def __init__(self, root: Path, script: str, spec_extra: str = "", workers: int = 2, name: str = "t"):
-        self.root = root
-        self.run_dir = root / "run"
-        (root / "job.py").write_text(textwrap.dedent(script))
-        self.spec = root / "spec.yaml"
-        self.spec.write_text(
-            textwrap.dedent(
-                f"""\
-                name: {name}
-                hosts:
-                  - address: 127.0.0.1
-                    tasks: {{worker: {workers}}}
-                job:
-                  script: job.py
-                  env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
-                """
-            )
-            + textwrap.dedent(spec_extra)
-        )
+    root: Path
+    spec: Path
+    run_dir: Path
 
     @property
     def run_id(self) -> str:
@@ -88,6 +73,43 @@ class Job:
             text=True,
             cwd=self.root,
             env=_env(),
+        )
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def task(self, name: str) -> dict:
+        return next((t for t in self.status().get("tasks", []) if t["task"] == name), {})
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+class Job(CliRun):
+    """A spec and its script in a temporary folder (local backend)."""
+
+    def __init__(self, root: Path, script: str, spec_extra: str = "", workers: int = 2, name: str = "t"):
+        self.root = root
+        self.run_dir = root / "run"
+        (root / "job.py").write_text(textwrap.dedent(script))
+        self.spec = root / "spec.yaml"
+        self.spec.write_text(
+            textwrap.dedent(
+                f"""\
+                name: {name}
+                hosts:
+                  - address: 127.0.0.1
+                    tasks: {{worker: {workers}}}
+                job:
+                  script: job.py
+                  env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
+                """
+            )
+            + textwrap.dedent(spec_extra)
         )
 
 

@@ -141,22 +141,12 @@ class _Trainer:
         )
 
     def _train_step(self, batch: Any) -> Any:
-        tf, gbs = self.tf, self.config.global_batch_size
-
-        def replica_step(features: Any, labels: Any) -> Any:
-            with tf.GradientTape() as tape:
-                predictions = self.model(features, training=True)
-                per_example = self.per_example_loss(labels, predictions)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gbs)
-                if self.model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
-            grads = tape.gradient(loss, self.model.trainable_variables)
-            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
-            return loss
-
-        per_replica = self.strategy.run(replica_step, args=batch)
+        step = replica_step(
+            self.tf, self.model, self.optimizer, self.per_example_loss, self.config.global_batch_size
+        )
+        per_replica = self.strategy.run(step, args=batch)
         # each replica's loss is already divided by the global batch: their sum is the batch mean
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return self.strategy.reduce(self.tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def _one_step(self, batch: Any) -> float:
         loss = float(self.train_step(batch))
@@ -226,6 +216,24 @@ class _Trainer:
             if self.is_chief:
                 total = f"/{self.config.steps}" if self.config.steps else ""
                 print(f"[orchestrate] step {step}{total}: loss {loss:.4f}, checkpoint saved", flush=True)
+
+
+def replica_step(tf: Any, model: Any, optimizer: Any, per_example_loss: Any, global_batch_size: int) -> Any:
+    """One replica's training step: the loss scaled by the *global* batch (so the replicas' sum is the
+    batch mean whatever their number), regularization scaled likewise, gradients applied."""
+
+    def step(features: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            predictions = model(features, training=True)
+            per_example = per_example_loss(labels, predictions)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    return step
 
 
 def _exit_preempted(write_dir: Path, is_chief: bool) -> None:

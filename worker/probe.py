@@ -52,7 +52,7 @@ def facts(workdir: str, *ports: str) -> dict[str, Any]:
         probe = os.path.dirname(probe)
     usage = shutil.disk_usage(probe)
     out["disk_free_bytes"] = usage.free
-    out["ports"] = {p: _port_free(int(p)) for p in ports}
+    out["ports"] = {p: port_free(int(p)) for p in ports}
     cache = os.path.join(path, "cache")
     have = set(os.listdir(cache)) if os.path.isdir(cache) else set()
     out["missing"] = sorted(set(wanted) - have)
@@ -104,7 +104,7 @@ def _gpus() -> dict[str, Any] | None:
     }
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     # TensorFlow's gRPC server binds every interface; test the same way.
     for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:

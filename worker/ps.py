@@ -90,20 +90,13 @@ class PsTrainer:
         self._stop = False
 
     def _step_fn(self, iterator: Any) -> Any:
-        tf, gbs = self.tf, self.config.global_batch_size
+        from worker.loop import replica_step
 
-        def replica_step(features: Any, labels: Any) -> Any:
-            with tf.GradientTape() as tape:
-                predictions = self.model(features, training=True)
-                per_example = self.per_example_loss(labels, predictions)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gbs)
-                if self.model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
-            grads = tape.gradient(loss, self.model.trainable_variables)
-            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
-            return loss
-
-        per_replica = self.strategy.run(replica_step, args=next(iterator))
+        tf = self.tf
+        step = replica_step(
+            tf, self.model, self.optimizer, self.per_example_loss, self.config.global_batch_size
+        )
+        per_replica = self.strategy.run(step, args=next(iterator))
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def train(self) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_processes, wait_until
+from tests.conftest import CliRun, run_processes, wait_until
 from tests.lab import NetnsLab, make_lab, why_no_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")]
@@ -61,7 +61,7 @@ def lab(tmp_path_factory):
     lab.close()
 
 
-class SshJob:
+class SshJob(CliRun):
     def __init__(self, lab, root: Path, script: str, *, hosts: int = 2, spec: dict | None = None, name="s"):
         self.lab, self.root = lab, root
         self.run_dir = root / f"run-{secrets.token_hex(3)}"  # its name is the run id on the hosts
@@ -84,42 +84,6 @@ class SshJob:
                 data[key] = value
         self.spec = root / "spec.yaml"
         self.spec.write_text(yaml.safe_dump(data))
-
-    @property
-    def run_id(self) -> str:
-        return self.run_dir.name
-
-    def command(self, *extra: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "orchestrator",
-            "up",
-            str(self.spec),
-            "--run-dir",
-            str(self.run_dir),
-            "--plain",
-        ]
-
-    def up(self, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root
-        )
-
-    def start(self) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.root
-        )
-
-    def status(self) -> dict:
-        try:
-            return json.loads((self.run_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def events(self) -> list[dict]:
-        path = self.run_dir / "events.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
     def steps(self) -> int:
         return min((t.get("last_step") or 0 for t in self.status().get("tasks", [])), default=0)
@@ -167,7 +131,7 @@ def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, tmp_
         hosts=3,
         spec={"job": {"script": "job/job.py", "args": [nasty, "--x=$HOME"], "env": {"NASTY": nasty}}},
     )
-    res = job.up()
+    res = job.up(timeout_s=240)
     assert res.returncode == 0, res.stdout + res.stderr
     status = job.status()
     assert status["state"] == "SUCCEEDED"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_processes, wait_until
+from tests.conftest import CliRun, run_processes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,7 @@ EVAL_OK = "x, y = _data(256, 1)\n        return tf.data.Dataset.from_tensor_slic
 EVAL_CRASH = "raise RuntimeError('the eval data is missing')"
 
 
-class LoopJob:
+class LoopJob(CliRun):
     def __init__(
         self, root: Path, strategy: str, tasks: str, *, steps: int, eval_body: str = EVAL_OK, extra: str = ""
     ):
@@ -76,40 +76,6 @@ class LoopJob:
             )
             + textwrap.dedent(extra)
         )
-
-    def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "orchestrator",
-            "up",
-            str(self.spec),
-            "--run-dir",
-            str(self.run_dir),
-            "--plain",
-        ]
-
-    def up(self, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root
-        )
-
-    def start(self) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.root
-        )
-
-    def status(self) -> dict:
-        try:
-            return json.loads((self.run_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def task(self, name: str) -> dict:
-        return next((t for t in self.status().get("tasks", []) if t["task"] == name), {})
-
-    def events(self) -> list[dict]:
-        return [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines()]
 
     def metrics(self, task: str) -> list[dict]:
         lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -139,7 +105,7 @@ PS_TASKS = "{chief: 1, worker: 2, ps: 1, evaluator: 1}"
 
 def test_parameter_server_job_trains_evaluates_and_leaves_no_server_behind(loop_job):
     job = loop_job("parameter_server", PS_TASKS, steps=60)
-    res = job.up()
+    res = job.up(timeout_s=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["reason"].startswith("chief-0 exited 0")
@@ -208,7 +174,7 @@ def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(
 
 def test_evaluator_crash_is_reported_and_the_job_still_succeeds(loop_job):
     job = loop_job("multi_worker_mirrored", "{worker: 1, evaluator: 1}", steps=40, eval_body=EVAL_CRASH)
-    res = job.up()
+    res = job.up(timeout_s=240)
     assert res.returncode == 0, res.stdout[-3000:]
     status = job.status()
     assert status["state"] == "SUCCEEDED"
@@ -225,7 +191,7 @@ def test_mirrored_with_two_logical_cpu_devices_trains_two_replicas(loop_job):
     job = loop_job("mirrored", "{worker: 1}", steps=40, extra="")
     text = job.spec.read_text().replace("checkpoint_every: 20}", "checkpoint_every: 20, cpu_replicas: 2}")
     job.spec.write_text(text)
-    res = job.up()
+    res = job.up(timeout_s=240)
     assert res.returncode == 0, res.stdout[-3000:]
     assert "MirroredStrategy: num_replicas_in_sync=2" in job.log("worker-0")
     assert job.status()["state"] == "SUCCEEDED" and job.task("worker-0")["last_step"] == 40
