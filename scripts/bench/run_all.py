@@ -1,0 +1,157 @@
+"""Run every benchmark (DESIGN §9, P1-P7), print one table, and keep the figures.
+
+Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
+one after another (never side by side: they would measure each other), writes everything to
+bench-results/<time>.json and the table to bench-results/<time>.md (docs/benchmarks.md holds the
+latest one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parents[1]
+
+# name, script, arguments (full, --quick)
+PLAN = [
+    ("P2", "cli_start.py", (["--runs", "7"], ["--runs", "3"])),
+    ("P1", "launch.py", (["--runs", "3"], ["--runs", "1"])),
+    ("P3", "report_overhead.py", (["--runs", "3"], ["--runs", "1", "--steps", "300"])),
+    ("P4/P5", "recovery.py", (["--runs", "3"], ["--runs", "1"])),
+    ("P6", "capacity.py", (["--tasks", "1000", "10000"], ["--tasks", "1000", "--measure-s", "8"])),
+    ("P7", "ssh_fanout.py", (["--repeats", "3"], ["--repeats", "1"])),
+]
+
+
+def run_one(script: str, args: list[str]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=BENCH
+    )
+    took = round(time.monotonic() - t0, 1)
+    text = res.stdout
+    start = text.find("{")
+    if res.returncode != 0 or start < 0:
+        return {"error": f"exit {res.returncode}", "tail": (res.stdout + res.stderr)[-1500:], "took_s": took}
+    data = json.loads(text[start:])
+    data["took_s"] = took
+    return data
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    out = ["| metric | measured | baseline / goal |", "|---|---|---|"]
+    p2 = results.get("P2", {})
+    if "rows" in p2:
+        rows = {r["command"]: r for r in p2["rows"]}
+        py = rows["python -c pass"]["median_s"]
+        for cmd in ("orchestrate validate", "orchestrate plan"):
+            out.append(
+                f"| P2 `{cmd}` start | {rows[cmd]['median_s']:.3f} s | `python -c pass` {py:.3f} s; "
+                f"goal ≤ 0.3 s; imports TensorFlow: {'yes' if p2.get('imports_tensorflow') else 'no'} |"
+            )
+    p1 = results.get("P1", {})
+    for r in p1.get("rows", []):
+        out.append(
+            f"| P1 launch, {r['launcher']} | first step {r['first_step_s']:.2f} s "
+            f"(×{r['first_step_ratio']:.2f}), total {r['total_s']:.2f} s (×{r['total_ratio']:.2f}) "
+            "| floor = bare Popen; goal ≤ ×1.10 |"
+        )
+    if p1.get("skipped"):
+        out.append(f"| P1 multi_process_runner | skipped | {p1['skipped']} |")
+    p3 = results.get("P3", {})
+    if "ratio_median" in p3:
+        on, off = sorted(p3["on_steps_per_s"]), sorted(p3["off_steps_per_s"])
+        out.append(
+            f"| P3 steps/s, heartbeats + per-step report on / off | ×{p3['ratio_median']:.3f} "
+            f"({on[len(on) // 2]:.0f} vs {off[len(off) // 2]:.0f} steps/s) | goal ≥ ×0.98 |"
+        )
+    p45 = results.get("P4/P5", {})
+    if "exit" in p45:
+        cfg = p45["configured"]
+        names = {
+            "exit": "kill -9 (exit)",
+            "heartbeat": "SIGSTOP (heartbeat)",
+            "stall": "stuck in Python (stall)",
+        }
+        limits = {
+            "exit": "0.1 s poll",
+            "heartbeat": f"timeout {cfg['heartbeat_timeout_s']:g} s",
+            "stall": f"stall {cfg['stall_timeout_s']:g} s",
+        }
+        for kind, label in names.items():
+            r = p45[kind]
+            out.append(f"| P4 detection, {label} | {r['detected_s']:.2f} s | configured {limits[kind]} |")
+        for kind, label in names.items():
+            r = p45[kind]
+            out.append(
+                f"| P5 recovery after {label} | first step after resume {r['recovery_s']:.2f} s, "
+                f"{r['steps_lost']:.0f} steps lost | `import tensorflow` {p45['tf_import_s']:.2f} s; "
+                f"checkpoint_every {cfg['checkpoint_every']} |"
+            )
+    p6 = results.get("P6", {})
+    for r in p6.get("results", []):
+        out.append(
+            f"| P6 capacity, {r['tasks']:,} tasks × 1 Hz | {100 * r['coordinator_cpu_share']:.1f}% of a core "
+            f"({100 * r['of_which_kernel']:.1f}% kernel), p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
+            f"{r['heartbeats_per_s']:.0f}/s served, {r['errors']} errors | goal at 1,000: ≤ 10%, p99 ≤ 5 ms |"
+        )
+    p7 = results.get("P7", {})
+    for r in p7.get("rows", []):
+        out.append(
+            f"| P7 ssh launch, {r['hosts']} host(s) | {r['launch_s']:.2f} s (×{r['ratio']:.2f}) "
+            "| K = 1 baseline; goal K=8 ≤ ×1.5 |"
+        )
+    if "cut_off_detected_s" in p7:
+        out.append(
+            f"| P4 detection, host cut off (ssh) | {p7['cut_off_detected_s']:.2f} s "
+            f"| heartbeat_timeout_s {p7['heartbeat_timeout_s']} |"
+        )
+    if p7.get("skipped"):
+        out.append(f"| P7 ssh fan-out | skipped | {p7['skipped']} |")
+    for name, r in results.items():
+        if "error" in r:
+            out.append(f"| {name} | FAILED ({r['error']}) | see the JSON |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one run each (a smoke test, not figures)")
+    parser.add_argument("--only", nargs="*", help="e.g. P1 P6")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results")
+    ns = parser.parse_args()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    results: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    for name, script, (full, quick) in PLAN:
+        if ns.only and name not in ns.only and not any(o in name.split("/") for o in ns.only):
+            continue
+        print(f"bench: {name} ({script}) …", file=sys.stderr, flush=True)
+        results[name] = run_one(script, quick if ns.quick else full)
+        print(f"bench: {name} done in {results[name]['took_s']} s", file=sys.stderr, flush=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    header = (
+        f"Measured {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} on {machine} "
+        f"(`scripts/bench/run{' --quick' if ns.quick else ''}`, {time.monotonic() - started:.0f} s in all)"
+    )
+    text = header + "\n\n" + table(results) + "\n"
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / f"{stamp}.json").write_text(json.dumps({"header": header, "results": results}, indent=2))
+    (ns.out / f"{stamp}.md").write_text(text)
+    print(text)
+    print(f"(figures: {ns.out / (stamp + '.json')})")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
