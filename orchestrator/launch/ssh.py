@@ -238,15 +238,26 @@ class SshLauncher(Launcher):
     # --- per attempt ---
 
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
-        handle = self._open(task, attempt, token, log_path)
-        handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
+        try:
+            handle = self._open(task, attempt, token, log_path)
+            handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
+        except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
+            self._suspect.add(task.host_index)
+            raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
         return handle
 
     def start_all(self, tasks: list[TaskPlan], attempt: int, token: str, log_paths: list[Path]) -> list[Any]:
         def one(i: int) -> Any:
             return self.start(tasks[i], attempt, token, log_paths[i])
 
-        return on_all(list(range(len(tasks))), one)
+        results = on_all(list(range(len(tasks))), one)
+        # Anything paramiko raised that we did not foresee is still a failure to start that task.
+        return [
+            LaunchError(f"cannot start {task.name}: {type(r).__name__}: {r}")
+            if isinstance(r, BaseException) and not isinstance(r, LaunchError)
+            else r
+            for task, r in zip(tasks, results, strict=True)
+        ]
 
     def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
         host = self._hosts[task.host_index]
