@@ -1,7 +1,7 @@
 """Remote side of the ssh backend: the shim that runs one task on a lab host.
 
 The coordinator copies this file (with the rest of the package) into each host's file cache and
-runs it from there over an SSH channel as `PYTHON WORKDIR/cache/<sha256>`. Standard library only,
+runs it from there over an SSH channel as `PYTHON -S WORKDIR/cache/<sha256>`. Standard library only,
 and it imports nothing of this package: it is what puts the package in place.
 
 Protocol (one SSH channel per task attempt):
