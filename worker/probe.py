@@ -10,8 +10,6 @@ be installed there first). Standard library only; each mode prints one JSON obje
 - listen PORT…            bind each port, print which bound, then accept and drop connections
                           until stdin closes (peers test that they can reach this host).
 - connect TIMEOUT ADDR…   try a TCP connection to each host:port.
-- stop RUN_ID PIDFILE…    stop the process groups recorded in these pidfiles, if they still
-                          carry RUN_ID (`orchestrate down` when the coordinator is gone).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -169,57 +166,12 @@ def connect(timeout_s: str, *targets: str) -> dict[str, str | None]:
     return results
 
 
-def stop(run_id: str, *pidfiles: str) -> dict[str, str]:
-    out = {}
-    for path in pidfiles:
-        try:
-            with open(path) as f:
-                pgid = int(json.load(f).get("pgid", 0))
-        except (OSError, ValueError):
-            out[path] = "no record"
-            continue
-        if pgid <= 1 or not _alive(pgid):
-            out[path] = "not running"
-            continue
-        try:
-            with open(f"/proc/{pgid}/environ", "rb") as f:
-                ours = f"ORCHESTRATE_RUN_ID={run_id}".encode() in f.read().split(b"\0")
-        except OSError:
-            ours = False
-        if not ours:
-            out[path] = f"process group {pgid} is not this run's; left alone"
-            continue
-        for sig in (signal.SIGTERM, signal.SIGCONT):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(pgid):
-            time.sleep(0.1)
-        if _alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
-        out[path] = f"stopped process group {pgid}"
-    return out
-
-
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pgid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True  # the leader is gone; other members may remain
-
-
 def main(argv: list[str]) -> int:
     mode, args = argv[0], argv[1:]
     if mode == "listen":
         listen(*args)
         return 0
-    handlers: dict[str, Any] = {"facts": facts, "connect": connect, "stop": stop}
+    handlers: dict[str, Any] = {"facts": facts, "connect": connect}
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0
 

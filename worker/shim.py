@@ -21,6 +21,7 @@ Protocol (one SSH channel per task attempt):
 
 Before starting, the shim stops a previous attempt of the same task still alive on this host
 (recorded in the pidfile and checked by its run id), so a task is never running twice.
+`shim.py --stop RUN_ID PIDFILE…` does only that, for `orchestrate down` when the coordinator is gone.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ from typing import Any
 _RUN_ID_ENV = "ORCHESTRATE_RUN_ID"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--stop"]:  # `orchestrate down` with the coordinator gone: RUN_ID PIDFILE…
+        run_id, pidfiles = argv[1], argv[2:]
+        answer = {path: stop_recorded(path, run_id, grace_s=10.0)[1] for path in pidfiles}
+        os.write(1, (json.dumps(answer) + "\n").encode())
+        return 0
     line = sys.stdin.buffer.readline()
     if not line:
         return 2
@@ -51,12 +57,15 @@ def main() -> int:
         return 1
     for path in (job["log"], job["pidfile"]):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    stale = _stop_stale(job["pidfile"], job["run_id"])
+    # A previous attempt of this task still running here (its host was cut off): stop it first.
+    stale, _ = stop_recorded(job["pidfile"], job["run_id"], grace_s=5.0)
     out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write(f"===== orchestrate: {job['task']} attempt {job['attempt']} started {stamp} =====\n".encode())
-    if stale:
-        out.write(f"orchestrate: stopped a previous attempt still running here ({stale})\n".encode())
+    if stale is not None:
+        out.write(
+            f"orchestrate: stopped a previous attempt still running here (process group {stale})\n".encode()
+        )
     out.flush()
     offset = out.tell()
     try:
@@ -80,13 +89,13 @@ def main() -> int:
 
     follower = _Follower(job["log"], offset)
     follower.start()
-    control = threading.Thread(target=_control, args=(pgid, float(job["grace_s"]), child), daemon=True)
+    control = threading.Thread(target=_control, args=(pgid, float(job["grace_s"])), daemon=True)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         # sshd or an admin stopping the shim: the task goes too
-        signal.signal(sig, lambda *_: _stop_group(pgid, float(job["grace_s"]), child))
+        signal.signal(sig, lambda *_: _terminate_group(pgid, float(job["grace_s"])))
     code = child.wait()
-    _reap_group(pgid)  # nothing of the task outlives it (its own children included)
+    _terminate_group(pgid, grace_s=2.0)  # nothing of the task outlives it (its own children included)
     follower.finish()
     _emit({"event": "exit", "code": code})
     return code if code >= 0 else 128 - code
@@ -104,7 +113,7 @@ def _materialize(cache: str, folder: str, files: list[list[Any]]) -> None:
         os.replace(tmp, target)
 
 
-def _control(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:
+def _control(pgid: int, grace_s: float) -> None:
     for raw in sys.stdin.buffer:
         command = raw.strip().decode(errors="replace")
         if command == "TERM":
@@ -113,45 +122,35 @@ def _control(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:
         elif command == "KILL":
             _signal_group(pgid, signal.SIGKILL)
     # End of file: the coordinator or its connection is gone. Stop the task; never orphan it.
-    _stop_group(pgid, grace_s, child)
+    _terminate_group(pgid, grace_s)
 
 
-def _stop_group(pgid: int, grace_s: float, child: subprocess.Popen[bytes]) -> None:
-    _signal_group(pgid, signal.SIGTERM)
-    _signal_group(pgid, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and child.poll() is None:
-        time.sleep(0.05)
-    _signal_group(pgid, signal.SIGKILL)
-
-
-def _reap_group(pgid: int, grace_s: float = 2.0) -> None:
+def _terminate_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM (with SIGCONT) to what is left of a group, up to grace_s for it to go, then SIGKILL."""
     if not _group_alive(pgid):
         return
     _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and _group_alive(pgid):
         time.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
 
 
-def _stop_stale(pidfile: str, run_id: str) -> str:
-    """Stop the previous attempt of this task if it still runs here (a host that was cut off)."""
+def stop_recorded(pidfile: str, run_id: str, grace_s: float) -> tuple[int | None, str]:
+    """Stop the process group a pidfile records, if it still runs and carries this run's id (never
+    someone else's process). Returns (the group stopped or None, what was found)."""
     try:
         with open(pidfile) as f:
-            old = json.load(f)
+            pgid = int(json.load(f).get("pgid", 0))
     except (OSError, ValueError):
-        return ""
-    pgid = int(old.get("pgid", 0))
-    if pgid <= 1 or not _group_alive(pgid) or not _has_run_id(pgid, run_id):
-        return ""
-    _signal_group(pgid, signal.SIGTERM)
-    _signal_group(pgid, signal.SIGCONT)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and _group_alive(pgid):
-        time.sleep(0.05)
-    _signal_group(pgid, signal.SIGKILL)
-    return f"process group {pgid}"
+        return None, "no record"
+    if pgid <= 1 or not _group_alive(pgid):
+        return None, "not running"
+    if not _has_run_id(pgid, run_id):
+        return None, f"process group {pgid} is not this run's; left alone"
+    _terminate_group(pgid, grace_s)
+    return pgid, f"stopped process group {pgid}"
 
 
 def _has_run_id(pid: int, run_id: str) -> bool:
@@ -246,4 +245,4 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 if __name__ == "__main__":
     # os._exit: the control thread may be blocked reading stdin, and an ordinary interpreter exit
     # would wait on that buffer's lock and abort. Everything is written with os.write already.
-    os._exit(main())
+    os._exit(main(sys.argv[1:]))

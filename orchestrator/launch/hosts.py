@@ -218,7 +218,19 @@ def probe(
     timeout_s: float = 60.0,
 ) -> Any:
     """Run one mode of worker/probe.py on the host with its Python; its JSON answer."""
-    command = shlex.join([*host.python, "-c", PROBE_SOURCE, mode, *args])
+    return run_json(conn, host, [*host.python, "-c", PROBE_SOURCE, mode, *args], mode, stdin, timeout_s)
+
+
+def run_json(
+    conn: fabric.Connection,
+    host: Host,
+    argv: list[str],
+    what: str,
+    stdin: str | None = None,
+    timeout_s: float = 60.0,
+) -> Any:
+    """Run a command of ours on the host (no shell parses its words) and return its JSON answer."""
+    command = shlex.join(argv)
     transport = conn.transport
     assert transport is not None
     channel = transport.open_session(timeout=timeout_s)
@@ -238,11 +250,11 @@ def probe(
         detail = err.strip().splitlines()[-1] if err.strip() else f"exit code {code}"
         if code == 127:
             detail = f"{shlex.join(host.python)} not found (set hosts[{host.index}].python)"
-        raise LaunchError(f"{host.label}: {mode} failed: {detail}")
+        raise LaunchError(f"{host.label}: {what} failed: {detail}")
     try:
         return json.loads(out)
     except ValueError:
-        raise LaunchError(f"{host.label}: {mode} answered {out[:200]!r}") from None
+        raise LaunchError(f"{host.label}: {what} answered {out[:200]!r}") from None
 
 
 def _read_all(channel: paramiko.Channel) -> tuple[str, str]:

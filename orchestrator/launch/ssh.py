@@ -27,7 +27,7 @@ import paramiko
 from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
-from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, probe, raise_if_failed
+from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
 from orchestrator.launch.sync import FileEntry, job_files, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
@@ -195,6 +195,7 @@ class SshLauncher(Launcher):
                 }
                 for h in self._hosts
             ],
+            "shim_sha256": shim_entry(self._files).sha256,  # the copy in each host's cache
         }
 
     def deploy(self, plan: LaunchPlan) -> None:
@@ -360,6 +361,7 @@ def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[
     ssh = SshSpec(**record["ssh"])
     run_id = record["run_id"]
     hosts = []
+    workdirs = {h["index"]: h["workdir"] for h in record["hosts"]}
     for h in record["hosts"]:
         if h.get("workdir") is None:
             continue
@@ -380,8 +382,9 @@ def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[
         if not pidfiles:
             return f"{host.label}: no task"
         conn = connect(host, ssh)
+        shim = posixpath.join(workdirs[host.index], "cache", record["shim_sha256"])
         try:
-            answer = probe(conn, host, "stop", run_id, *pidfiles)
+            answer = run_json(conn, host, [*host.python, "-S", shim, "--stop", run_id, *pidfiles], "stop")
         finally:
             close_all({host.index: conn})
         return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())

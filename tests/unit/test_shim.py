@@ -108,3 +108,29 @@ def test_a_previous_attempt_still_running_is_stopped_first(tmp_path: Path) -> No
     assert f"stopped a previous attempt still running here (process group {old.pid})" in log
     record = json.loads((tmp_path / "run" / "tasks" / "worker-0.json").read_text())
     assert record["run_id"] == "shim-stale" and record["pid"] != old.pid  # now the new attempt's
+
+
+def test_stop_mode_leaves_a_group_that_is_not_this_runs_alone(tmp_path: Path) -> None:
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        start_new_session=True,
+        env={**os.environ, "ORCHESTRATE_RUN_ID": "someone-else"},
+    )
+
+    def stop(run_id: str) -> dict:
+        res = subprocess.run(
+            [sys.executable, "-S", str(SHIM), "--stop", run_id, str(pidfile)], capture_output=True, check=True
+        )
+        return json.loads(res.stdout)
+
+    try:
+        pidfile = tmp_path / "worker-0.json"
+        pidfile.write_text(json.dumps({"pgid": other.pid}))
+        answer = stop("my-run")
+        assert "not this run's" in answer[str(pidfile)] and other.poll() is None
+        answer = stop("someone-else")
+        assert answer[str(pidfile)].startswith("stopped process group")
+        assert other.wait(timeout=10) is not None
+    finally:
+        other.kill()
+        other.wait()
