@@ -52,14 +52,14 @@ def make_launcher(spec: ClusterSpec, run_id: str) -> Launcher:
     return SshLauncher(spec, run_id)
 
 
-def heartbeat_bind(spec: ClusterSpec) -> tuple[str, int]:
-    """Where the heartbeat server listens: loopback (local tasks, SSH tunnels) or the address the
-    hosts reach directly (ssh.coordinator_address)."""
+def heartbeat_bind(spec: ClusterSpec) -> tuple[str, int, bool]:
+    """Where the heartbeat server listens, and whether tasks post there directly: loopback (local
+    tasks, SSH tunnels) or the address the hosts reach (ssh.coordinator_address)."""
     direct = spec.ssh.coordinator_address if spec.backend is Backend.SSH else None
     if direct is None:
-        return "127.0.0.1", 0
+        return "127.0.0.1", 0, False
     host, _, port = direct.partition(":")
-    return host, int(port or 0)
+    return host, int(port or 0), True
 
 
 def up(
@@ -84,7 +84,7 @@ def up(
     record.write_spec(spec_path.read_text(encoding="utf-8"))
     token = secrets.token_urlsafe(32)
     store = HealthStore(time.monotonic, on_points=record.metrics)
-    bind_host, bind_port = heartbeat_bind(spec)
+    bind_host, bind_port, direct = heartbeat_bind(spec)
     try:
         server = HeartbeatServer(store, token, host=bind_host, port=bind_port).start()
     except OSError as exc:
@@ -100,8 +100,9 @@ def up(
     reservation = None
     try:
         reservation = reserve_ports(spec)
-        direct = server.url if spec.backend is Backend.SSH and spec.ssh.coordinator_address else None
-        hosts = launcher.prepare(reservation.ports, ("127.0.0.1", server.port), direct)
+        hosts = launcher.prepare(
+            reservation.ports, ("127.0.0.1", server.port), server.url if direct else None
+        )
         hosts_record = launcher.hosts_record()
         if hosts_record is not None:
             write_json_atomic(run_dir / "hosts.json", hosts_record)

@@ -104,7 +104,8 @@ class _Lab:
                 ]
             )
         )
-        Path("/run/sshd").mkdir(parents=True, exist_ok=True) if os.geteuid() == 0 else None
+        if os.geteuid() == 0:
+            Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
         log = self.root / f"sshd-{host.name}.log"
         _run([*host.exec_prefix(), SSHD, "-f", str(conf), "-E", str(log)])
         pidfile = self.root / f"sshd-{host.name}.pid"

@@ -24,7 +24,7 @@ POLL_S = 1.0
 
 
 def run(module: Path, checkpoint_dir: Path) -> None:
-    from worker.loop import FINAL_MARKER, LoopError, _default_loss, _scalar, load_module
+    from worker.loop import FINAL_MARKER, LoopError, load_module, tensorboard_scalar, user_loss
 
     user = load_module(module)
     if not callable(getattr(user, "make_eval_dataset", None)):
@@ -36,7 +36,7 @@ def run(module: Path, checkpoint_dir: Path) -> None:
     model = user.build_model()
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     checkpoint = tf.train.Checkpoint(model=model, step=step)
-    loss_fn = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+    loss_fn = user_loss(tf, user)
     dataset = user.make_eval_dataset()
     run_dir = os.environ.get(wire.ENV_RUN_DIR)
     writer = tf.summary.create_file_writer(str(Path(run_dir) / "tensorboard" / "eval")) if run_dir else None
@@ -58,7 +58,7 @@ def run(module: Path, checkpoint_dir: Path) -> None:
             if writer is not None:
                 with writer.as_default(step=last_step):
                     for k, v in metrics.items():
-                        _scalar(tf, k, v)
+                        tensorboard_scalar(tf, k, v)
                 writer.flush()
             continue  # another checkpoint may have come meanwhile
         final = _final_step(checkpoint_dir / FINAL_MARKER, run_id)

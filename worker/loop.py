@@ -98,16 +98,14 @@ class _Trainer:
         task_type = getattr(resolver, "task_type", None)
         task_id = getattr(resolver, "task_id", 0) or 0
         self.is_chief = _is_chief(task_type, task_id, resolver)
-        self.write_dir = _write_dir(config.checkpoint_dir, self.is_chief, task_type, task_id)
+        self.write_dir = checkpoint_write_dir(config.checkpoint_dir, self.is_chief, task_type, task_id)
         with self.strategy.scope():
             self.model = user.build_model()
-            self.optimizer = (
-                user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
-            )
+            self.optimizer = user_optimizer(tf, user)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_in_epoch")
-        self.per_example_loss = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+        self.per_example_loss = user_loss(tf, user)
         checkpoint = tf.train.Checkpoint(
             model=self.model,
             optimizer=self.optimizer,
@@ -208,8 +206,8 @@ class _Trainer:
             now = time.monotonic()
             then, then_step = self._rate_mark
             with self.writer.as_default(step=step):
-                _scalar(self.tf, "loss", loss)
-                _scalar(self.tf, "steps_per_s", (step - then_step) / max(now - then, 1e-9))
+                tensorboard_scalar(self.tf, "loss", loss)
+                tensorboard_scalar(self.tf, "steps_per_s", (step - then_step) / max(now - then, 1e-9))
             self._rate_mark = (now, step)
         if step % self.config.checkpoint_every == 0:
             self.manager.save(checkpoint_number=step)
@@ -243,7 +241,7 @@ def _exit_preempted(write_dir: Path, is_chief: bool) -> None:
     raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
-def _scalar(tf: Any, name: str, value: float) -> None:
+def tensorboard_scalar(tf: Any, name: str, value: float) -> None:
     """A TensorBoard scalar, written without the tensorboard package (tf.summary.scalar needs it;
     the file format does not): a float tensor tagged for TensorBoard's "scalars" plugin."""
     from tensorflow.core.framework import summary_pb2
@@ -277,7 +275,7 @@ def _is_chief(task_type: str | None, task_id: int, resolver: Any) -> bool:
     return task_type == "worker" and task_id == 0 and not has_chief
 
 
-def _write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task_id: int) -> Path:
+def checkpoint_write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task_id: int) -> Path:
     if is_chief:
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -300,6 +298,16 @@ def _write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task
     except OSError:
         own = Path(tempfile.mkdtemp(prefix=f"orchestrate-ckpt-{task_type}-{task_id}-"))
     return own
+
+
+def user_optimizer(tf: Any, user: ModuleType) -> Any:
+    """The module's make_optimizer(), or Adam."""
+    return user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
+
+
+def user_loss(tf: Any, user: ModuleType) -> Any:
+    """The module's per-example make_loss(), or sparse categorical cross-entropy from logits."""
+    return user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
 
 
 def _default_loss(tf: Any) -> Any:

@@ -53,7 +53,7 @@ class PsTrainer:
     def __init__(self, config: Any, user: ModuleType):
         import tensorflow as tf
 
-        from worker.loop import _default_loss, _write_dir
+        from worker.loop import checkpoint_write_dir, user_loss, user_optimizer
 
         self.tf, self.config = tf, config
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -64,14 +64,12 @@ class PsTrainer:
             f"[orchestrate] ParameterServerStrategy: {workers} worker(s), steps scheduled by the chief",
             flush=True,
         )
-        self.write_dir = _write_dir(config.checkpoint_dir, True, "chief", 0)
+        self.write_dir = checkpoint_write_dir(config.checkpoint_dir, True, "chief", 0)
         with self.strategy.scope():
             self.model = user.build_model()
-            self.optimizer = (
-                user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
-            )
+            self.optimizer = user_optimizer(tf, user)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self.per_example_loss = user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
+        self.per_example_loss = user_loss(tf, user)
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.write_dir), max_to_keep=3)
         latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))

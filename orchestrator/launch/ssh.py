@@ -252,13 +252,11 @@ class SshLauncher(Launcher):
             return self.start(tasks[i], attempt, token, log_paths[i])
 
         results = on_all(list(range(len(tasks))), one)
-        # Anything paramiko raised that we did not foresee is still a failure to start that task.
-        return [
-            LaunchError(f"cannot start {task.name}: {type(r).__name__}: {r}")
-            if isinstance(r, BaseException) and not isinstance(r, LaunchError)
-            else r
-            for task, r in zip(tasks, results, strict=True)
-        ]
+        # start() turns every connection failure into a LaunchError; anything else is a bug of ours.
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, LaunchError):
+                raise r
+        return results
 
     def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
         host = self._hosts[task.host_index]
