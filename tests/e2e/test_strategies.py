@@ -127,18 +127,23 @@ def test_parameter_server_job_trains_evaluates_and_leaves_no_server_behind(loop_
     assert (job.run_dir / "tensorboard" / "eval").is_dir()
 
 
-def test_parameter_server_worker_killed_is_restarted_alone_while_the_chief_goes_on(loop_job):
-    job = loop_job("parameter_server", "{chief: 1, worker: 2, ps: 1}", steps=400)
+def kill_mid_training(job: LoopJob, victim: str, at_step: int, timeout_s: float) -> tuple[int, str]:
+    """Run the job, SIGKILL one task once the chief has passed `at_step`; (exit code, output)."""
     proc = job.start()
     try:
-        assert wait_until(lambda: (job.task("chief-0").get("last_step") or 0) >= 30, 120), job.status()
-        victim = job.task("worker-1")["pid"]
-        os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
+        assert wait_until(lambda: (job.task("chief-0").get("last_step") or 0) >= at_step, 120), job.status()
+        os.kill(job.task(victim)["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+    return proc.returncode, out
+
+
+def test_parameter_server_worker_killed_is_restarted_alone_while_the_chief_goes_on(loop_job):
+    job = loop_job("parameter_server", "{chief: 1, worker: 2, ps: 1}", steps=400)
+    code, out = kill_mid_training(job, "worker-1", at_step=30, timeout_s=240)
+    assert code == 0, out[-3000:]
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 0 and status["attempt"] == 0
     events = job.events()
@@ -152,15 +157,8 @@ def test_parameter_server_worker_killed_is_restarted_alone_while_the_chief_goes_
 
 def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(loop_job):
     job = loop_job("parameter_server", "{chief: 1, worker: 2, ps: 1}", steps=400)
-    proc = job.start()
-    try:
-        assert wait_until(lambda: (job.task("chief-0").get("last_step") or 0) >= 50, 120), job.status()
-        os.kill(job.task("ps-0")["pid"], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+    code, out = kill_mid_training(job, "ps-0", at_step=50, timeout_s=300)
+    assert code == 0, out[-3000:]
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
     stopping = next(e for e in job.events() if e.get("new") == "STOPPING")
