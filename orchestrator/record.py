@@ -21,6 +21,21 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+_second_cache: tuple[int, str] = (-1, "")
+
+
+def iso_time(t: float) -> str:
+    """Seconds since the epoch as `2026-11-30T12:00:00.123Z` (UTC). Called for every progress
+    point the tasks report, so the date part is formatted once per second."""
+    global _second_cache
+    second = int(t // 1)
+    cached_second, prefix = _second_cache
+    if second != cached_second:
+        prefix = dt.datetime.fromtimestamp(second, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        _second_cache = (second, prefix)
+    return f"{prefix}.{min(999, int((t - second) * 1000)):03d}Z"
+
+
 def new_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 1000):
@@ -84,19 +99,13 @@ class RunRecord:
     def metrics(self, task: str, attempt: int, points: list[dict[str, Any]]) -> None:
         """Called from the heartbeat server's threads; flushed by `flush()` once per supervisor step."""
         with self._lock:
+            lines = []
             for p in points:
-                t = p.get("time")
-                when = (
-                    dt.datetime.fromtimestamp(t, dt.timezone.utc)
-                    .isoformat(timespec="milliseconds")
-                    .replace("+00:00", "Z")
-                    if isinstance(t, (int, float))
-                    else now_iso()
-                )
-                rest = {k: v for k, v in p.items() if k != "time"}
-                self._metrics.write(
-                    json.dumps({"time": when, "task": task, "attempt": attempt, **rest}) + "\n"
-                )
+                t = p.pop("time", None)
+                when = iso_time(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else now_iso()
+                lines.append(json.dumps({"time": when, "task": task, "attempt": attempt, **p}))
+            lines.append("")
+            self._metrics.write("\n".join(lines))
 
     def flush(self) -> None:
         with self._lock:

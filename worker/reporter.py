@@ -66,6 +66,7 @@ class Reporter:
         self._error: wire.TaskError | None = None
         self._seq = 0
         self._posted = 0  # heartbeats the coordinator accepted
+        self._phase_sent: tuple[bool, bool, bool, bool] | None = None  # (connecting, ready, done, error)
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # first call primes the counter
         self._conn: http.client.HTTPConnection | None = None
@@ -140,12 +141,13 @@ class Reporter:
         last_ok = time.monotonic()
         while True:
             final = self._stopped.is_set()
-            body, sent_points = self._snapshot()
-            status = self._post(body)
+            body, sent_points, phase = self._snapshot()
+            status = self._post(body, urgent=phase != self._phase_sent)
             if status == 200:
                 last_ok = time.monotonic()
                 sent_points.clear()
                 self._posted += 1
+                self._phase_sent = phase
             else:
                 self._requeue(sent_points)
                 if status == wire.STALE_ATTEMPT_STATUS:
@@ -157,7 +159,7 @@ class Reporter:
             self._wake.wait(cfg.interval_s)
             self._wake.clear()
 
-    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]]]:
+    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[bool, bool, bool, bool]]:
         assert self._config is not None
         # Syscalls and the stack walk happen outside the lock that report() takes on every step.
         try:
@@ -187,15 +189,20 @@ class Reporter:
                 error=self._error,
                 user_frame=where,
             )
-        return hb.to_bytes(), points
+        return hb.to_bytes(), points, (hb.connecting, hb.ready, hb.done, hb.error is not None)
 
     def _requeue(self, points: list[dict[str, Any]]) -> None:
         if points:
             with self._lock:
                 self._points[:0] = points
 
-    def _post(self, body: bytes) -> int | None:
+    def _post(self, body: bytes, urgent: bool) -> int | None:
+        """POST one heartbeat; its HTTP status, None when the coordinator could not be reached.
+        `urgent` (the task's phase changed): a host's relay forwards it at once, not at its next tick."""
         assert self._config is not None
+        headers = {"Content-Type": "application/json", wire.TOKEN_HEADER: self._config.token}
+        if urgent:
+            headers[wire.FLUSH_HEADER] = "1"
         url = urllib.parse.urlsplit(self._config.url)
         try:
             if self._conn is None:
@@ -207,7 +214,7 @@ class Reporter:
                 "POST",
                 wire.HEARTBEAT_PATH,
                 body=body,
-                headers={"Content-Type": "application/json", wire.TOKEN_HEADER: self._config.token},
+                headers=headers,
             )
             resp = self._conn.getresponse()
             resp.read()

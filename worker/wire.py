@@ -38,7 +38,11 @@ RESERVED_ENV = (
 )
 
 HEARTBEAT_PATH = "/v1/heartbeat"
+#: A host's relay posts its tasks' heartbeats here as one JSON list; the answer lists their statuses.
+BATCH_PATH = "/v1/heartbeats"
 TOKEN_HEADER = "X-Orchestrate-Token"
+#: Set ("1") on a heartbeat that changes the task's phase: a relay forwards it at once.
+FLUSH_HEADER = "X-Orchestrate-Flush"
 #: The coordinator answers a heartbeat of an attempt it has already left behind with this status,
 #: telling the task to exit.
 STALE_ATTEMPT_STATUS = 410
@@ -90,47 +94,81 @@ class Heartbeat:
     @classmethod
     def from_bytes(cls, body: bytes) -> Heartbeat:
         """Parse and check a heartbeat; raises ValueError on anything malformed."""
-        try:
-            raw = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON: {exc}") from None
+        return cls.from_dict(loads(body))
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Heartbeat:
+        """Check a parsed heartbeat; raises ValueError on anything malformed. (On the coordinator's
+        hot path: one call per task per second, so plain checks rather than a schema library.)"""
         if not isinstance(raw, dict):
             raise ValueError("heartbeat must be a JSON object")
+        for key, types in _REQUIRED:
+            if key not in raw:
+                raise ValueError(f"heartbeat lacks {key!r}")
+            _check(key, raw[key], types)
+        for key, types in _OPTIONAL:
+            if key in raw:
+                _check(key, raw[key], types)
         try:
+            metrics = {str(k): float(v) for k, v in raw.get("metrics", {}).items()}
+            points = [dict(p) for p in raw.get("points", ())]
             error = raw.get("error")
-            hb = cls(
-                task=_typed(raw, "task", str),
-                attempt=_typed(raw, "attempt", int),
-                seq=_typed(raw, "seq", int),
-                sent_at=float(_typed(raw, "sent_at", (int, float))),
-                pid=_typed(raw, "pid", int),
-                rss_bytes=_typed(raw, "rss_bytes", int, 0),
-                cpu_percent=float(_typed(raw, "cpu_percent", (int, float), 0.0)),
-                connecting=_typed(raw, "connecting", bool, False),
-                ready=_typed(raw, "ready", bool, False),
-                step=_typed(raw, "step", (int, type(None)), None),
-                total_steps=_typed(raw, "total_steps", (int, type(None)), None),
-                metrics={str(k): float(v) for k, v in _typed(raw, "metrics", dict, {}).items()},
-                points=[dict(p) for p in _typed(raw, "points", list, [])],
-                done=_typed(raw, "done", bool, False),
-                user_frame=_typed(raw, "user_frame", (str, type(None)), None),
+            return cls(
+                task=raw["task"],
+                attempt=raw["attempt"],
+                seq=raw["seq"],
+                sent_at=float(raw["sent_at"]),
+                pid=raw["pid"],
+                rss_bytes=raw.get("rss_bytes", 0),
+                cpu_percent=float(raw.get("cpu_percent", 0.0)),
+                connecting=raw.get("connecting", False),
+                ready=raw.get("ready", False),
+                step=raw.get("step"),
+                total_steps=raw.get("total_steps"),
+                metrics=metrics,
+                points=points,
+                done=raw.get("done", False),
+                user_frame=raw.get("user_frame"),
                 error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
                 if error
                 else None,
             )
-        except (TypeError, KeyError) as exc:
+        except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from None
-        return hb
 
 
-def _typed(raw: dict[str, Any], key: str, types: Any, *default: Any) -> Any:
-    if key not in raw:
-        if default:
-            return default[0]
-        raise ValueError(f"heartbeat lacks {key!r}")
-    value = raw[key]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+def loads(body: bytes) -> Any:
+    """JSON from a request body; ValueError when it is not."""
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+
+
+_NUMBER = (int, float)
+_REQUIRED: tuple[tuple[str, Any], ...] = (
+    ("task", str),
+    ("attempt", int),
+    ("seq", int),
+    ("sent_at", _NUMBER),
+    ("pid", int),
+)
+_OPTIONAL: tuple[tuple[str, Any], ...] = (
+    ("rss_bytes", int),
+    ("cpu_percent", _NUMBER),
+    ("connecting", bool),
+    ("ready", bool),
+    ("step", (int, type(None))),
+    ("total_steps", (int, type(None))),
+    ("metrics", dict),
+    ("points", list),
+    ("done", bool),
+    ("user_frame", (str, type(None))),
+    ("error", (dict, type(None))),
+)
+
+
+def _check(key: str, value: Any, types: Any) -> None:
+    # JSON true/false are Python bools, which are ints too: a bool is right only where asked for.
+    if not isinstance(value, types) or (value.__class__ is bool and types is not bool):
         raise ValueError(f"heartbeat field {key!r} has the wrong type")
-    if not isinstance(value, types):
-        raise ValueError(f"heartbeat field {key!r} has the wrong type")
-    return value

@@ -6,10 +6,10 @@ the supervisor's clock (injected), so detectors are testable without sleeping.
 
 from __future__ import annotations
 
-import datetime as dt
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from worker.wire import Heartbeat, TaskError
@@ -23,7 +23,7 @@ class TaskHealth:
     attempt: int
     pid: int | None = None
     last_heartbeat_at: float | None = None
-    last_heartbeat_wall: str | None = None  # the same instant, as an ISO time for status.json
+    last_heartbeat_wall: float | None = None  # the same instant, seconds since the epoch
     connecting_at: float | None = None
     ready_at: float | None = None
     step: int | None = None
@@ -36,6 +36,7 @@ class TaskHealth:
     error: TaskError | None = None
     steps_per_s: float | None = None
     user_frame: str | None = None
+    seq: int = 0  # of the latest heartbeat taken
 
 
 class HealthStore:
@@ -70,6 +71,8 @@ class HealthStore:
             old = self._tasks.get(hb.task)
             if old is None or hb.attempt != self._attempt:
                 return 404
+            if hb.seq <= old.seq and old.pid == hb.pid:
+                return 200  # sent again by a relay that did not hear our answer: taken already
             step_changed = hb.step is not None and hb.step != old.step
             rate = old.steps_per_s
             if (
@@ -82,11 +85,13 @@ class HealthStore:
                 if dt > 0:
                     instant = (hb.step - old.step) / dt
                     rate = instant if rate is None else 0.7 * rate + 0.3 * instant
-            self._tasks[hb.task] = replace(
-                old,
+            # Built whole rather than with dataclasses.replace: this runs once per task per second.
+            self._tasks[hb.task] = TaskHealth(
+                task=old.task,
+                attempt=old.attempt,
                 pid=hb.pid,
                 last_heartbeat_at=now,
-                last_heartbeat_wall=_wall_now(),
+                last_heartbeat_wall=time.time(),
                 connecting_at=old.connecting_at
                 if old.connecting_at is not None
                 else (now if hb.connecting or hb.ready else None),
@@ -94,13 +99,14 @@ class HealthStore:
                 step=hb.step if hb.step is not None else old.step,
                 step_changed_at=now if step_changed else old.step_changed_at,
                 total_steps=hb.total_steps if hb.total_steps is not None else old.total_steps,
-                metrics={**old.metrics, **hb.metrics},
+                metrics={**old.metrics, **hb.metrics} if hb.metrics else old.metrics,
                 rss_bytes=hb.rss_bytes,
                 cpu_percent=hb.cpu_percent,
                 done=old.done or hb.done,
                 error=hb.error or old.error,
                 steps_per_s=rate,
                 user_frame=hb.user_frame,
+                seq=hb.seq,
             )
         if hb.points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, hb.points)
@@ -109,7 +115,3 @@ class HealthStore:
     def snapshot(self) -> dict[str, TaskHealth]:
         with self._lock:
             return dict(self._tasks)
-
-
-def _wall_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

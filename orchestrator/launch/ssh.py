@@ -28,7 +28,7 @@ from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
-from orchestrator.launch.sync import FileEntry, job_files, shim_entry, upload, worker_files
+from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
 from orchestrator.record import now_iso
@@ -147,6 +147,7 @@ class SshLauncher(Launcher):
         self._heartbeat: tuple[str, int] | None = None
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
+        self._relays: dict[int, _Relay] = {}  # per host: where its tasks post heartbeats
         self.reports: list[preflight.HostReport] = []
         self._files: list[FileEntry] = []
 
@@ -264,7 +265,7 @@ class SshLauncher(Launcher):
         ctx = self._contexts[task.host_index]
         folder = remote_run_folder(ctx, self._run_id)
         env = task.launch_env(attempt=attempt, token=token)
-        env[wire.ENV_COORDINATOR] = ctx.coordinator_url  # a renewed tunnel may have a new port
+        env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index, token)
         cache = posixpath.join(ctx.workdir, "cache")
         job = {
             "cache": cache,
@@ -317,7 +318,31 @@ class SshLauncher(Launcher):
             self._suspect.discard(index)
             ctx = self._contexts[index]
             self._contexts[index] = HostContext(ctx.workdir, self._coordinator_url(index))
+            self._relays.pop(index, None)  # it went with the old connection
             return conn
+
+    def _relay_url(self, index: int, token: str) -> str:
+        """The heartbeat relay of the host (started with its first task, again if it ended): its
+        tasks post there, it forwards their heartbeats to the coordinator as one request a tick."""
+        conn = self._connection(index)
+        with self._locks[index]:
+            relay = self._relays.get(index)
+            if relay is not None and relay.alive:
+                return relay.url
+            ctx = self._contexts[index]
+            script = posixpath.join(ctx.workdir, "cache", runtime_entry(self._files, "relay.py").sha256)
+            health = self._spec.health
+            config = {
+                "upstream": ctx.coordinator_url,
+                "token": token,
+                "interval_s": health.heartbeat_interval_s,
+                "give_up_s": health.heartbeat_timeout_s,  # as its tasks (ORCHESTRATE_COORDINATOR_TIMEOUT_S)
+            }
+            relay = _Relay.start(
+                conn, self._hosts[index], script, config, self._spec.ssh.connect_timeout_s + 10
+            )
+            self._relays[index] = relay
+            return relay.url
 
     def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
         mine = [h for h in handles if isinstance(h, SshTaskHandle)]
@@ -348,8 +373,59 @@ class SshLauncher(Launcher):
             )
 
     def close(self) -> None:
+        for relay in self._relays.values():
+            relay.channel.close()
+        self._relays = {}
         close_all(self._conns)
         self._conns = {}
+
+
+class _Relay:
+    """One host's heartbeat relay (worker/relay.py), run over an SSH channel of its own: it ends
+    when the channel does (the run is over, the coordinator died, the connection was lost)."""
+
+    def __init__(self, channel: paramiko.Channel, port: int):
+        self.channel = channel
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def alive(self) -> bool:
+        return not self.channel.closed and not self.channel.exit_status_ready()
+
+    @classmethod
+    def start(
+        cls, conn: fabric.Connection, host: Host, script: str, config: dict[str, Any], timeout_s: float
+    ) -> _Relay:
+        transport = conn.transport
+        assert transport is not None
+        try:
+            channel = transport.open_session(timeout=timeout_s)
+            channel.exec_command("exec " + shlex.join([*host.python, "-S", script]))
+            channel.sendall((json.dumps(config) + "\n").encode())
+            channel.settimeout(timeout_s)
+            line = b""
+            while not line.endswith(b"\n"):
+                data = channel.recv(4096)
+                if not data:
+                    break
+                line += data
+            channel.settimeout(None)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise LaunchError(
+                f"{host.label}: cannot start the heartbeat relay: {exc or type(exc).__name__}"
+            ) from None
+        try:
+            port = int(json.loads(line)["port"])
+        except (ValueError, KeyError, TypeError):
+            said = (
+                channel.recv_stderr(4096).decode(errors="replace").strip()
+                if channel.recv_stderr_ready()
+                else ""
+            )
+            channel.close()
+            said = said or line.decode(errors="replace").strip() or "no answer"
+            raise LaunchError(f"{host.label}: the heartbeat relay did not start: {said}") from None
+        return cls(channel, port)
 
 
 def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:

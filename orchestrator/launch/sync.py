@@ -77,7 +77,12 @@ def worker_files() -> list[FileEntry]:
 
 
 def shim_entry(entries: Sequence[FileEntry]) -> FileEntry:
-    return next(e for e in entries if e.rel == "lib/worker/shim.py")
+    return runtime_entry(entries, "shim.py")
+
+
+def runtime_entry(entries: Sequence[FileEntry], name: str) -> FileEntry:
+    """A file of the worker runtime that runs straight from the host's cache (shim.py, relay.py)."""
+    return next(e for e in entries if e.rel == f"lib/worker/{name}")
 
 
 def _entry(rel: str, path: Path) -> FileEntry:

@@ -11,6 +11,7 @@ from typing import Any
 from orchestrator.health.store import TaskHealth
 from orchestrator.launch.api import TaskHandle
 from orchestrator.plan import TaskPlan
+from orchestrator.record import iso_time
 from orchestrator.spec.roles import RolePolicy
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState, TaskState
@@ -64,7 +65,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "metrics": dict(h.metrics) if h else {},
         "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
         "rss_bytes": h.rss_bytes if h else None,
-        "last_heartbeat_at": h.last_heartbeat_wall if h else None,
+        "last_heartbeat_at": iso_time(h.last_heartbeat_wall) if h and h.last_heartbeat_wall else None,
         "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,13 @@ def make(tmp_path: Path, workers: int = 2, launcher: FakeLauncher | None = None,
     return sup, launcher, store, clock, sink
 
 
+_seq = itertools.count(1)
+
+
 def beat(store: HealthStore, task: str, attempt: int = 0, **kw: Any) -> None:
-    assert store.ingest(Heartbeat(task=task, attempt=attempt, seq=1, sent_at=0.0, pid=1, **kw)) == 200
+    # every heartbeat a task sends has a new seq (the store takes a repeated one as already seen)
+    hb = Heartbeat(task=task, attempt=attempt, seq=next(_seq), sent_at=0.0, pid=1, **kw)
+    assert store.ingest(hb) == 200
 
 
 def start_running(sup, launcher, store, clock, attempt: int = 0) -> None:

@@ -1,0 +1,175 @@
+"""The per-host heartbeat relay (worker/relay.py), run as the ssh backend runs it — `python -S` on the
+file alone — between real tasks' reporters and the coordinator's real heartbeat server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.health.server import HeartbeatServer
+from orchestrator.health.store import HealthStore
+from worker import wire
+from worker.reporter import Reporter, ReporterConfig
+
+RELAY = Path(__file__).resolve().parents[2] / "worker" / "relay.py"
+TOKEN = "right-token"
+TASKS = ["worker-0", "worker-1", "worker-2"]
+
+
+@pytest.fixture
+def coordinator():
+    points: list = []
+    store = HealthStore(
+        time.monotonic, on_points=lambda task, attempt, p: points.extend((task, q) for q in p)
+    )
+    store.reset(0, TASKS)
+    srv = HeartbeatServer(store, TOKEN).start()
+    yield srv, store, points
+    srv.close()
+
+
+class RelayProcess:
+    def __init__(self, upstream: str, interval_s: float = 0.2, give_up_s: float = 30.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-S", str(RELAY)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        config = {"upstream": upstream, "token": TOKEN, "interval_s": interval_s, "give_up_s": give_up_s}
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write((json.dumps(config) + "\n").encode())
+        self.proc.stdin.flush()
+        event = json.loads(self.proc.stdout.readline())
+        assert event["event"] == "listening"
+        self.url = f"http://127.0.0.1:{event['port']}"
+
+    def close(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # the SSH channel closing
+        return self.proc.wait(timeout=5)
+
+
+@pytest.fixture
+def relay(coordinator):
+    r = RelayProcess(coordinator[0].url)
+    yield r
+    if r.proc.poll() is None:
+        r.close()
+
+
+def post(url: str, task: str, seq: int, flush: bool = False, token: str = TOKEN, **kw) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    body = wire.Heartbeat(task=task, attempt=0, seq=seq, sent_at=1.0, pid=7, **kw).to_bytes()
+    headers = {wire.TOKEN_HEADER: token, **({wire.FLUSH_HEADER: "1"} if flush else {})}
+    conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_heartbeats_of_a_host_reach_the_coordinator_in_batches(coordinator, relay):
+    srv, store, _ = coordinator
+    for seq in range(1, 6):
+        for i, task in enumerate(TASKS):
+            assert post(relay.url, task, seq, step=10 * seq + i) == 200
+    wait_for(lambda: all(h.step is not None and h.step >= 50 for h in store.snapshot().values()))
+    assert [store.snapshot()[t].step for t in TASKS] == [50, 51, 52]
+    assert srv.requests < 15 / 2  # 15 heartbeats, a fraction of the requests
+
+
+def test_a_phase_change_is_forwarded_before_the_task_hears_back(coordinator, relay):
+    srv, store, _ = coordinator
+    relay_slow = RelayProcess(srv.url, interval_s=60.0)  # no tick during this test
+    try:
+        assert post(relay_slow.url, "worker-0", 1, step=3) == 200
+        assert store.snapshot()["worker-0"].step is None  # waits for the tick
+        assert post(relay_slow.url, "worker-0", 2, flush=True, done=True, step=4) == 200
+        health = store.snapshot()["worker-0"]  # no waiting: known when the task is answered
+        assert health.done and health.step == 4
+    finally:
+        relay_slow.close()
+
+
+def test_the_coordinators_verdict_reaches_the_task(coordinator, relay):
+    srv, store, _ = coordinator
+    assert post(relay.url, "worker-9", 1, flush=True) == 404  # not a task of this run
+    store.reset(1, TASKS)  # the coordinator moved on to attempt 1
+    assert post(relay.url, "worker-0", 1, flush=True) == wire.STALE_ATTEMPT_STATUS
+    assert post(relay.url, "worker-0", 2) == wire.STALE_ATTEMPT_STATUS  # and it stays so
+
+
+def test_wrong_token_is_refused_by_the_relay(coordinator, relay):
+    assert post(relay.url, "worker-0", 1, token="wrong") == 401
+    assert coordinator[0].requests == 0
+
+
+def test_without_a_coordinator_tasks_hear_503_and_the_relay_gives_up(coordinator):
+    relay = RelayProcess("http://127.0.0.1:1", interval_s=0.1, give_up_s=1.0)
+    assert post(relay.url, "worker-0", 1, flush=True) == 503
+    assert post(relay.url, "worker-0", 2) == 503  # taken by nobody: the task keeps its points
+    assert relay.proc.wait(timeout=5) == 1
+    assert b"no coordinator" in relay.proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_relay_ends_with_its_channel(relay):
+    started = time.monotonic()
+    assert relay.close() == 0
+    assert time.monotonic() - started < 2
+
+
+def test_reporters_through_the_relay_lose_no_point_and_repeat_none(coordinator, relay):
+    srv, store, points = coordinator
+    reporters = [
+        Reporter(ReporterConfig(task, 0, relay.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
+        for task in TASKS
+    ]
+    for rep in reporters:
+        rep.start()
+    for step in range(1, 301):
+        for rep in reporters:
+            rep.report(step, loss=1.0 / step)
+        if step % 50 == 0:
+            time.sleep(0.06)
+    for rep in reporters:
+        rep.finish()  # the final heartbeat (done) is urgent: acknowledged by the coordinator
+    for task in TASKS:
+        assert [p["step"] for t, p in points if t == task] == list(range(1, 301))
+        assert store.snapshot()[task].done and store.snapshot()[task].step == 300
+
+
+def test_a_batch_is_answered_item_by_item(coordinator):
+    srv, store, _ = coordinator
+    items = [
+        json.loads(wire.Heartbeat(task="worker-0", attempt=0, seq=1, sent_at=1.0, pid=7, step=1).to_bytes()),
+        {"task": "worker-1"},  # malformed
+        json.loads(wire.Heartbeat(task="worker-7", attempt=0, seq=1, sent_at=1.0, pid=7).to_bytes()),
+    ]
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    conn.request("POST", wire.BATCH_PATH, body=json.dumps(items), headers={wire.TOKEN_HEADER: TOKEN})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read()) == [200, 400, 404]
+    conn.request("POST", wire.BATCH_PATH, body=b'{"not": "a list"}', headers={wire.TOKEN_HEADER: TOKEN})
+    assert conn.getresponse().status == 400
+    assert store.snapshot()["worker-0"].step == 1
+
+
+def test_an_idle_relay_without_a_coordinator_exits_by_itself():
+    # a host cut off from the coordinator: no task talks to the relay, its channel never closes
+    relay = RelayProcess("http://127.0.0.1:1", interval_s=0.1, give_up_s=1.0)
+    assert relay.proc.wait(timeout=5) == 1
