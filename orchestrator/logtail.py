@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 class LogTailer:
@@ -21,7 +22,9 @@ class LogTailer:
     ):
         self._files = files
         self._sink = sink
-        self._interval_s = interval_s
+        # A poll reads every file: with many tasks, less often (console lines stay in order per task).
+        self._interval_s = max(interval_s, len(files) / 1000)
+        self._open: dict[str, BinaryIO] = {}  # kept open: one read per file and poll, no open/close
         self._offsets = {
             n: (0 if from_start or not p.exists() else p.stat().st_size) for n, p in files.items()
         }
@@ -40,6 +43,10 @@ class LogTailer:
             self._thread.join(timeout=5)
         self.poll()  # what was written last
         self.flush_partial()
+        with self._lock:
+            for f in self._open.values():
+                f.close()
+            self._open = {}
 
     def flush_partial(self) -> None:
         """Hand over a last line that has no newline yet."""
@@ -58,12 +65,14 @@ class LogTailer:
 
     def _poll(self) -> None:
         for name, path in self._files.items():
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._offsets[name])
-                    data = f.read()
-            except FileNotFoundError:
-                continue
+            f = self._open.get(name)
+            if f is None:
+                try:
+                    f = self._open[name] = open(path, "rb")  # noqa: SIM115 - closed by stop()
+                except FileNotFoundError:
+                    continue
+                f.seek(self._offsets[name])
+            data = f.read()
             if not data:
                 continue
             self._offsets[name] += len(data)

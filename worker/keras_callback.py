@@ -10,16 +10,19 @@ from typing import Any
 
 import tensorflow as tf
 
+from worker.reporter import keeps_points
 from worker.runtime import reporter
 
 
 class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name-defined]
-    """Reports step (the optimizer's iteration count, so a resumed run continues its count) and logs."""
+    """Reports step (the optimizer's iteration count, so a resumed run continues its count) and logs;
+    in metrics.jsonl from the chief (worker 0) only, as every worker's logs are the same."""
 
     def __init__(self) -> None:
         super().__init__()
         self._step: int | None = None
         self._scale = 1.0
+        self._report = reporter().report if keeps_points() else reporter().progress
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._step = None  # read after the first batch: BackupAndRestore may restore the count first
@@ -39,7 +42,7 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name-de
         values = logs or {}
         if self._scale != 1.0:
             values = {k: _scaled(v, self._scale) for k, v in values.items()}
-        reporter().report(self._step, **values)
+        self._report(self._step, **values)
 
 
 def _summed_replicas(model: Any) -> int:

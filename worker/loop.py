@@ -201,7 +201,8 @@ class _Trainer:
         return False
 
     def _after_step(self, rep: Any, step: int, loss: float) -> None:
-        rep.report(step, loss=loss)
+        # the loss is all-reduced: the same on every worker, so one of them keeps the record
+        (rep.report if self.is_chief else rep.progress)(step, loss=loss)
         if self.writer is not None and step % 10 == 0:
             now = time.monotonic()
             then, then_step = self._rate_mark

@@ -9,6 +9,7 @@ process group: no orphan keeps a GPU after its coordinator is gone.
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +77,14 @@ class Reporter:
     # --- called from the user's code (cheap, never touches the network) ---
 
     def report(self, step: int | None = None, **metrics: Any) -> None:
+        """A progress point: one line in metrics.jsonl, and the task's latest step and values."""
+        self._take(step, metrics, point=True)
+
+    def progress(self, step: int | None = None, **metrics: Any) -> None:
+        """The task's latest step and values (live view, status.json), without a metrics.jsonl line."""
+        self._take(step, metrics, point=False)
+
+    def _take(self, step: int | None, metrics: dict[str, Any], point: bool) -> None:
         numbers = {k: _number(v) for k, v in metrics.items()}
         values = {k: v for k, v in numbers.items() if v is not None}
         with self._lock:
@@ -82,7 +92,8 @@ class Reporter:
                 step = (self._step or 0) + 1
             self._step = int(step)
             self._metrics.update(values)
-            self._points.append({"time": time.time(), "step": self._step, **values})
+            if point:
+                self._points.append({"time": time.time(), "step": self._step, **values})
             first = not self._ready
             self._ready = True
         if first:
@@ -142,7 +153,7 @@ class Reporter:
         while True:
             final = self._stopped.is_set()
             body, sent_points, phase = self._snapshot()
-            status = self._post(body, urgent=phase != self._phase_sent)
+            status, post_in = self._post(body, urgent=phase != self._phase_sent)
             if status == 200:
                 last_ok = time.monotonic()
                 sent_points.clear()
@@ -156,7 +167,14 @@ class Reporter:
                     self._die(f"no coordinator reachable at {cfg.url} for {cfg.coordinator_timeout_s:g} s")
             if final:
                 return
-            self._wake.wait(cfg.interval_s)
+            # A host's relay names when to post next, so that its tasks' heartbeats land just before
+            # one of its flushes (one request per host and interval); kept near one interval.
+            wait_s = (
+                cfg.interval_s
+                if post_in is None
+                else min(1.5 * cfg.interval_s, max(0.5 * cfg.interval_s, post_in))
+            )
+            self._wake.wait(wait_s)
             self._wake.clear()
 
     def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[bool, bool, bool, bool]]:
@@ -196,9 +214,10 @@ class Reporter:
             with self._lock:
                 self._points[:0] = points
 
-    def _post(self, body: bytes, urgent: bool) -> int | None:
-        """POST one heartbeat; its HTTP status, None when the coordinator could not be reached.
-        `urgent` (the task's phase changed): a host's relay forwards it at once, not at its next tick."""
+    def _post(self, body: bytes, urgent: bool) -> tuple[int | None, float | None]:
+        """POST one heartbeat: its HTTP status (None when nobody could be reached), and when to post
+        the next one if a relay said so. `urgent` (the task's phase changed): a relay forwards it
+        at once, not at its next flush."""
         assert self._config is not None
         headers = {"Content-Type": "application/json", wire.TOKEN_HEADER: self._config.token}
         if urgent:
@@ -210,20 +229,16 @@ class Reporter:
                 self._conn = http.client.HTTPConnection(
                     url.hostname or "127.0.0.1", url.port, timeout=timeout
                 )
-            self._conn.request(
-                "POST",
-                wire.HEARTBEAT_PATH,
-                body=body,
-                headers=headers,
-            )
+            self._conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
             resp = self._conn.getresponse()
             resp.read()
-            return resp.status
-        except (OSError, http.client.HTTPException):
+            post_in = resp.getheader(wire.POST_IN_HEADER)
+            return resp.status, float(post_in) if post_in else None
+        except (OSError, http.client.HTTPException, ValueError):
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
-            return None
+            return None, None
 
     def _die(self, why: str) -> None:
         print(f"[orchestrate] {why}; this task exits now", file=sys.stderr, flush=True)
@@ -255,6 +270,21 @@ def user_frame() -> str | None:
             continue
         return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
     return None
+
+
+def keeps_points(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this task's training steps go to metrics.jsonl: the chief's (worker 0's when the
+    cluster has no chief), or a task outside any cluster. Under a synchronous strategy every worker
+    holds the same reduced loss, so the others' lines would only repeat it, N times over (and cost
+    the coordinator most of its time with many tasks, P6); they report their progress alone."""
+    try:
+        config = json.loads(env.get("TF_CONFIG") or "{}")
+        task, cluster = config.get("task") or {}, config.get("cluster") or {}
+        if task.get("type") == "worker":
+            return "chief" not in cluster and int(task.get("index", 0)) == 0
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return True
 
 
 def _number(value: Any) -> float | None:

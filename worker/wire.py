@@ -43,6 +43,8 @@ BATCH_PATH = "/v1/heartbeats"
 TOKEN_HEADER = "X-Orchestrate-Token"
 #: Set ("1") on a heartbeat that changes the task's phase: a relay forwards it at once.
 FLUSH_HEADER = "X-Orchestrate-Flush"
+#: A relay's answer: seconds until the task should post its next heartbeat.
+POST_IN_HEADER = "X-Orchestrate-Post-In"
 #: The coordinator answers a heartbeat of an attempt it has already left behind with this status,
 #: telling the task to exit.
 STALE_ATTEMPT_STATUS = 410
@@ -98,37 +100,78 @@ class Heartbeat:
 
     @classmethod
     def from_dict(cls, raw: Any) -> Heartbeat:
-        """Check a parsed heartbeat; raises ValueError on anything malformed. (On the coordinator's
-        hot path: one call per task per second, so plain checks rather than a schema library.)"""
-        if not isinstance(raw, dict):
+        """Check a parsed heartbeat; raises ValueError on anything malformed. On the coordinator's
+        hot path (every task, every second), hence `type(x) is int` (which a JSON true/false,
+        a Python bool, fails as it should) rather than a schema library."""
+        if type(raw) is not dict:
             raise ValueError("heartbeat must be a JSON object")
-        for key, types in _REQUIRED:
+        for key in _REQUIRED:
             if key not in raw:
                 raise ValueError(f"heartbeat lacks {key!r}")
-            _check(key, raw[key], types)
-        for key, types in _OPTIONAL:
-            if key in raw:
-                _check(key, raw[key], types)
+        get = raw.get
+        task, attempt, seq, sent_at, pid = raw["task"], raw["attempt"], raw["seq"], raw["sent_at"], raw["pid"]
+        rss, cpu, step, total = get("rss_bytes", 0), get("cpu_percent", 0.0), get("step"), get("total_steps")
+        connecting, ready, done = get("connecting", False), get("ready", False), get("done", False)
+        metrics, points, error, frame = (
+            get("metrics") or {},
+            get("points") or [],
+            get("error"),
+            get("user_frame"),
+        )
+        wrong = (
+            "task"
+            if type(task) is not str
+            else "attempt"
+            if type(attempt) is not int
+            else "seq"
+            if type(seq) is not int
+            else "sent_at"
+            if type(sent_at) not in _NUMBER
+            else "pid"
+            if type(pid) is not int
+            else "rss_bytes"
+            if type(rss) is not int
+            else "cpu_percent"
+            if type(cpu) not in _NUMBER
+            else "step"
+            if step is not None and type(step) is not int
+            else "total_steps"
+            if total is not None and type(total) is not int
+            else "connecting"
+            if type(connecting) is not bool
+            else "ready"
+            if type(ready) is not bool
+            else "done"
+            if type(done) is not bool
+            else "metrics"
+            if type(metrics) is not dict
+            else "points"
+            if type(points) is not list
+            else "error"
+            if error is not None and type(error) is not dict
+            else "user_frame"
+            if frame is not None and type(frame) is not str
+            else None
+        )
+        if wrong is not None:
+            raise ValueError(f"heartbeat field {wrong!r} has the wrong type")
         try:
-            metrics = {str(k): float(v) for k, v in raw.get("metrics", {}).items()}
-            points = [dict(p) for p in raw.get("points", ())]
-            error = raw.get("error")
             return cls(
-                task=raw["task"],
-                attempt=raw["attempt"],
-                seq=raw["seq"],
-                sent_at=float(raw["sent_at"]),
-                pid=raw["pid"],
-                rss_bytes=raw.get("rss_bytes", 0),
-                cpu_percent=float(raw.get("cpu_percent", 0.0)),
-                connecting=raw.get("connecting", False),
-                ready=raw.get("ready", False),
-                step=raw.get("step"),
-                total_steps=raw.get("total_steps"),
-                metrics=metrics,
-                points=points,
-                done=raw.get("done", False),
-                user_frame=raw.get("user_frame"),
+                task=task,
+                attempt=attempt,
+                seq=seq,
+                sent_at=float(sent_at),
+                pid=pid,
+                rss_bytes=rss,
+                cpu_percent=float(cpu),
+                connecting=connecting,
+                ready=ready,
+                step=step,
+                total_steps=total,
+                metrics={str(k): float(v) for k, v in metrics.items()} if metrics else {},
+                points=[dict(p) for p in points],
+                done=done,
+                user_frame=frame,
                 error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
                 if error
                 else None,
@@ -146,29 +189,4 @@ def loads(body: bytes) -> Any:
 
 
 _NUMBER = (int, float)
-_REQUIRED: tuple[tuple[str, Any], ...] = (
-    ("task", str),
-    ("attempt", int),
-    ("seq", int),
-    ("sent_at", _NUMBER),
-    ("pid", int),
-)
-_OPTIONAL: tuple[tuple[str, Any], ...] = (
-    ("rss_bytes", int),
-    ("cpu_percent", _NUMBER),
-    ("connecting", bool),
-    ("ready", bool),
-    ("step", (int, type(None))),
-    ("total_steps", (int, type(None))),
-    ("metrics", dict),
-    ("points", list),
-    ("done", bool),
-    ("user_frame", (str, type(None))),
-    ("error", (dict, type(None))),
-)
-
-
-def _check(key: str, value: Any, types: Any) -> None:
-    # JSON true/false are Python bools, which are ints too: a bool is right only where asked for.
-    if not isinstance(value, types) or (value.__class__ is bool and types is not bool):
-        raise ValueError(f"heartbeat field {key!r} has the wrong type")
+_REQUIRED = ("task", "attempt", "seq", "sent_at", "pid")

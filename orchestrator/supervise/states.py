@@ -23,7 +23,7 @@ class ClusterState(str, enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (ClusterState.SUCCEEDED, ClusterState.FAILED, ClusterState.INTERRUPTED)
+        return self in _TERMINAL_CLUSTER
 
 
 class TaskState(str, enum.Enum):
@@ -37,8 +37,11 @@ class TaskState(str, enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.LOST, TaskState.STOPPED)
+        return self in _TERMINAL_TASK  # a set: asked of every task on every supervisor step
 
+
+_TERMINAL_CLUSTER = frozenset({ClusterState.SUCCEEDED, ClusterState.FAILED, ClusterState.INTERRUPTED})
+_TERMINAL_TASK = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.LOST, TaskState.STOPPED})
 
 _C = ClusterState
 CLUSTER_TRANSITIONS: dict[ClusterState, frozenset[ClusterState]] = {

@@ -1,13 +1,29 @@
-"""P6 coordinator capacity: N simulated tasks post heartbeats at 1 Hz each, over real HTTP on
-loopback, to the coordinator's real heartbeat server and health store (in a process of its own).
+"""P6 coordinator capacity: N simulated tasks send heartbeats at 1 Hz each, over real HTTP on
+loopback, to a coordinator in a process of its own.
 
-Reported: the coordinator process's CPU share (of one core) over the measured window, and the
-p50/p99 ingest latency seen by the tasks (request sent -> answer read, keep-alive connections,
-one per task, as the worker runtime does). Goal at 1,000 tasks: <= 10% of a core, p99 <= 5 ms.
-The load generator is one asyncio process; at 10,000 tasks it needs most of a core itself, so on
-2 cores the figures there include the two competing for CPU.
+Two ways heartbeats arrive, as in the product:
+- direct: one keep-alive connection per task, one POST per heartbeat (the local backend);
+- relayed: tasks of one host post to that host's relay (worker/relay.py), which forwards them as
+  one `POST /v1/heartbeats` per interval (the ssh backend; the relay tells its tasks when to post
+  so that they land just before its flush). Here the load generator sends what the relays would:
+  per simulated host of 8 tasks, one batch of 8 heartbeats a second (the relays' own cost is on
+  the hosts, not here).
 
-    .venv/bin/python scripts/bench/capacity.py --tasks 1000 10000
+Two coordinators:
+- whole: `orchestrate up` itself (coordinator.up: supervisor loop, health store, metrics.jsonl,
+  status.json, events) on a spec of N workers, with a launcher that starts nothing (the tasks are
+  the load generator's). Each task's TF_CONFIG lists the whole cluster, so the plan grows as N²:
+  this runs at 1,000 tasks, not 10,000.
+- heartbeat path: the heartbeat server, health store and metrics.jsonl writer alone (any N).
+And the relay's own cost on its host (`relay:direct:8`): a real worker/relay.py with 8 tasks posting
+to it one by one; its CPU share is the figure (the coordinator behind it is the heartbeat path).
+
+Reported: the coordinator process's CPU share (of one core, user + kernel) over the measured
+window, p50/p99 request latency seen by the senders, heartbeats taken per second. Goal at 1,000
+tasks: <= 10% of a core, p99 <= 5 ms. The load generator is one asyncio process; at 10,000 direct
+connections it needs most of a core itself, and on 2 cores the figures include the two competing.
+
+    .venv/bin/python scripts/bench/capacity.py [--cases whole:direct:1000 ...]
 """
 
 from __future__ import annotations
@@ -18,16 +34,27 @@ import json
 import os
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-TOKEN = "bench-token"
+TASKS_PER_HOST = 8
+DEFAULT_CASES = [
+    "whole:direct:1000",
+    "whole:relayed:1000",
+    "path:relayed:10000",
+    "path:direct:10000",
+    "relay:direct:8",
+]
 
 
 def _raise_fd_limit() -> None:
@@ -35,58 +62,155 @@ def _raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def serve(n: int) -> None:
-    """The coordinator side: heartbeat server + health store, as `orchestrate up` runs them."""
-    _raise_fd_limit()
+# --- the coordinator side (a process of its own) ---------------------------------------------------
+
+
+def serve_path(n: int, folder: Path) -> None:
+    """Heartbeat server + health store + metrics.jsonl, as `orchestrate up` wires them."""
     from orchestrator.health.server import HeartbeatServer
     from orchestrator.health.store import HealthStore
+    from orchestrator.record import RunRecord
 
-    points: list[int] = []
-    store = HealthStore(time.monotonic, on_points=lambda task, attempt, pts: points.append(len(pts)))
-    store.reset(0, [f"task-{i}" for i in range(n)])
-    server = HeartbeatServer(store, TOKEN).start()
-    print(server.port, flush=True)
+    record = RunRecord(folder)
+    store = HealthStore(time.monotonic, on_points=record.metrics)
+    store.reset(0, [f"worker-{i}" for i in range(n)])
+    server = HeartbeatServer(store, "bench-token").start()
+    _announce({"url": server.url, "token": "bench-token"})
+    flusher_stop = threading.Event()
+
+    def flush() -> None:  # the supervisor flushes metrics.jsonl once per step
+        while not flusher_stop.wait(0.1):
+            record.flush()
+
+    threading.Thread(target=flush, daemon=True).start()
     sys.stdin.read()  # until the benchmark closes our stdin
+    flusher_stop.set()
     server.close()
+    record.close()
 
 
-def _body(i: int, seq: int) -> bytes:
-    from worker.wire import Heartbeat
+def serve_whole(n: int, folder: Path) -> None:
+    """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
+    import threading
 
-    hb = Heartbeat(
-        task=f"task-{i}",
-        attempt=0,
-        seq=seq,
-        sent_at=time.time(),
-        pid=10_000 + i,
-        rss_bytes=512 * 1024 * 1024,
-        cpu_percent=97.5,
-        ready=True,
-        step=seq * 10,
-        total_steps=100_000,
-        metrics={"loss": 0.25, "accuracy": 0.9},
-        points=[{"step": seq * 10 + k, "loss": 0.25} for k in range(1, 11)],
+    from orchestrator import coordinator
+    from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
+    from orchestrator.spec.load import parse_spec
+    from worker import wire
+
+    class SimHandle(TaskHandle):
+        def __init__(self, task: Any, attempt: int, log_path: Path, pid: int):
+            super().__init__(task, attempt, log_path)
+            self._info = ProcessInfo(pid, pid, 0.0)
+
+        @property
+        def process(self) -> ProcessInfo:
+            return self._info
+
+        def poll(self) -> int | None:
+            return None  # a simulated task runs until the benchmark ends
+
+    class SimLauncher(Launcher):
+        def __init__(self) -> None:
+            self.announced = False
+
+        def start(self, task: Any, attempt: int, token: str, log_path: Path) -> TaskHandle:
+            if not self.announced:
+                self.announced = True
+                _announce(
+                    {
+                        "url": task.launch_env(attempt=attempt, token=token)[wire.ENV_COORDINATOR],
+                        "token": token,
+                    }
+                )
+            with open(log_path, "ab") as log:  # as a real launcher does; the log tailer reads it
+                log.write(f"===== orchestrate: {task.name} attempt {attempt} (simulated) =====\n".encode())
+            return SimHandle(task, attempt, log_path, 100_000 + task.index)
+
+        def stop(self, handles: list[Any], grace_s: float, hurry: threading.Event | None = None) -> None:
+            return None
+
+    (folder / "job.py").write_text("# the tasks are simulated\n")
+    text = (
+        "name: capacity\nhosts:\n  - address: 127.0.0.1\n"
+        f"    tasks: {{worker: {n}}}\n"
+        "job:\n  script: job.py\n"
+        "health: {heartbeat_timeout_s: 60, stall_timeout_s: 600, startup_timeout_s: 600}\n"
     )
-    return hb.to_bytes()
+    spec_path = folder / "capacity.yaml"
+    spec_path.write_text(text)
+    spec = parse_spec(text, file=str(spec_path), base_dir=folder)
+    # stdin closing = the benchmark is over: stop the run as Ctrl-C would
+    threading.Thread(
+        target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGINT)), daemon=True
+    ).start()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the plain view's lines (every task's states and log lines) go nowhere
+    coordinator.up(spec, spec_path, run_dir=folder / "run", live=False, launcher=SimLauncher())
 
 
-async def _task(
-    i: int, port: int, until: float, measure_from: float, latencies: list[float], errors: list[str]
+def _announce(info: dict[str, str]) -> None:
+    os.write(int(os.environ["BENCH_ANNOUNCE_FD"]), (json.dumps(info) + "\n").encode())
+
+
+# --- the load generator ------------------------------------------------------------------------
+
+
+_TEMPLATE: dict[str, Any] = {}
+
+
+def _heartbeat(i: int, seq: int) -> dict[str, Any]:
+    """What a training task of the built-in loop sends each second at 10 steps/s: its step and
+    latest loss; worker 0 also the 10 steps since the last as points (metrics.jsonl), the others
+    report progress only (worker/reporter.py keeps_points)."""
+    if not _TEMPLATE:
+        from worker.wire import Heartbeat
+
+        full = Heartbeat(task="", attempt=0, seq=0, sent_at=0.0, pid=0, rss_bytes=512 * 1024 * 1024)
+        _TEMPLATE.update(json.loads(full.to_bytes()), cpu_percent=97.5, ready=True, total_steps=100_000)
+    now = time.time()
+    points = [{"time": now, "step": seq * 10 + k, "loss": 0.25} for k in range(-9, 1)] if i == 0 else []
+    return {
+        **_TEMPLATE,
+        "task": f"worker-{i}",
+        "seq": seq,
+        "sent_at": now,
+        "pid": 100_000 + i,
+        "step": seq * 10,
+        "metrics": {"loss": 0.25},
+        "points": points,
+    }
+
+
+class _Stats:
+    def __init__(self, measure_from: float):
+        self.measure_from = measure_from
+        self.latencies: list[float] = []
+        self.heartbeats = 0
+        self.errors: list[str] = []
+
+
+async def _sender(
+    path: str, ids: list[int], period_s: float, url: str, token: str, until: float, stats: _Stats
 ) -> None:
-    await asyncio.sleep(random.random())  # spread the tasks over the second, as real ones drift
+    """One connection: every `period_s`, one request with the heartbeats of `ids` (one of them
+    when direct; a host's due tasks when relayed)."""
+    host, port = url.removeprefix("http://").split(":")
+    await asyncio.sleep(random.random() * period_s)  # spread over the period, as real ones drift
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection(host, int(port))
     except OSError as exc:
-        errors.append(f"connect: {exc}")
+        stats.errors.append(f"connect: {exc}")
         return
     seq = 0
     next_at = time.monotonic()
     while time.monotonic() < until:
         seq += 1
-        body = _body(i, seq)
+        items = [_heartbeat(i, seq) for i in ids]
+        body = json.dumps(items if path.endswith("s") else items[0]).encode()
         head = (
-            f"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"X-Orchestrate-Token: {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"X-Orchestrate-Token: {token}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         started = time.monotonic()
         try:
@@ -99,92 +223,130 @@ async def _task(
                     break
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
-            if length:
-                await reader.readexactly(length)
+            answer = await reader.readexactly(length) if length else b""
         except (OSError, asyncio.IncompleteReadError) as exc:
-            errors.append(f"request: {exc}")
+            stats.errors.append(f"request: {exc}")
             return
-        if not status.startswith(b"HTTP/1.1 200"):
-            errors.append(status.decode(errors="replace").strip())
-        if started >= measure_from:
-            latencies.append(time.monotonic() - started)
-        next_at += 1.0
+        ok = status.startswith(b"HTTP/1.1 200") and (
+            not path.endswith("s") or all(s == 200 for s in json.loads(answer))
+        )
+        if not ok:
+            stats.errors.append(
+                status.decode(errors="replace").strip() + " " + answer[:80].decode(errors="replace")
+            )
+        if started >= stats.measure_from:
+            stats.latencies.append(time.monotonic() - started)
+            stats.heartbeats += len(ids)
+        next_at += period_s
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
     writer.close()
 
 
-async def _load(
-    n: int, port: int, warmup_s: float, measure_s: float
-) -> tuple[list[float], list[str], float, float]:
-    latencies: list[float] = []
-    errors: list[str] = []
-    start = time.monotonic()
-    measure_from = start + warmup_s
-    until = measure_from + measure_s
-    await asyncio.gather(*(_task(i, port, until, measure_from, latencies, errors) for i in range(n)))
-    return latencies, errors, measure_from, until
+def _senders(way: str, n: int) -> list[tuple[str, list[int], float]]:
+    if way == "direct":
+        return [("/v1/heartbeat", [i], 1.0) for i in range(n)]
+    # a relay's tasks post just before its flush (it tells them when), so each flush carries all
+    # of them: one batch per host and interval (tests/unit/test_relay.py checks that alignment)
+    return [
+        ("/v1/heartbeats", list(range(first, min(n, first + TASKS_PER_HOST))), 1.0)
+        for first in range(0, n, TASKS_PER_HOST)
+    ]
 
 
-def measure(n: int, warmup_s: float, measure_s: float) -> dict[str, object]:
+def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
     import psutil
 
+    kind, way, count = case.split(":")
+    n = int(count)
+    folder = Path(tempfile.mkdtemp(prefix="orchestrate-capacity-"))
+    read_fd, write_fd = os.pipe()
+    relay = None
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(n)],
+        [sys.executable, __file__, "--serve", "path" if kind == "relay" else kind, str(n), str(folder)],
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        env={**os.environ, "BENCH_ANNOUNCE_FD": str(write_fd)},
+        pass_fds=(write_fd,),
     )
+    os.close(write_fd)
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
+        with os.fdopen(read_fd) as announce:
+            info = json.loads(announce.readline())
         proc = psutil.Process(server.pid)
+        if kind == "relay":  # the host's side: one relay, its tasks posting to it one by one
+            relay = subprocess.Popen(
+                [sys.executable, "-S", str(REPO / "worker" / "relay.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+            config = {"upstream": info["url"], "token": info["token"], "interval_s": 1.0, "give_up_s": 30}
+            relay.stdin.write((json.dumps(config) + "\n").encode())  # type: ignore[union-attr]
+            relay.stdin.flush()  # type: ignore[union-attr]
+            port = json.loads(relay.stdout.readline())["port"]  # type: ignore[union-attr]
+            info["url"] = f"http://127.0.0.1:{port}"
+            proc = psutil.Process(relay.pid)
         loop = asyncio.new_event_loop()
+        start = time.monotonic()
+        stats = _Stats(start + warmup_s)
+        until = stats.measure_from + measure_s
+        window: dict[str, Any] = {}
 
-        async def run() -> tuple[list[float], list[str], float, float]:
-            load = asyncio.ensure_future(_load(n, port, warmup_s, measure_s))
-            await asyncio.sleep(warmup_s)
-            nonlocal cpu_before, wall_before
-            cpu_before, wall_before = proc.cpu_times()[:2], time.monotonic()
-            await asyncio.sleep(measure_s)
-            nonlocal cpu_after, wall_after
-            cpu_after, wall_after = proc.cpu_times()[:2], time.monotonic()
-            return await load
+        async def run() -> None:
+            senders = [
+                _sender(path, ids, period, info["url"], info["token"], until, stats)
+                for path, ids, period in _senders(way, n)
+            ]
+            load = asyncio.ensure_future(asyncio.gather(*senders))
+            await asyncio.sleep(max(0.0, stats.measure_from - time.monotonic()))
+            window["before"] = (proc.cpu_times()[:2], time.monotonic())
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            window["after"] = (proc.cpu_times()[:2], time.monotonic())
+            await load
 
-        cpu_before = cpu_after = (0.0, 0.0)
-        wall_before = wall_after = 0.0
-        latencies, errors, _, _ = loop.run_until_complete(run())
+        loop.run_until_complete(run())
         loop.close()
     finally:
+        if relay is not None:
+            relay.stdin.close()  # type: ignore[union-attr]
+            relay.wait(timeout=10)
         server.stdin.close()  # type: ignore[union-attr]
-        server.wait(timeout=30)
-    latencies.sort()
+        server.wait(timeout=60)
+    (cpu_before, wall_before), (cpu_after, wall_after) = window["before"], window["after"]
     wall = max(1e-9, wall_after - wall_before)
     user, system = ((a - b) / wall for a, b in zip(cpu_after, cpu_before, strict=True))
-    share = user + system
+    lat = sorted(stats.latencies)
     return {
+        "case": case,
+        "coordinator": {
+            "whole": "orchestrate up (whole)",
+            "path": "heartbeat path",
+            "relay": "one host's relay",
+        }[kind],
+        "arrival": way,
         "tasks": n,
-        "heartbeats_per_s": round(len(latencies) / measure_s, 1),
-        "coordinator_cpu_share": round(share, 4),
+        "requests_per_s": round(len(lat) / measure_s, 1),
+        "heartbeats_per_s": round(stats.heartbeats / measure_s, 1),
+        "coordinator_cpu_share": round(user + system, 4),
         "of_which_kernel": round(system, 4),
-        "p50_ms": round(1000 * statistics.median(latencies), 3) if latencies else None,
-        "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 3) if latencies else None,
-        "errors": len(errors),
-        "first_error": errors[0] if errors else None,
+        "p50_ms": round(1000 * statistics.median(lat), 3) if lat else None,
+        "p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 3) if lat else None,
+        "errors": len(stats.errors),
+        "first_error": stats.errors[0] if stats.errors else None,
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tasks", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="KIND:ARRIVAL:TASKS")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--measure-s", type=float, default=20.0)
-    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if ns.serve:
-        serve(ns.serve)
-        return 0
     _raise_fd_limit()
-    results = [measure(n, ns.warmup_s, ns.measure_s) for n in ns.tasks]
+    if ns.serve:
+        kind, n, folder = ns.serve
+        (serve_whole if kind == "whole" else serve_path)(int(n), Path(folder))
+        return 0
+    results = [measure(case, ns.warmup_s, ns.measure_s) for case in ns.cases]
     print(
         json.dumps(
             {"metric": "P6 coordinator capacity", "results": results, "cores": os.cpu_count()}, indent=2

@@ -173,3 +173,29 @@ def test_an_idle_relay_without_a_coordinator_exits_by_itself():
     # a host cut off from the coordinator: no task talks to the relay, its channel never closes
     relay = RelayProcess("http://127.0.0.1:1", interval_s=0.1, give_up_s=1.0)
     assert relay.proc.wait(timeout=5) == 1
+
+
+def test_tasks_align_with_the_relay_one_request_per_interval(coordinator):
+    srv, store, _ = coordinator
+    interval = 0.2
+    relay = RelayProcess(srv.url, interval_s=interval)
+    reporters = [
+        Reporter(ReporterConfig(task, 0, relay.url, TOKEN, interval_s=interval, coordinator_timeout_s=30))
+        for task in TASKS
+    ]
+    try:
+        for i, rep in enumerate(reporters):
+            time.sleep(interval * i / len(TASKS))  # start out of phase, as real tasks do
+            rep.start()
+            rep.report(1)
+        time.sleep(3 * interval)  # a few intervals to fall in step
+        before, beats_before = srv.requests, sum(store.snapshot()[t].seq for t in TASKS)
+        time.sleep(20 * interval)
+        requests = srv.requests - before
+        beats = sum(store.snapshot()[t].seq for t in TASKS) - beats_before
+    finally:
+        for rep in reporters:
+            rep.finish()
+        relay.close()
+    assert beats >= 0.8 * 20 * len(TASKS)  # every task still reports once an interval
+    assert requests <= 1.3 * 20, requests  # one batch an interval (unaligned: two; direct: one per task)
