@@ -81,6 +81,11 @@ def value(text: str, key: str) -> float:
     raise ValueError(f"no {key}= in output:\n{text[-2000:]}")
 
 
+def values(text: str, key: str) -> list[float]:
+    """Every `key=<number>` in the text (one per task)."""
+    return [float(line.rsplit(f"{key}=", 1)[1].split()[0]) for line in text.splitlines() if f"{key}=" in line]
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

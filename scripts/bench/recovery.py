@@ -91,8 +91,7 @@ def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> 
     )
     try:
         _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
-        st = _status(run)
-        victim, at_step = st["tasks"][1]["pid"], st["tasks"][1]["last_step"]
+        victim = _status(run)["tasks"][1]["pid"]
         t0 = time.time()
         if kind == "exit":
             os.kill(victim, signal.SIGKILL)
@@ -109,7 +108,13 @@ def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> 
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    return {"detected_s": detected, "recovery_s": recovered, "steps_lost": max(0, at_step - resumed_step)}
+    # trained before the failure (the last step attempt 0 reported) and not in the checkpoint resumed
+    trained = max(p["step"] for p in _points(run) if p["attempt"] == 0)
+    return {"detected_s": detected, "recovery_s": recovered, "steps_lost": max(0, trained - resumed_step)}
+
+
+def _points(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _first_step_of_attempt(run: Path, attempt: int) -> tuple[float, int] | None:

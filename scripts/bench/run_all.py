@@ -76,6 +76,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             f"({on[len(on) // 2]:.0f} vs {off[len(off) // 2]:.0f} steps/s; median of pair ratios "
             f"×{p3.get('pair_ratio_median', float('nan')):.3f}) | goal ≥ ×0.98 |"
         )
+    if "cpu_ratio_median" in p3:
+        on, off = sorted(p3["cpu_ms_per_step_on"]), sorted(p3["cpu_ms_per_step_off"])
+        out.append(
+            f"| P3 workers' CPU per step, on / off | ×{p3['cpu_ratio_median']:.3f} (median of pair "
+            f"ratios; {on[len(on) // 2]:.2f} vs {off[len(off) // 2]:.2f} ms); coordinator "
+            f"{100 * p3['coordinator_cpu_share_median']:.1f}% of a core | goal ≤ ×1.02 (= steps/s ≥ ×0.98) |"
+        )
     p45 = results.get("P4/P5", {})
     if "exit" in p45:
         cfg = p45["configured"]
@@ -120,8 +127,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
     p7 = results.get("P7", {})
     for r in p7.get("rows", []):
+        floor = (
+            f"; machine CPU {r['machine_cpu_s']:.2f} s = {r['cpu_bound_floor_s']:.2f} s on all cores"
+            if "machine_cpu_s" in r
+            else ""
+        )
         out.append(
-            f"| P7 ssh launch, {r['hosts']} host(s) | {r['launch_s']:.2f} s (×{r['ratio']:.2f}) "
+            f"| P7 ssh launch, {r['hosts']} host(s) | {r['launch_s']:.2f} s (×{r['ratio']:.2f}{floor}) "
             "| K = 1 baseline; goal K=8 ≤ ×1.5 |"
         )
     if "cut_off_detected_s" in p7:

@@ -4,7 +4,9 @@ Launch time = from starting `orchestrate up` to the last task process running on
 "pid … on …" event): CLI start, parallel connect + preflight, file sync, heartbeat tunnels, and one
 shim per task. The task itself is trivial (no TensorFlow), so what is measured is the fan-out,
 not TensorFlow's import. K = 1, measured in the same run, is the baseline; the file cache is warm
-(one unmeasured run per host first), as for a researcher's second run. Also: detection time of a
+(one unmeasured run per host first), as for a researcher's second run. The machine's busy CPU time
+until the last task started is recorded too: all "hosts" share this machine's cores, so the launch
+cannot be faster than that CPU spread over them (on real hosts each has its own). Also: detection time of a
 cut-off host (heartbeat_timeout_s = 3) on a 2-host MultiWorkerMirroredStrategy job.
 
 Needs root (network namespaces) and openssh-server: `sudo .venv/bin/python scripts/bench/ssh_fanout.py`.
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,11 +66,32 @@ def spec_for(lab: NetnsLab, root: Path, hosts: list[int], script: str, **extra: 
     return spec
 
 
-def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float]:
-    """(launch time, total wall) of one `orchestrate up` on hosts 0..k-1."""
+def busy_cpu_s() -> float:
+    """CPU time the whole machine has spent busy (all processes, every namespace's sshd and
+    Python included): /proc/stat, less idle and iowait."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float]:
+    """(launch time, total wall, machine CPU seconds until the last task started) of one
+    `orchestrate up` on hosts 0..k-1."""
     run_dir = root / f"run-{secrets.token_hex(3)}"
     spec = spec_for(lab, root, list(range(k)), TRIVIAL)
+    cpu_at_start = busy_cpu_s()
+    cpu_samples: list[tuple[float, float]] = []
+    sampling = threading.Event()
+
+    def sample() -> None:  # the machine's CPU over time, to read it off at the launch's end
+        while not sampling.is_set():
+            cpu_samples.append((time.time(), busy_cpu_s() - cpu_at_start))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
     t0 = time.time()
+    sampler.start()
     res = subprocess.run(
         [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
         capture_output=True,
@@ -74,12 +99,16 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float]:
         timeout=120,
     )
     total = time.time() - t0
+    sampling.set()
+    sampler.join()
     if res.returncode != 0:
         raise RuntimeError(f"K={k}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     started = [iso_to_s(e["time"]) for e in events if e.get("new") == "STARTING" and e.get("attempt") == 0]
     assert len(started) == k, events
-    return max(started) - t0, total
+    launched = max(started)
+    cpu = next((c for t, c in cpu_samples if t >= launched), cpu_samples[-1][1])
+    return launched - t0, total, cpu
 
 
 def cut_detection(lab: NetnsLab, root: Path) -> float:
@@ -129,21 +158,27 @@ def main() -> int:
         try:
             launch_time(lab, root / "warm", 8)  # fills every host's file cache; not measured
             ks = (1, 2, 4, 8)
-            runs: dict[int, list[tuple[float, float]]] = {k: [] for k in ks}
+            runs: dict[int, list[tuple[float, float, float]]] = {k: [] for k in ks}
             for _ in range(args.repeats):
                 for k in ks:  # interleaved, so drift on a noisy machine hits every K alike
                     runs[k].append(launch_time(lab, root / f"k{k}", k))
-            base = statistics.median(t for t, _ in runs[1])
+            base = statistics.median(t for t, _, _ in runs[1])
+            cores = os.cpu_count() or 1
             rows = []
             for k in ks:
-                launch = statistics.median(t for t, _ in runs[k])
-                total = statistics.median(w for _, w in runs[k])
+                launch = statistics.median(t for t, _, _ in runs[k])
+                total = statistics.median(w for _, w, _ in runs[k])
+                cpu = statistics.median(c for _, _, c in runs[k])
                 rows.append(
                     {
                         "hosts": k,
                         "launch_s": round(launch, 2),
                         "ratio": round(launch / base, 3),
                         "total_s": round(total, 2),
+                        # every host's work runs on this machine's cores: the launch cannot take
+                        # less than the CPU it needs spread over all of them
+                        "machine_cpu_s": round(cpu, 2),
+                        "cpu_bound_floor_s": round(cpu / cores, 2),
                     }
                 )
             detect = [cut_detection(lab, root / f"cut{i}") for i in range(args.repeats)]
