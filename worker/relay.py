@@ -213,8 +213,10 @@ class Relay:
     async def flush(self) -> None:
         async with self._lock:
             batch, self._pending = self._pending, []
-            if not batch and time.monotonic() - self._last_ok < self._give_up_s / 2:
-                return  # with no task talking, an empty batch now and then tells us the coordinator is there
+            if not batch and self._reachable and time.monotonic() - self._last_ok < self._give_up_s / 2:
+                # no task talking: an empty batch now and then tells us the coordinator is there;
+                # and while it seems away, one every tick tells us as soon as it is back
+                return
             statuses = await self._post(b"[" + b",".join(body for body, _ in batch) + b"]")
             if statuses is None or len(statuses) != len(batch):
                 self._pending[:0] = batch  # sent again next time; the tasks were told 503 meanwhile

@@ -148,6 +148,7 @@ class SshLauncher(Launcher):
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
         self._relays: dict[int, _Relay] = {}  # per host: where its tasks post heartbeats
+        self._shared_hosts: set[int] = set()  # hosts with several tasks: their heartbeats go via a relay
         self.reports: list[preflight.HostReport] = []
         self._files: list[FileEntry] = []
 
@@ -203,6 +204,8 @@ class SshLauncher(Launcher):
         """Send every host the files its cache lacks (the job's folder and the worker runtime)."""
         reports = {r.host.index: r for r in self.reports}
         used = sorted({t.host_index for t in plan.tasks})
+        per_host = [t.host_index for t in plan.tasks]
+        self._shared_hosts = {i for i in used if per_host.count(i) > 1}
 
         def one(index: int) -> Any:
             missing = (reports[index].facts or {}).get("missing", [])
@@ -322,9 +325,12 @@ class SshLauncher(Launcher):
             return conn
 
     def _relay_url(self, index: int, token: str) -> str:
-        """The heartbeat relay of the host (started with its first task, again if it ended): its
-        tasks post there, it forwards their heartbeats to the coordinator as one request a tick."""
+        """Where the host's tasks post heartbeats. A host with several tasks gets a relay (started
+        with its first task, again if it ended) that forwards them as one request per interval;
+        a host with one task has nothing to batch: it posts to the coordinator's route itself."""
         conn = self._connection(index)
+        if index not in self._shared_hosts:
+            return self._contexts[index].coordinator_url  # a renewed tunnel may have a new port
         with self._locks[index]:
             relay = self._relays.get(index)
             if relay is not None and relay.alive:

@@ -3,6 +3,7 @@ loopback sshd instances otherwise. Real SSH, real keys, real TensorFlow, real si
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ import yaml
 from tests.conftest import CliRun, run_processes, wait_until
 from tests.lab import NetnsLab, make_lab, why_no_lab
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")]
 
 # Every task prints what it was given, so the test can compare it with the spec, byte for byte.
@@ -95,11 +97,9 @@ class SshJob(CliRun):
         for i in self.hosts:
             names = []
             for pid in self.lab.pids(i):
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                except OSError:
-                    continue
-                names.append(f"{pid} {cmdline[:80].decode(errors='replace')}")
+                line = cmdline(pid)
+                if line:
+                    names.append(f"{pid} {line[:80]}")
             if names:
                 out[i] = names
         return out
@@ -148,6 +148,39 @@ def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, tmp_
         assert f"RUNTIME {job.lab.hosts[i].workdir}/runs/{job.run_id}/lib/worker/__init__.py" in log
     assert not marker.exists()  # nothing in the spec was ever run by a shell
     assert job.hosts_empty(), job.host_pids()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_tasks_sharing_a_host_report_through_its_relay(ssh_job, lab):
+    relay_sha = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()
+    job = ssh_job(
+        MWMS,
+        spec={
+            "hosts": [lab.host_spec(0, tasks={"worker": 2}), lab.host_spec(1)],
+            "job": {"script": "job/job.py", "env": {"STEPS": "60", "STEP_SLEEP_S": "0.05", "NASTY": "-"}},
+        },
+    )
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 5, 120), job.status()
+        running = {i: " ".join(cmdline(pid) for pid in lab.pids(i)) for i in (0, 1)}
+        assert relay_sha in running[0], running  # host 0 (two tasks): a relay
+        assert relay_sha not in running[1], running  # host 1 (one task): none
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    # every task's progress arrived (through the relay for host 0's two), and the job agreed
+    assert [t["last_step"] for t in status["tasks"]] == [60, 60, 60]
+    assert all("FINAL 180.0" in (job.run_dir / "logs" / f"worker-{i}.log").read_text() for i in range(3))
+    assert job.hosts_empty(), job.host_pids()  # the relay ended with the run
 
 
 def test_unknown_host_key_is_refused_and_nothing_starts(ssh_job):
