@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -75,9 +76,14 @@ def busy_cpu_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float]:
-    """(launch time, total wall, machine CPU seconds until the last task started) of one
-    `orchestrate up` on hosts 0..k-1."""
+def coordinator_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # `orchestrate up`: no local children
+    return usage.ru_utime + usage.ru_stime
+
+
+def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float, float]:
+    """(launch time, total wall, machine CPU seconds until the last task started, the
+    coordinator's own CPU seconds for the whole run) of one `orchestrate up` on hosts 0..k-1."""
     run_dir = root / f"run-{secrets.token_hex(3)}"
     spec = spec_for(lab, root, list(range(k)), TRIVIAL)
     cpu_at_start = busy_cpu_s()
@@ -90,6 +96,7 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float]
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
+    coordinator_before = coordinator_cpu_s()
     t0 = time.time()
     sampler.start()
     res = subprocess.run(
@@ -99,6 +106,7 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float]
         timeout=120,
     )
     total = time.time() - t0
+    coordinator = coordinator_cpu_s() - coordinator_before
     sampling.set()
     sampler.join()
     if res.returncode != 0:
@@ -108,7 +116,7 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float]
     assert len(started) == k, events
     launched = max(started)
     cpu = next((c for t, c in cpu_samples if t >= launched), cpu_samples[-1][1])
-    return launched - t0, total, cpu
+    return launched - t0, total, cpu, coordinator
 
 
 def cut_detection(lab: NetnsLab, root: Path) -> float:
@@ -158,17 +166,18 @@ def main() -> int:
         try:
             launch_time(lab, root / "warm", 8)  # fills every host's file cache; not measured
             ks = (1, 2, 4, 8)
-            runs: dict[int, list[tuple[float, float, float]]] = {k: [] for k in ks}
+            runs: dict[int, list[tuple[float, float, float, float]]] = {k: [] for k in ks}
             for _ in range(args.repeats):
                 for k in ks:  # interleaved, so drift on a noisy machine hits every K alike
                     runs[k].append(launch_time(lab, root / f"k{k}", k))
-            base = statistics.median(t for t, _, _ in runs[1])
+            base = statistics.median(r[0] for r in runs[1])
             cores = os.cpu_count() or 1
             rows = []
             for k in ks:
-                launch = statistics.median(t for t, _, _ in runs[k])
-                total = statistics.median(w for _, w, _ in runs[k])
-                cpu = statistics.median(c for _, _, c in runs[k])
+                launch = statistics.median(r[0] for r in runs[k])
+                total = statistics.median(r[1] for r in runs[k])
+                cpu = statistics.median(r[2] for r in runs[k])
+                coordinator = statistics.median(r[3] for r in runs[k])
                 rows.append(
                     {
                         "hosts": k,
@@ -179,6 +188,8 @@ def main() -> int:
                         # less than the CPU it needs spread over all of them
                         "machine_cpu_s": round(cpu, 2),
                         "cpu_bound_floor_s": round(cpu / cores, 2),
+                        # what stays on the coordinator's machine when hosts are real machines
+                        "coordinator_cpu_s": round(coordinator, 2),
                     }
                 )
             detect = [cut_detection(lab, root / f"cut{i}") for i in range(args.repeats)]
