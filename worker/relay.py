@@ -247,22 +247,27 @@ class Relay:
             self._streams = await asyncio.open_connection(*self._upstream)
         reader, writer = self._streams
         writer.write(request)
-        status = await reader.readline()
-        length = 0
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b""):
-                break
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        body = await reader.readexactly(length) if length else b""
+        status, body = await read_response(reader)
         if not status.startswith(b"HTTP/1.1 200"):
             raise ValueError(status.decode(errors="replace").strip())
         answer = json.loads(body)
         if not isinstance(answer, list):
             raise ValueError("the coordinator's answer is not a list")
         return answer
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 answer with a Content-Length: its status line and its body."""
+    status = await reader.readline()
+    length = 0
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, await reader.readexactly(length) if length else b""
 
 
 async def serve(config: dict[str, Any], stop: asyncio.Event) -> int:

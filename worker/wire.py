@@ -101,8 +101,8 @@ class Heartbeat:
     @classmethod
     def from_dict(cls, raw: Any) -> Heartbeat:
         """Check a parsed heartbeat; raises ValueError on anything malformed. On the coordinator's
-        hot path (every task, every second), hence `type(x) is int` (which a JSON true/false,
-        a Python bool, fails as it should) rather than a schema library."""
+        hot path (every task, every second), hence plain checks of exact types rather than a
+        schema library."""
         if type(raw) is not dict:
             raise ValueError("heartbeat must be a JSON object")
         for key in _REQUIRED:
@@ -118,43 +118,26 @@ class Heartbeat:
             get("error"),
             get("user_frame"),
         )
-        wrong = (
-            "task"
-            if type(task) is not str
-            else "attempt"
-            if type(attempt) is not int
-            else "seq"
-            if type(seq) is not int
-            else "sent_at"
-            if type(sent_at) not in _NUMBER
-            else "pid"
-            if type(pid) is not int
-            else "rss_bytes"
-            if type(rss) is not int
-            else "cpu_percent"
-            if type(cpu) not in _NUMBER
-            else "step"
-            if step is not None and type(step) is not int
-            else "total_steps"
-            if total is not None and type(total) is not int
-            else "connecting"
-            if type(connecting) is not bool
-            else "ready"
-            if type(ready) is not bool
-            else "done"
-            if type(done) is not bool
-            else "metrics"
-            if type(metrics) is not dict
-            else "points"
-            if type(points) is not list
-            else "error"
-            if error is not None and type(error) is not dict
-            else "user_frame"
-            if frame is not None and type(frame) is not str
-            else None
-        )
-        if wrong is not None:
-            raise ValueError(f"heartbeat field {wrong!r} has the wrong type")
+        for key, value, allowed in (
+            ("task", task, _STR),
+            ("attempt", attempt, _INT),
+            ("seq", seq, _INT),
+            ("sent_at", sent_at, _NUMBER),
+            ("pid", pid, _INT),
+            ("rss_bytes", rss, _INT),
+            ("cpu_percent", cpu, _NUMBER),
+            ("step", step, _INT_OR_NONE),
+            ("total_steps", total, _INT_OR_NONE),
+            ("connecting", connecting, _BOOL),
+            ("ready", ready, _BOOL),
+            ("done", done, _BOOL),
+            ("metrics", metrics, _DICT),
+            ("points", points, _LIST),
+            ("error", error, _DICT_OR_NONE),
+            ("user_frame", frame, _STR_OR_NONE),
+        ):
+            if type(value) not in allowed:
+                raise ValueError(f"heartbeat field {key!r} has the wrong type")
         try:
             return cls(
                 task=task,
@@ -188,5 +171,8 @@ def loads(body: bytes) -> Any:
         raise ValueError(f"not JSON: {exc}") from None
 
 
-_NUMBER = (int, float)
 _REQUIRED = ("task", "attempt", "seq", "sent_at", "pid")
+# exact types (a JSON true/false is a bool, which isinstance would take for an int)
+_STR, _INT, _BOOL, _DICT, _LIST = (str,), (int,), (bool,), (dict,), (list,)
+_NUMBER = (int, float)
+_INT_OR_NONE, _STR_OR_NONE, _DICT_OR_NONE = (int, type(None)), (str, type(None)), (dict, type(None))

@@ -46,6 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from worker.relay import read_response  # noqa: E402 - the same HTTP the relay reads
 
 TASKS_PER_HOST = 8
 DEFAULT_CASES = [
@@ -215,15 +216,7 @@ async def _sender(
         started = time.monotonic()
         try:
             writer.write(head + body)
-            status = await reader.readline()
-            length = 0
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b""):
-                    break
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            answer = await reader.readexactly(length) if length else b""
+            status, answer = await read_response(reader)
         except (OSError, asyncio.IncompleteReadError) as exc:
             stats.errors.append(f"request: {exc}")
             return
