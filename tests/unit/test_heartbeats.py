@@ -139,3 +139,58 @@ def test_user_frame_names_the_jobs_own_code_not_libraries(tmp_path):
         t.join()
     # the main thread is inside this package (user_frame itself): skipped; the stuck thread is named
     assert where == "stuck_job.py:4 in wait"
+
+
+def test_progress_updates_the_task_without_metrics_lines(server):
+    srv, store, points = server
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, "right-token", 0.05, 30))
+    rep.start()
+    for step in range(1, 51):
+        rep.progress(step, loss=1.0 / step)
+    rep.finish()
+    assert points == []  # no line in metrics.jsonl
+    health = store.snapshot()["worker-0"]
+    assert health.step == 50 and health.metrics["loss"] == pytest.approx(1 / 50) and health.done
+
+
+@pytest.mark.parametrize(
+    ("tf_config", "keeps"),
+    [
+        (None, True),  # a single process
+        ({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 0}}, True),
+        ({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 1}}, False),
+        ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "chief", "index": 0}}, True),
+        ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "worker", "index": 0}}, False),
+        ({"cluster": {"evaluator": ["e"]}, "task": {"type": "evaluator", "index": 0}}, True),
+        ("not json", True),
+    ],
+)
+def test_one_task_of_a_synchronous_cluster_keeps_the_per_step_record(tf_config, keeps):
+    from worker.reporter import keeps_points
+
+    env = (
+        {}
+        if tf_config is None
+        else {"TF_CONFIG": tf_config if isinstance(tf_config, str) else json.dumps(tf_config)}
+    )
+    assert keeps_points(env) is keeps
+
+
+def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
+    from orchestrator.logtail import LogTailer
+
+    lines: list[tuple[str, str]] = []
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("before the start\n")  # what was there already is not replayed
+    tailer = LogTailer({"a": a, "b": b}, lambda task, line: lines.append((task, line)), interval_s=0.02)
+    tailer.start()
+    with open(a, "a") as f:
+        f.write("one\ntw")
+    b.write_text("b appears\n")  # created after the tailer started
+    time.sleep(0.2)
+    with open(a, "a") as f:
+        f.write("o\n")
+    time.sleep(0.2)
+    tailer.stop()
+    assert [x for x in lines if x[0] == "a"] == [("a", "one"), ("a", "two")]
+    assert ("b", "b appears") in lines
