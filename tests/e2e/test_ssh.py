@@ -291,10 +291,12 @@ def test_remote_tasks_exit_by_themselves_when_the_coordinator_is_killed(ssh_job)
 def test_cut_off_host_is_detected_and_the_job_restarts(ssh_job, lab):
     if not isinstance(lab, NetnsLab):
         pytest.skip("cutting a host off needs network namespaces (root)")
-    # heartbeats go straight to the coordinator here (its address on the lab's bridge)
+    # heartbeats go straight to the coordinator here (its address on the lab's bridge); the host
+    # cut off runs two tasks, so they report through its relay, which the cut strands too
     job = ssh_job(
         MWMS,
         spec={
+            "hosts": [lab.host_spec(0), lab.host_spec(1, tasks={"worker": 2})],
             "job": {"script": "job/job.py", "env": {"NASTY": "", "STEPS": "60", "STEP_SLEEP_S": "0.1"}},
             "ssh": {"coordinator_address": lab.gateway},
         },
@@ -321,10 +323,11 @@ def test_cut_off_host_is_detected_and_the_job_restarts(ssh_job, lab):
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
     events = job.events()
     stopping = next(e for e in events if e.get("new") == "STOPPING")
-    assert stopping["reason"].startswith("worker-1 "), stopping  # the silent one, not its peer
-    # the coordinator said it could not confirm the cut-off task's exit, then reconnected
+    assert stopping["reason"].startswith(("worker-1 ", "worker-2 ")), stopping  # a silent one, not their peer
+    # the coordinator said it could not confirm the cut-off tasks' exit, then reconnected
     assert any("worker-1" in e.get("reason", "") and "not confirmed" in e["reason"] for e in events)
-    assert job.hosts_empty(), job.host_pids()
+    assert [t["last_step"] for t in status["tasks"]] == [60, 60, 60]
+    assert job.hosts_empty(), job.host_pids()  # the stranded relay and tasks ended by themselves
 
 
 def test_down_from_another_terminal_stops_an_ssh_run_and_is_idempotent(ssh_job):
