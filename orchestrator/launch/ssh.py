@@ -321,7 +321,9 @@ class SshLauncher(Launcher):
             self._suspect.discard(index)
             ctx = self._contexts[index]
             self._contexts[index] = HostContext(ctx.workdir, self._coordinator_url(index))
-            self._relays.pop(index, None)  # it went with the old connection
+            old = self._relays.pop(index, None)  # it went with the old connection
+            if old is not None:
+                old.close()
             return conn
 
     def _relay_url(self, index: int, token: str) -> str:
@@ -380,7 +382,7 @@ class SshLauncher(Launcher):
 
     def close(self) -> None:
         for relay in self._relays.values():
-            relay.channel.close()
+            relay.close()
         self._relays = {}
         close_all(self._conns)
         self._conns = {}
@@ -390,9 +392,30 @@ class _Relay:
     """One host's heartbeat relay (worker/relay.py), run over an SSH channel of its own: it ends
     when the channel does (the run is over, the coordinator died, the connection was lost)."""
 
-    def __init__(self, channel: paramiko.Channel, port: int):
+    def __init__(self, channel: paramiko.Channel, port: int, label: str):
         self.channel = channel
         self.url = f"http://127.0.0.1:{port}"
+        self.closing = False
+        threading.Thread(target=self._watch, args=(label,), daemon=True, name=f"relay-{label}").start()
+
+    def close(self) -> None:
+        self.closing = True
+        self.channel.close()
+
+    def _watch(self, label: str) -> None:
+        code = self.channel.recv_exit_status()  # -1 when the channel closed without one
+        if self.closing:
+            return
+        said = ""
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            if self.channel.recv_stderr_ready():
+                said = ": " + self.channel.recv_stderr(4096).decode(errors="replace").strip()
+        log.warning(
+            "%s: the heartbeat relay ended (exit %s)%s; a new one starts with the host's next task",
+            label,
+            code,
+            said,
+        )
 
     @property
     def alive(self) -> bool:
@@ -431,7 +454,7 @@ class _Relay:
             channel.close()
             said = said or line.decode(errors="replace").strip() or "no answer"
             raise LaunchError(f"{host.label}: the heartbeat relay did not start: {said}") from None
-        return cls(channel, port)
+        return cls(channel, port, host.label)
 
 
 def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:

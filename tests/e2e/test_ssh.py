@@ -183,6 +183,37 @@ def test_tasks_sharing_a_host_report_through_its_relay(ssh_job, lab):
     assert job.hosts_empty(), job.host_pids()  # the relay ended with the run
 
 
+def test_a_relay_killed_mid_run_is_noticed_and_replaced(ssh_job, lab):
+    relay_sha = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()
+    job = ssh_job(
+        MWMS,
+        spec={
+            "hosts": [lab.host_spec(0, tasks={"worker": 2}), lab.host_spec(1)],
+            "job": {"script": "job/job.py", "env": {"STEPS": "60", "STEP_SLEEP_S": "0.1", "NASTY": "-"}},
+        },
+    )
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 5, 120), job.status()
+        relays = [pid for pid in lab.pids(0) if relay_sha in cmdline(pid)]
+        assert len(relays) == 1, relays
+        os.kill(relays[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "heartbeat relay ended" in out  # said when it happened
+    status = job.status()
+    # its tasks went silent: lost, the job restarted with a new relay, and finished
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status
+    # the cause named is a task of the relay's host: silent, or gone by its own guard (its
+    # coordinator unreachable as long as the coordinator's timeout), whichever came first
+    stopping = next(e for e in job.events() if e.get("new") == "STOPPING")
+    assert stopping["reason"].startswith(("worker-0 ", "worker-1 ")), stopping
+    assert [t["last_step"] for t in status["tasks"]] == [60, 60, 60]
+    assert job.hosts_empty(), job.host_pids()
+
+
 def test_unknown_host_key_is_refused_and_nothing_starts(ssh_job):
     job = ssh_job(PLAIN)
     known = Path(job.lab.known_hosts)
