@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
@@ -70,17 +71,17 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         out.append(f"| P1 multi_process_runner | skipped | {p1['skipped']} |")
     p3 = results.get("P3", {})
     if "ratio_median" in p3:
-        on, off = sorted(p3["on_steps_per_s"]), sorted(p3["off_steps_per_s"])
+        on, off = median(p3["on_steps_per_s"]), median(p3["off_steps_per_s"])
         out.append(
             f"| P3 steps/s, heartbeats + per-step report on / off | ×{p3['ratio_median']:.3f} "
-            f"({on[len(on) // 2]:.0f} vs {off[len(off) // 2]:.0f} steps/s; median of pair ratios "
+            f"({on:.0f} vs {off:.0f} steps/s; median of pair ratios "
             f"×{p3.get('pair_ratio_median', float('nan')):.3f}) | goal ≥ ×0.98 |"
         )
     if "cpu_ratio_median" in p3:
-        on, off = sorted(p3["cpu_ms_per_step_on"]), sorted(p3["cpu_ms_per_step_off"])
+        on, off = median(p3["cpu_ms_per_step_on"]), median(p3["cpu_ms_per_step_off"])
         out.append(
             f"| P3 workers' CPU per step, on / off | ×{p3['cpu_ratio_median']:.3f} (median of pair "
-            f"ratios; {on[len(on) // 2]:.2f} vs {off[len(off) // 2]:.2f} ms); coordinator "
+            f"ratios; {on:.2f} vs {off:.2f} ms); coordinator "
             f"{100 * p3['coordinator_cpu_share_median']:.1f}% of a core over the run, start-up included "
             "| goal ≤ ×1.02 (= steps/s ≥ ×0.98) |"
         )

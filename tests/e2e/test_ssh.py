@@ -157,21 +157,29 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_tasks_sharing_a_host_report_through_its_relay(ssh_job, lab):
-    relay_sha = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()
-    job = ssh_job(
+RELAY_SHA = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()  # its name in the cache
+
+
+def two_tasks_on_host_0(ssh_job, lab, step_sleep_s: float) -> SshJob:
+    """MWMS on 3 workers: two on host 0 (so behind its relay), one on host 1 (posting directly)."""
+    env = {"STEPS": "60", "STEP_SLEEP_S": str(step_sleep_s), "NASTY": "-"}
+    return ssh_job(
         MWMS,
         spec={
             "hosts": [lab.host_spec(0, tasks={"worker": 2}), lab.host_spec(1)],
-            "job": {"script": "job/job.py", "env": {"STEPS": "60", "STEP_SLEEP_S": "0.05", "NASTY": "-"}},
+            "job": {"script": "job/job.py", "env": env},
         },
     )
+
+
+def test_tasks_sharing_a_host_report_through_its_relay(ssh_job, lab):
+    job = two_tasks_on_host_0(ssh_job, lab, step_sleep_s=0.05)
     proc = job.start()
     try:
         assert wait_until(lambda: job.steps() >= 5, 120), job.status()
         running = {i: " ".join(cmdline(pid) for pid in lab.pids(i)) for i in (0, 1)}
-        assert relay_sha in running[0], running  # host 0 (two tasks): a relay
-        assert relay_sha not in running[1], running  # host 1 (one task): none
+        assert RELAY_SHA in running[0], running  # host 0 (two tasks): a relay
+        assert RELAY_SHA not in running[1], running  # host 1 (one task): none
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -184,18 +192,11 @@ def test_tasks_sharing_a_host_report_through_its_relay(ssh_job, lab):
 
 
 def test_a_relay_killed_mid_run_is_noticed_and_replaced(ssh_job, lab):
-    relay_sha = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()
-    job = ssh_job(
-        MWMS,
-        spec={
-            "hosts": [lab.host_spec(0, tasks={"worker": 2}), lab.host_spec(1)],
-            "job": {"script": "job/job.py", "env": {"STEPS": "60", "STEP_SLEEP_S": "0.1", "NASTY": "-"}},
-        },
-    )
+    job = two_tasks_on_host_0(ssh_job, lab, step_sleep_s=0.1)
     proc = job.start()
     try:
         assert wait_until(lambda: job.steps() >= 5, 120), job.status()
-        relays = [pid for pid in lab.pids(0) if relay_sha in cmdline(pid)]
+        relays = [pid for pid in lab.pids(0) if RELAY_SHA in cmdline(pid)]
         assert len(relays) == 1, relays
         os.kill(relays[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=150)
