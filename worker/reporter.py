@@ -8,11 +8,11 @@ process group: no orphan keeps a GPU after its coordinator is gone.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -242,11 +242,32 @@ class Reporter:
 
     def _die(self, why: str) -> None:
         print(f"[orchestrate] {why}; this task exits now", file=sys.stderr, flush=True)
-        # The task leads its own process group (the launcher starts it in a new session): take the
-        # whole group, so helper processes the user's script started go too.
+        # The task leads its own process group (the launcher starts it in a new session): the
+        # helper processes the user's script started go first, then this one, with a code of its
+        # own, so the coordinator's summary says why rather than "killed by SIGKILL".
         if os.getpgrp() == os.getpid():
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        os._exit(75)
+            kill_group_but_me()
+        os._exit(wire.EXIT_NO_COORDINATOR)
+
+
+def kill_group_but_me(within_s: float = 2.0) -> None:
+    """SIGKILL every other process of this process's group (again while new ones appear)."""
+    me = os.getpid()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        others = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != me and os.getpgid(proc.pid) == me:
+                    others.append(proc)
+            except OSError:
+                continue
+        if not others:
+            return
+        for proc in others:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        time.sleep(0.01)
 
 
 _LIBRARY_PATHS = tuple(

@@ -50,6 +50,9 @@ POST_IN_HEADER = "X-Orchestrate-Post-In"
 STALE_ATTEMPT_STATUS = 410
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+#: A task's exit code when it stopped itself: its coordinator was unreachable for
+#: ORCHESTRATE_COORDINATOR_TIMEOUT_S, or answered that its attempt is over.
+EXIT_NO_COORDINATOR = 75
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from orchestrator.record import iso_time
 from orchestrator.spec.roles import RolePolicy
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState, TaskState
+from worker import wire
 
 
 @dataclass
@@ -77,4 +78,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"was killed by {name} (exit code {code})"
+    if code == wire.EXIT_NO_COORDINATOR:
+        return f"stopped itself, cut off from the coordinator (exit code {code}; its log says more)"
     return f"exited with code {code}"

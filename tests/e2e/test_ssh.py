@@ -207,10 +207,11 @@ def test_a_relay_killed_mid_run_is_noticed_and_replaced(ssh_job, lab):
     status = job.status()
     # its tasks went silent: lost, the job restarted with a new relay, and finished
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status
-    # the cause named is a task of the relay's host: silent, or gone by its own guard (its
+    # the cause named is a task of the relay's host: silent, or stopped by its own guard (its
     # coordinator unreachable as long as the coordinator's timeout), whichever came first
     stopping = next(e for e in job.events() if e.get("new") == "STOPPING")
     assert stopping["reason"].startswith(("worker-0 ", "worker-1 ")), stopping
+    assert "no heartbeat" in stopping["reason"] or "cut off from the coordinator" in stopping["reason"]
     assert [t["last_step"] for t in status["tasks"]] == [60, 60, 60]
     assert job.hosts_empty(), job.host_pids()
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +198,41 @@ def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
     tailer.stop()
     assert [x for x in lines if x[0] == "a"] == [("a", "one"), ("a", "two")]
     assert ("b", "b appears") in lines
+
+
+def test_a_task_cut_off_from_its_coordinator_takes_its_helpers_and_says_why(tmp_path):
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from worker.reporter import Reporter, ReporterConfig\n"
+        "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(helper.pid, flush=True)\n"
+        "Reporter(ReporterConfig('worker-0', 0, 'http://127.0.0.1:1', 't', 0.05, 0.5)).start()\n"
+        "time.sleep(60)\n"
+    )
+    task = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # as the launchers start a task: leader of its own group
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    helper = int(task.stdout.readline())
+    assert task.wait(timeout=10) == wire.EXIT_NO_COORDINATOR  # not "killed by SIGKILL"
+    assert "no coordinator reachable" in task.stderr.read()
+    assert wait_gone(helper, 5)
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False

@@ -519,3 +519,12 @@ def test_an_evaluator_waiting_for_checkpoints_is_not_stalled(tmp_path: Path) -> 
             beat(store, name, step=20 if name == "evaluator-0" else None)
         sup.step()
     assert sup.state is ClusterState.RUNNING and sup.tasks["evaluator-0"].state is TaskState.RUNNING
+
+
+def test_exit_codes_are_described_for_people():
+    from orchestrator.supervise.records import describe_exit
+    from worker import wire
+
+    assert describe_exit(-9) == "was killed by SIGKILL (exit code -9)"
+    assert describe_exit(3) == "exited with code 3"
+    assert "cut off from the coordinator" in describe_exit(wire.EXIT_NO_COORDINATOR)
