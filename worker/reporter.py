@@ -258,9 +258,10 @@ def kill_group_but_me(within_s: float = 2.0) -> None:
         others = []
         for proc in psutil.process_iter():
             try:
-                if proc.pid != me and os.getpgid(proc.pid) == me:
+                # a zombie (a killed child of ours, not yet reaped) is gone already
+                if proc.pid != me and os.getpgid(proc.pid) == me and proc.status() != psutil.STATUS_ZOMBIE:
                     others.append(proc)
-            except OSError:
+            except (OSError, psutil.Error):
                 continue
         if not others:
             return
