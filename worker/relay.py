@@ -1,6 +1,7 @@
 """The per-host heartbeat relay (ssh backend), and the small HTTP/1.1 both it and the coordinator speak.
 
-Every task on a host posts its heartbeats to the relay on that host's loopback; the relay forwards
+On a host with several tasks, each posts its heartbeats to the relay on the host's loopback (a
+host with one task posts directly: nothing to batch); the relay forwards
 them to the coordinator together (`POST /v1/heartbeats`, a JSON list), so the coordinator handles
 about one request per host and interval instead of one per task (P6: waking up for a request, not
 handling the heartbeat, is most of the cost at 1,000 tasks). Its answers tell each task when to post
