@@ -25,7 +25,7 @@ class LogTailer:
         # A poll reads every file: with many tasks, less often (console lines stay in order per task).
         self._interval_s = max(interval_s, len(files) / 1000)
         self._open: dict[str, BinaryIO] = {}  # kept open: one read per file and poll, no open/close
-        self._offsets = {
+        self._start_at = {  # where each file's reading starts (what was there before is not replayed)
             n: (0 if from_start or not p.exists() else p.stat().st_size) for n, p in files.items()
         }
         self._partial = {name: b"" for name in files}
@@ -71,11 +71,10 @@ class LogTailer:
                     f = self._open[name] = open(path, "rb")  # noqa: SIM115 - closed by stop()
                 except FileNotFoundError:
                     continue
-                f.seek(self._offsets[name])
+                f.seek(self._start_at[name])  # then the open file's position is ours
             data = f.read()
             if not data:
                 continue
-            self._offsets[name] += len(data)
             *lines, self._partial[name] = (self._partial[name] + data).split(b"\n")
             for line in lines:
                 self._sink(name, line.decode(errors="replace").rstrip("\r"))

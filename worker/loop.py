@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from worker import wire
+from worker.reporter import is_chief
 from worker.runtime import reporter
 
 PREEMPTED_EXIT_CODE = 42  # TF's convention after a preemption save; the coordinator restarts on it
@@ -97,7 +98,8 @@ class _Trainer:
         resolver = self.strategy.cluster_resolver
         task_type = getattr(resolver, "task_type", None)
         task_id = getattr(resolver, "task_id", 0) or 0
-        self.is_chief = _is_chief(task_type, task_id, resolver)
+        has_chief = resolver is not None and "chief" in resolver.cluster_spec().as_dict()
+        self.is_chief = is_chief(task_type, task_id, has_chief)
         self.write_dir = checkpoint_write_dir(config.checkpoint_dir, self.is_chief, task_type, task_id)
         with self.strategy.scope():
             self.model = user.build_model()
@@ -267,13 +269,6 @@ def _make_strategy(tf: Any, name: str, cpu_replicas: int | None = None) -> Any:
             return tf.distribute.MirroredStrategy(devices=devices)
         return tf.distribute.MirroredStrategy()  # every GPU of this host (or its CPU)
     raise LoopError(f"the built-in loop does not support strategy {name!r}")
-
-
-def _is_chief(task_type: str | None, task_id: int, resolver: Any) -> bool:
-    if task_type in (None, "chief"):
-        return True
-    has_chief = resolver is not None and "chief" in resolver.cluster_spec().as_dict()
-    return task_type == "worker" and task_id == 0 and not has_chief
 
 
 def checkpoint_write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task_id: int) -> Path:

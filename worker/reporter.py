@@ -294,16 +294,25 @@ def user_frame() -> str | None:
     return None
 
 
+def is_chief(task_type: str | None, task_id: int, has_chief: bool) -> bool:
+    """The task that speaks for a synchronous cluster (writes its checkpoints and its per-step
+    record): the chief, or worker 0 when the cluster has none; a process outside any cluster
+    speaks for itself."""
+    if task_type in (None, "chief"):
+        return True
+    return task_type == "worker" and task_id == 0 and not has_chief
+
+
 def keeps_points(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this task's training steps go to metrics.jsonl: the chief's (worker 0's when the
-    cluster has no chief), or a task outside any cluster. Under a synchronous strategy every worker
-    holds the same reduced loss, so the others' lines would only repeat it, N times over (and cost
-    the coordinator most of its time with many tasks, P6); they report their progress alone."""
+    """Whether this task's training steps go to metrics.jsonl: the chief's (`is_chief`), or a task
+    outside the training cluster. Under a synchronous strategy every worker holds the same reduced
+    loss, so the others' lines would only repeat it, N times over (and cost the coordinator most of
+    its time with many tasks, P6); they report their progress alone."""
     try:
         config = json.loads(env.get("TF_CONFIG") or "{}")
         task, cluster = config.get("task") or {}, config.get("cluster") or {}
         if task.get("type") == "worker":
-            return "chief" not in cluster and int(task.get("index", 0)) == 0
+            return is_chief("worker", int(task.get("index", 0)), "chief" in cluster)
     except (ValueError, TypeError, AttributeError):
         pass
     return True

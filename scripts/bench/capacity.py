@@ -92,8 +92,6 @@ def serve_path(n: int, folder: Path) -> None:
 
 def serve_whole(n: int, folder: Path) -> None:
     """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
-    import threading
-
     from orchestrator import coordinator
     from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
     from orchestrator.spec.load import parse_spec

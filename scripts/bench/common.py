@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -79,6 +80,13 @@ def value(text: str, key: str) -> float:
         if f"{key}=" in line:
             return float(line.rsplit(f"{key}=", 1)[1].split()[0])
     raise ValueError(f"no {key}= in output:\n{text[-2000:]}")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + kernel) of the child processes this one has waited for: an
+    `orchestrate up` and, on the local backend, the tasks it reaped."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def values(text: str, key: str) -> list[float]:

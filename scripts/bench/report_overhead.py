@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 
-from common import BENCH, REPO, bare_launch, median, orchestrate_up, tmpdir, value, values, write_spec
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+from common import (
+    BENCH,
+    REPO,
+    bare_launch,
+    children_cpu_s,
+    median,
+    orchestrate_up,
+    tmpdir,
+    value,
+    values,
+    write_spec,
+)
 
 
 def api_cost(calls: int = 20000, heartbeats: int = 300) -> dict[str, float]:

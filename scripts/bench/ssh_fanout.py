@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import secrets
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import iso_to_s  # noqa: E402
+from scripts.bench.common import children_cpu_s, iso_to_s  # noqa: E402
 from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
 
 TRIVIAL = "import worker\nworker.report(step=1)\n"
@@ -76,11 +75,6 @@ def busy_cpu_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def coordinator_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # `orchestrate up`: no local children
-    return usage.ru_utime + usage.ru_stime
-
-
 def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float, float]:
     """(launch time, total wall, machine CPU seconds until the last task started, the
     coordinator's own CPU seconds for the whole run) of one `orchestrate up` on hosts 0..k-1."""
@@ -96,7 +90,7 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float,
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
-    coordinator_before = coordinator_cpu_s()
+    coordinator_before = children_cpu_s()  # the ssh backend's coordinator has no local children
     t0 = time.time()
     sampler.start()
     res = subprocess.run(
@@ -106,7 +100,7 @@ def launch_time(lab: NetnsLab, root: Path, k: int) -> tuple[float, float, float,
         timeout=120,
     )
     total = time.time() - t0
-    coordinator = coordinator_cpu_s() - coordinator_before
+    coordinator = children_cpu_s() - coordinator_before
     sampling.set()
     sampler.join()
     if res.returncode != 0:
