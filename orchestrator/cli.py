@@ -132,7 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             spec,
             ports=reservation.ports,
             run=RunContext(
-                run_id=f"{spec.name}-<time>",
+                run_id=f"{spec.name}-<time>-<random>",
                 run_dir=Path("runs") / f"{spec.name}-<time>",
                 spec_dir=args.spec.resolve().parent,
                 coordinator_url="http://127.0.0.1:<chosen at launch>",
@@ -236,6 +236,8 @@ def _summarize(outcome: UpResult) -> int:
     r = outcome.result
     print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
     print(f"  attempts {r.attempt + 1}, restarts {r.restarts}; run record: {outcome.run_dir}")
+    for line in outcome.brought_home:
+        print(f"  brought home: {line}")
     for f in r.task_restarts:
         print(f"  restarted alone: {f.describe()}")
     for f in r.ignored:

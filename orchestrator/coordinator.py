@@ -30,7 +30,7 @@ from orchestrator.launch.local import LocalLauncher
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, RunContext, make_plan
 from orchestrator.ports import reserve_ports
-from orchestrator.record import RunRecord, new_run_dir, now_iso, write_json_atomic
+from orchestrator.record import RunRecord, new_run_dir, new_run_id, now_iso, write_json_atomic
 from orchestrator.spec.model import Backend, ClusterSpec
 from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import RunResult, Supervisor, SupervisorConfig
@@ -44,14 +44,15 @@ class UpResult:
     run_dir: Path
     result: RunResult
     plan: LaunchPlan
+    brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir (ssh backend)
 
 
-def make_launcher(spec: ClusterSpec, run_id: str) -> Launcher:
+def make_launcher(spec: ClusterSpec, run_id: str, run_dir: Path) -> Launcher:
     if spec.backend is Backend.LOCAL:
         return LocalLauncher()
     from orchestrator.launch.ssh import SshLauncher  # paramiko loads only when needed
 
-    return SshLauncher(spec, run_id)
+    return SshLauncher(spec, run_id, run_dir)
 
 
 def heartbeat_bind(spec: ClusterSpec) -> tuple[str, int, bool]:
@@ -83,12 +84,13 @@ def up(
     """Run the job to its end. `launcher`: the spec's backend unless given (the capacity benchmark
     gives one whose tasks are simulated)."""
     _raise_open_files_limit()
-    first_attempt, restarts = 0, 0
+    first_attempt, restarts, run_id = 0, 0, new_run_id(spec.name)
     if resume:
         assert run_dir is not None
-        first_attempt, restarts = _resume_point(run_dir, spec)
+        # the same run goes on: its id names its folders on the hosts (and their checkpoints)
+        first_attempt, restarts, run_id = _resume_point(run_dir, spec)
     run_dir = run_dir or new_run_dir(spec.name)
-    launcher = launcher or make_launcher(spec, run_dir.name)
+    launcher = launcher or make_launcher(spec, run_id, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = RunRecord(run_dir)
     if resume:
@@ -119,7 +121,7 @@ def up(
         if hosts_record is not None:
             write_json_atomic(run_dir / "hosts.json", hosts_record)
         context = RunContext(
-            run_id=run_dir.name,
+            run_id=run_id,
             run_dir=run_dir.resolve(),
             spec_dir=spec_path.resolve().parent,
             coordinator_url=server.url,
@@ -146,6 +148,7 @@ def up(
         me = psutil.Process()
         record.write_coordinator(
             {
+                "run_id": run_id,
                 "pid": me.pid,
                 "create_time": me.create_time(),
                 "started_at": now_iso(),
@@ -186,7 +189,10 @@ def up(
         )
         with _stop_on_signals(supervisor):
             result = supervisor.run()
-        return UpResult(run_dir, result, plan)
+        home = launcher.bring_home(supervisor.plan)
+        for line in home:
+            record.event(kind="results", reason=line)
+        return UpResult(run_dir, result, supervisor.plan, tuple(home))
     finally:
         if supervisor is not None and not supervisor.state.is_terminal:
             # Only a bug of ours gets here: still, leave nothing running.
@@ -212,8 +218,8 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int]:
-    """The attempt number and restart count a resumed run continues with."""
+def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int, str]:
+    """The attempt number, restart count and run id a resumed run continues with."""
     try:
         status = rundir.read_status(run_dir)
     except RunDirError as exc:
@@ -225,7 +231,10 @@ def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int]:
         )
     if not ClusterState(status.get("state", "PENDING")).is_terminal and rundir.coordinator_alive(run_dir):
         raise UsageError(f"--resume {run_dir}: that run is still going (state {status.get('state')})")
-    return int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))
+    run_id = status.get("run_id")
+    if not isinstance(run_id, str) or not run_id:
+        raise UsageError(f"--resume {run_dir}: its status.json records no run_id")
+    return int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0)), run_id
 
 
 class _stop_on_signals:

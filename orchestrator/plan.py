@@ -79,6 +79,20 @@ class TaskPlan:
 
 
 @dataclass(frozen=True)
+class StatePlan:
+    """Where a run's checkpoints live, and who must see them (DESIGN §4, ORCHESTRATE_CHECKPOINT_DIR).
+
+    Each task's folder is its env's ORCHESTRATE_CHECKPOINT_DIR, on its own host. Unless the spec
+    declares a shared folder, the owner's folder is the truth: before an attempt restores, its
+    latest state is copied to the readers' hosts that lack it (ssh backend; the local backend's
+    tasks share one folder)."""
+
+    shared: bool  # the spec's folder, which every host sees (nothing is copied)
+    owner: str  # the task whose checkpoints are the truth: the chief, or worker-0
+    readers: tuple[str, ...]  # tasks that restore from (or score) them, the owner included
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     name: str
     run_id: str
@@ -87,6 +101,7 @@ class LaunchPlan:
     cluster: Mapping[str, list[str]]
     tasks: tuple[TaskPlan, ...] = field(default_factory=tuple)
     policy: Mapping[Role, RolePolicy] = field(default_factory=dict)
+    state: StatePlan | None = None
 
     def task(self, name: str) -> TaskPlan:
         for t in self.tasks:
@@ -102,6 +117,8 @@ class LaunchPlan:
         out["strategy"] = self.strategy.value
         out["backend"] = self.backend.value
         out["tasks"] = list(out["tasks"])  # asdict keeps the tuple; the JSON form has lists only
+        if out["state"] is not None:
+            out["state"]["readers"] = list(out["state"]["readers"])
         out["policy"] = {
             role.value: {"decides": p.decides, "on_failure": p.on_failure.value, "at_end": p.at_end.value}
             for role, p in self.policy.items()
@@ -155,6 +172,7 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             run_folder, coordinator_url = remote_run_folder(ctx, run.run_id), ctx.coordinator_url
             cwd, python = posixpath.join(run_folder, "code"), tuple(shlex.split(host.python))
         tf_config = {"cluster": cluster, "task": {"type": slot.role.value, "index": slot.index}}
+        checkpoint_dir = str(spec.shared_checkpoint_dir or posixpath.join(run_folder, "checkpoints"))
         env = {
             **spec.job.env,
             **host.env,
@@ -164,6 +182,7 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             wire.ENV_TASK: slot.name,
             wire.ENV_COORDINATOR: coordinator_url,
             wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
+            wire.ENV_CHECKPOINT_DIR: checkpoint_dir,
             # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
             wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
             # TensorFlow's own peer watch follows the same knobs, so the survivors fail fast too.
@@ -187,7 +206,9 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
                 host=host_address(spec, host),
                 address=addresses[slot.name],
                 port=ports[slot.name],
-                argv=_argv(spec, slot.role, python=python, run_folder=run_folder, local=local),
+                argv=_argv(
+                    spec, slot.role, python=python, run_folder=run_folder, local=local, ckpt=checkpoint_dir
+                ),
                 env=env,
                 cwd=cwd,
                 in_cluster=slot.role in _CLUSTER_ROLES,
@@ -195,8 +216,28 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             )
         )
     return LaunchPlan(
-        spec.name, run.run_id, spec.strategy, spec.backend, cluster, tuple(tasks), role_policies(spec)
+        spec.name,
+        run.run_id,
+        spec.strategy,
+        spec.backend,
+        cluster,
+        tuple(tasks),
+        role_policies(spec),
+        state_plan(spec, slots),
     )
+
+
+def state_plan(spec: ClusterSpec, slots: list[TaskSlot]) -> StatePlan:
+    """The chief's checkpoints (worker-0's without a chief) are the truth. Readers: every training
+    task of a synchronous strategy (each restores the same state), the chief alone under
+    parameter_server (ps and workers hold no state of their own), and the evaluator."""
+    names = [s.name for s in slots]
+    owner = "chief-0" if "chief-0" in names else "worker-0"
+    if spec.strategy is Strategy.PARAMETER_SERVER:
+        readers = [s.name for s in slots if s.role in (Role.CHIEF, Role.EVALUATOR)]
+    else:
+        readers = [s.name for s in slots if s.role is not Role.PS]
+    return StatePlan(shared=spec.shared_checkpoint_dir is not None, owner=owner, readers=tuple(readers))
 
 
 def default_host_context(spec: ClusterSpec, index: int) -> HostContext:
@@ -225,7 +266,7 @@ def _job_path(spec: ClusterSpec, path: Path, *, run_folder: str, local: bool) ->
 
 
 def _argv(
-    spec: ClusterSpec, role: Role, *, python: tuple[str, ...], run_folder: str, local: bool
+    spec: ClusterSpec, role: Role, *, python: tuple[str, ...], run_folder: str, local: bool, ckpt: str
 ) -> tuple[str, ...]:
     """Mode 1: every task runs the script. Mode 2: the training tasks run the loop; the evaluator
     scores its checkpoints; parameter_server's ps and worker tasks serve the chief."""
@@ -235,7 +276,7 @@ def _argv(
         return (*python, "-m", "worker", "run", "--script", script, "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    checkpoint_dir = str(train.checkpoint_dir or posixpath.join(run_folder, "checkpoints"))
+    checkpoint_dir = ckpt
     module = _job_path(spec, job.loop, run_folder=run_folder, local=local)
     if role is Role.EVALUATOR:
         return (*python, "-m", "worker", "evaluate", "--module", module, "--checkpoint-dir", checkpoint_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ def iso_time(t: float) -> str:
         prefix = dt.datetime.fromtimestamp(second, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
         _second_cache = (second, prefix)
     return f"{prefix}.{min(999, int((t - second) * 1000)):03d}Z"
+
+
+def new_run_id(name: str) -> str:
+    """A run's identity on every host: `<name>-<time>-<random>`, never a folder's name. Processes
+    and remote folders are matched by it, so two runs (two test suites side by side, two users
+    with the same run folder name) can never be taken for each other."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(4)}"
 
 
 def new_run_dir(name: str, base: Path = RUNS_DIR) -> Path:

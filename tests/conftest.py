@@ -46,7 +46,16 @@ class CliRun:
 
     @property
     def run_id(self) -> str:
-        return self.run_dir.name
+        """The run's id as its record says (never the folder's name); until the coordinator has
+        written one, a value that matches no process."""
+        for name in ("plan.json", "coordinator.json", "status.json"):
+            try:
+                run_id = json.loads((self.run_dir / name).read_text()).get("run_id")
+            except (OSError, ValueError):
+                continue
+            if run_id:
+                return str(run_id)
+        return "<no run id recorded yet>"
 
     def command(self) -> list[str]:
         return [

@@ -16,6 +16,7 @@ all workers agree on a step, save there, and exit with code 42.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -55,6 +56,30 @@ class LoopConfig:
 
 class LoopError(Exception):
     """A problem with the user's loop module or the loop's configuration (not retried)."""
+
+
+class RestoreMismatch(LoopError):
+    """The workers of one attempt restored different states."""
+
+
+def build_optimizer(optimizer: Any, model: Any) -> None:
+    """Create the optimizer's variables for the model's (Keras 3 and tf-keras optimizers build
+    lazily, on their first step). An optimizer that cannot is left to build itself."""
+    build = getattr(optimizer, "build", None)
+    if callable(build) and model.trainable_variables and not getattr(optimizer, "built", False):
+        build(model.trainable_variables)
+
+
+def state_fingerprint(model: Any, optimizer: Any, counters: tuple[Any, ...]) -> str:
+    """SHA-256 of every checkpointed variable's bytes, in a fixed order: equal on two workers
+    exactly when they hold the same model, optimizer state and position."""
+    digest = hashlib.sha256()
+    variables = [*model.variables, *getattr(optimizer, "variables", []), *counters]
+    for v in variables:
+        value = v.numpy()
+        digest.update(f"{value.dtype}{value.shape}".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()[:16]
 
 
 def load_module(path: Path) -> ModuleType:
@@ -116,10 +141,25 @@ class _Trainer:
             step_in_epoch=self.step_in_epoch,
         )
         self.manager = tf.train.CheckpointManager(checkpoint, str(self.write_dir), max_to_keep=3)
+        # Built now, so that a restore fills the optimizer's state at once (not on its first
+        # step) and the fingerprint below covers it.
+        with self.strategy.scope():
+            build_optimizer(self.optimizer, self.model)
         latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
         if latest:
             checkpoint.restore(latest)
             print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
+        self.restored = wire.Restored(
+            step=int(self.step.numpy()),
+            fingerprint=state_fingerprint(
+                self.model, self.optimizer, (self.step, self.epoch, self.step_in_epoch)
+            ),
+            source=latest,
+            epoch=int(self.epoch.numpy()),
+            step_in_epoch=int(self.step_in_epoch.numpy()),
+        )
+        reporter().mark_restored(self.restored)
+        self._check_same_start(task_type, task_id)
         self.preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
             resolver,
             self.manager,
@@ -138,6 +178,43 @@ class _Trainer:
             tf.summary.create_file_writer(str(config.run_dir / "tensorboard"))
             if self.is_chief and config.run_dir is not None
             else None
+        )
+
+    def _check_same_start(self, task_type: str | None, task_id: int) -> None:
+        """Every worker of a synchronous job must start from the same state (the chief's): one that
+        restored something else (its disk lacked the checkpoint) would average its gradients with
+        the others' — a different model, trained on silently. Compared over the strategy's own
+        collectives before the first step; any difference stops every worker."""
+        tf, mine = self.tf, self.restored
+        if self.config.strategy != "multi_worker_mirrored":
+            return  # one worker: its replicas share its variables
+        cluster = self.strategy.cluster_resolver.cluster_spec().as_dict()
+        if len(cluster.get("chief", [])) + len(cluster.get("worker", [])) < 2:
+            return
+        row = [
+            0 if task_type == "chief" else 1,
+            task_id,
+            mine.step,
+            mine.epoch,
+            mine.step_in_epoch,
+            int(mine.fingerprint[:15], 16),
+        ]
+        rows = (
+            self.strategy.gather(self.strategy.run(lambda: tf.constant([row], dtype=tf.int64)), axis=0)
+            .numpy()
+            .tolist()
+        )
+        starts = {tuple(r[2:]) for r in rows}
+        if len(starts) == 1:
+            return
+        seen = {}
+        for r in rows:
+            name = f"{'chief' if r[0] == 0 else 'worker'}-{r[1]}"
+            seen[name] = f"step {r[2]} (epoch {r[3]}, batch {r[4]}), state {r[5]:015x}"
+        table = "; ".join(f"{k}: {v}" for k, v in sorted(seen.items()))
+        raise RestoreMismatch(
+            "the workers restored different states, so they would train different models: "
+            f"{table}. Their checkpoint folders differ (hosts that share no disk); not training on."
         )
 
     def _train_step(self, batch: Any) -> Any:

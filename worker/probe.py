@@ -10,11 +10,23 @@ be installed there first). Standard library only; each mode prints one JSON obje
 - listen PORT…            bind each port, print which bound, then accept and drop connections
                           until stdin closes (peers test that they can reach this host).
 - connect TIMEOUT ADDR…   try a TCP connection to each host:port.
+- tree FOLDER             every file under a state folder (checkpoints, results) with its size
+                          and SHA-256, and the free disk there. Hidden names and other tasks'
+                          scratch folders (`workertemp_*`) are left out; symlinks are never followed.
+- commit FOLDER STAGING   move the files received in STAGING into FOLDER (data first, index files
+                          such as TF's `checkpoint` last, so a reader never sees an index naming
+                          files not there yet), then remove what is not in the list on stdin (JSON).
+- shared WRITE|READ FOLDER NONCE   prove a folder is shared: write a nonce file, or read it back.
+
+The coordinator runs the same modes on its own machine (as a subprocess), so a state folder is
+read and written one way everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -166,12 +178,109 @@ def connect(timeout_s: str, *targets: str) -> dict[str, str | None]:
     return results
 
 
+STAGING_PREFIX = ".incoming-"
+
+
+def _skipped(name: str) -> bool:
+    # hidden: our loop's non-chief save folders (.worker-1), staging; workertemp_N: tf-keras'
+    return name.startswith(".") or name.startswith("workertemp_")
+
+
+def _walk(folder: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # never follows a symlinked folder
+        dirnames[:] = sorted(d for d in dirnames if not _skipped(d))
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if _skipped(name) or os.path.islink(path) or not os.path.isfile(path):
+                continue
+            out.append(os.path.relpath(path, folder))
+    return out
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree(folder: str) -> dict[str, Any]:
+    folder = os.path.abspath(os.path.expanduser(folder))
+    out: dict[str, Any] = {"folder": folder, "exists": os.path.isdir(folder), "files": {}}
+    if out["exists"]:
+        for name in os.listdir(folder):  # what an interrupted transfer left: never half-used
+            if name.startswith(STAGING_PREFIX):
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        for rel in _walk(folder):
+            path = os.path.join(folder, rel)
+            try:
+                out["files"][rel] = [os.path.getsize(path), sha256_file(path)]
+            except OSError:
+                continue  # removed meanwhile
+    probe = folder
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    out["free_bytes"] = shutil.disk_usage(probe).free
+    return out
+
+
+def _is_index(rel: str) -> bool:
+    return os.path.basename(rel) == "checkpoint" or rel.endswith(".json")
+
+
+def commit(folder: str, staging: str) -> dict[str, Any]:
+    keep = set(json.loads(sys.stdin.read() or "[]"))
+    received = sorted(_walk(staging), key=lambda rel: (_is_index(rel), rel))
+    for rel in received:
+        target = os.path.join(folder, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(staging, rel), target)
+    removed = 0
+    for rel in _walk(folder):  # after the index moved on: what it named before may go now
+        if rel not in keep:
+            os.remove(os.path.join(folder, rel))
+            removed += 1
+    for dirpath, _, _ in sorted(os.walk(folder), key=lambda x: -len(x[0])):
+        if dirpath != folder and not _skipped(os.path.basename(dirpath)):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)  # only when empty
+    shutil.rmtree(staging, ignore_errors=True)
+    return {"moved": len(received), "removed": removed}
+
+
+def shared(action: str, folder: str, nonce: str) -> dict[str, Any]:
+    path = os.path.join(os.path.abspath(os.path.expanduser(folder)), f".orchestrate-shared-{nonce}")
+    try:
+        if action == "write":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "x") as f:
+                f.write(nonce)
+            return {"ok": True, "error": None}
+        if action == "read":
+            with open(path) as f:
+                return {"ok": f.read() == nonce, "error": None}
+        os.remove(path)
+        return {"ok": True, "error": None}
+    except OSError as exc:
+        if action == "read" and isinstance(exc, FileNotFoundError):
+            return {"ok": False, "error": None}
+        return {"ok": False, "error": exc.strerror or str(exc)}
+
+
 def main(argv: list[str]) -> int:
     mode, args = argv[0], argv[1:]
     if mode == "listen":
         listen(*args)
         return 0
-    handlers: dict[str, Any] = {"facts": facts, "connect": connect}
+    handlers: dict[str, Any] = {
+        "facts": facts,
+        "connect": connect,
+        "tree": tree,
+        "commit": commit,
+        "shared": shared,
+    }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0
 

@@ -68,7 +68,9 @@ class Reporter:
         self._error: wire.TaskError | None = None
         self._seq = 0
         self._posted = 0  # heartbeats the coordinator accepted
-        self._phase_sent: tuple[bool, bool, bool, bool] | None = None  # (connecting, ready, done, error)
+        self._restored: wire.Restored | None = None
+        # (connecting, ready, done, error, restored): a change is sent at once
+        self._phase_sent: tuple[bool, ...] | None = None
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # first call primes the counter
         self._conn: http.client.HTTPConnection | None = None
@@ -111,6 +113,19 @@ class Reporter:
             if self._connecting:
                 return
             self._connecting = True
+            sent_before = self._posted
+        self._wake.set()
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while self._posted == sent_before and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def mark_restored(self, restored: wire.Restored, wait_s: float = 2.0) -> None:
+        """Where this attempt starts (the built-in loop, after its restore). Sent at once, and
+        waited for (briefly): the coordinator compares the tasks' starting points."""
+        with self._lock:
+            self._restored = restored
             sent_before = self._posted
         self._wake.set()
         if self._thread is None:
@@ -177,7 +192,7 @@ class Reporter:
             self._wake.wait(wait_s)
             self._wake.clear()
 
-    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[bool, bool, bool, bool]]:
+    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[bool, ...]]:
         assert self._config is not None
         # Syscalls and the stack walk happen outside the lock that report() takes on every step.
         try:
@@ -206,8 +221,10 @@ class Reporter:
                 done=self._done,
                 error=self._error,
                 user_frame=where,
+                restored=self._restored,
             )
-        return hb.to_bytes(), points, (hb.connecting, hb.ready, hb.done, hb.error is not None)
+        phase = (hb.connecting, hb.ready, hb.done, hb.error is not None, hb.restored is not None)
+        return hb.to_bytes(), points, phase
 
     def _requeue(self, points: list[dict[str, Any]]) -> None:
         if points:

@@ -17,6 +17,10 @@ ENV_ATTEMPT = "ORCHESTRATE_ATTEMPT"
 ENV_COORDINATOR = "ORCHESTRATE_COORDINATOR"
 ENV_TOKEN = "ORCHESTRATE_TOKEN"
 ENV_HEARTBEAT_INTERVAL_S = "ORCHESTRATE_HEARTBEAT_INTERVAL_S"
+#: A folder on the task's own host that the orchestrator keeps consistent across hosts and
+#: attempts (the chief's latest state is copied to the other hosts before a restart): mode-1
+#: checkpoints (BackupAndRestore, CheckpointManager) go there; the built-in loop uses it too.
+ENV_CHECKPOINT_DIR = "ORCHESTRATE_CHECKPOINT_DIR"
 ENV_COORDINATOR_TIMEOUT_S = "ORCHESTRATE_COORDINATOR_TIMEOUT_S"
 #: TensorFlow's own coordination service: peer heartbeat and cluster registration timeouts.
 ENV_TF_HEARTBEAT_TIMEOUT_S = "ORCHESTRATE_TF_HEARTBEAT_TIMEOUT_S"
@@ -32,6 +36,7 @@ RESERVED_ENV = (
     ENV_COORDINATOR,
     ENV_TOKEN,
     ENV_HEARTBEAT_INTERVAL_S,
+    ENV_CHECKPOINT_DIR,
     ENV_COORDINATOR_TIMEOUT_S,
     ENV_TF_HEARTBEAT_TIMEOUT_S,
     ENV_TF_REGISTER_TIMEOUT_S,
@@ -65,6 +70,19 @@ class TaskError:
 
 
 @dataclass(frozen=True)
+class Restored:
+    """Where a training task starts an attempt from: the position it restored (0 and no source
+    when it found no checkpoint) and a fingerprint of its state (SHA-256 of every checkpointed
+    variable, in order). Tasks of one synchronous job must agree, or they train different models."""
+
+    step: int
+    fingerprint: str
+    source: str | None = None  # the checkpoint restored (a path on the task's host)
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """One report from a task: liveness, resources, progress since the last one, and its phase.
 
@@ -92,6 +110,7 @@ class Heartbeat:
     done: bool = False
     error: TaskError | None = None
     user_frame: str | None = None  # where a thread is executing the job's own code ("train.py:23 in wait")
+    restored: Restored | None = None  # the built-in loop's starting point, once restored
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -115,11 +134,12 @@ class Heartbeat:
         task, attempt, seq, sent_at, pid = raw["task"], raw["attempt"], raw["seq"], raw["sent_at"], raw["pid"]
         rss, cpu, step, total = get("rss_bytes", 0), get("cpu_percent", 0.0), get("step"), get("total_steps")
         connecting, ready, done = get("connecting", False), get("ready", False), get("done", False)
-        metrics, points, error, frame = (
+        metrics, points, error, frame, restored = (
             get("metrics") or {},
             get("points") or [],
             get("error"),
             get("user_frame"),
+            get("restored"),
         )
         for key, value, allowed in (
             ("task", task, _STR),
@@ -138,6 +158,7 @@ class Heartbeat:
             ("points", points, _LIST),
             ("error", error, _DICT_OR_NONE),
             ("user_frame", frame, _STR_OR_NONE),
+            ("restored", restored, _DICT_OR_NONE),
         ):
             if type(value) not in allowed:
                 raise ValueError(f"heartbeat field {key!r} has the wrong type")
@@ -161,9 +182,20 @@ class Heartbeat:
                 error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
                 if error
                 else None,
+                restored=_restored(restored) if restored is not None else None,
             )
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from None
+
+
+def _restored(raw: dict[str, Any]) -> Restored:
+    step, fingerprint, source = raw["step"], raw["fingerprint"], raw.get("source")
+    epoch, in_epoch = raw.get("epoch", 0), raw.get("step_in_epoch", 0)
+    if type(step) is not int or type(epoch) is not int or type(in_epoch) is not int:
+        raise ValueError("restored: step, epoch and step_in_epoch must be integers")
+    if type(fingerprint) is not str or len(fingerprint) > 128 or type(source) not in _STR_OR_NONE:
+        raise ValueError("restored: fingerprint must be a short string, source a string or null")
+    return Restored(step, fingerprint, source, epoch, in_epoch)
 
 
 def loads(body: bytes) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.wire import Heartbeat, TaskError
+from worker.wire import Heartbeat, Restored, TaskError
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class TaskHealth:
     steps_per_s: float | None = None
     user_frame: str | None = None
     seq: int = 0  # of the latest heartbeat taken
+    restored: Restored | None = None  # where the task started this attempt from (built-in loop)
 
 
 class HealthStore:
@@ -107,6 +108,7 @@ class HealthStore:
                 steps_per_s=rate,
                 user_frame=hb.user_frame,
                 seq=hb.seq,
+                restored=old.restored or hb.restored,
             )
         if hb.points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, hb.points)

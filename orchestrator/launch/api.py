@@ -60,6 +60,17 @@ class Launcher(abc.ABC):
         """Put what the tasks need (code, runtime) where they run."""
         return None
 
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
+        """Give every host what the attempt needs of the earlier ones: where hosts share no disk,
+        the owner's latest checkpoint (plan.state). Lines for the record; LaunchError if it fails.
+        Nothing to do where every task sees one folder (the local backend)."""
+        return []
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        """At the end of the run, whatever its outcome: copy the results (model, TensorBoard,
+        the latest checkpoint) into the run directory. Lines for the summary; never raises."""
+        return []
+
     @abc.abstractmethod
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         """Start one task; raises LaunchError when it cannot be started at all."""

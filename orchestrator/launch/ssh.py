@@ -26,13 +26,14 @@ import paramiko
 
 from orchestrator import preflight
 from orchestrator.errors import LaunchError
+from orchestrator.launch import ship
 from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
 from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
 from orchestrator.record import now_iso
-from orchestrator.spec.model import ClusterSpec, SshSpec
+from orchestrator.spec.model import ClusterSpec, Role, SshSpec
 from worker import wire
 
 log = logging.getLogger("orchestrator.ssh")
@@ -137,9 +138,10 @@ class SshTaskHandle(TaskHandle):
 
 
 class SshLauncher(Launcher):
-    def __init__(self, spec: ClusterSpec, run_id: str):
+    def __init__(self, spec: ClusterSpec, run_id: str, home: Path):
         self._spec = spec
         self._run_id = run_id
+        self._home = home  # the run directory on this machine: results and the latest state come here
         self._hosts = hosts_of(spec)
         self._conns: dict[int, fabric.Connection] = {}
         self._contexts: dict[int, HostContext] = {}
@@ -239,6 +241,82 @@ class SshLauncher(Launcher):
                 "machine the hosts can reach"
             ) from None
         return f"http://127.0.0.1:{port}"
+
+    # --- state between hosts (they share no disk) ---
+
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
+        """Attempts after the first restore the owner's latest checkpoint: bring it home, then
+        send home's copy to every reader's host whose folder differs (ship.py)."""
+        state = plan.state
+        if attempt == 0 or state is None or state.shared:
+            return []
+        owner = plan.task(state.owner)
+        source = (owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR])
+        home = self._home / "checkpoints"
+        try:
+            got = ship.pull(
+                self._connection(owner.host_index), self._hosts[owner.host_index], source[1], home
+            )
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            self._suspect.add(owner.host_index)
+            raise LaunchError(
+                f"{self._hosts[owner.host_index].label}: bringing the checkpoint home: {exc}"
+            ) from None
+        notes = [
+            f"checkpoints of {owner.name} ({self._hosts[owner.host_index].label}) → {home}: {got.describe()}"
+        ]
+        targets = sorted(
+            {(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in map(plan.task, state.readers)} - {source}
+        )
+
+        def one(target: tuple[int, str]) -> ship.Transfer:
+            index, folder = target
+            try:
+                return ship.push(self._connection(index), self._hosts[index], home, folder)
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                self._suspect.add(index)
+                raise LaunchError(f"{self._hosts[index].label}: sending the checkpoint: {exc}") from None
+
+        results = on_all(targets, one)
+        raise_if_failed(results, "copying the checkpoint to the hosts")
+        for (index, folder), sent in zip(targets, results, strict=True):
+            notes.append(f"→ {self._hosts[index].label} {folder}: {sent.describe()}")
+        return notes
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        """The owner's model/, tensorboard/ and latest checkpoint, the evaluators' tensorboard/,
+        into the run directory. A host that cannot be reached is said, not raised."""
+        if plan.state is None:
+            return []
+        owner = plan.task(plan.state.owner)
+        wanted: list[tuple[TaskPlan, str, Path, bool]] = []
+        if not plan.state.shared:
+            wanted.append((owner, owner.env[wire.ENV_CHECKPOINT_DIR], self._home / "checkpoints", True))
+        for task in plan.tasks:
+            folder = task.env[wire.ENV_RUN_DIR]
+            if task.name == owner.name:
+                wanted.append((task, posixpath.join(folder, "model"), self._home / "model", False))
+            if task.name == owner.name or task.role is Role.EVALUATOR:
+                wanted.append(
+                    (task, posixpath.join(folder, "tensorboard"), self._home / "tensorboard", False)
+                )
+
+        def one(item: tuple[TaskPlan, str, Path, bool]) -> str:
+            task, remote, local, mirror = item
+            host = self._hosts[task.host_index]
+            try:
+                got = ship.pull(self._connection(task.host_index), host, remote, local, mirror=mirror)
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                raise LaunchError(f"{host.label}: {exc or type(exc).__name__}") from None
+            return f"{local.name}/ from {task.name} ({host.label}): {got.describe()}" if got.files else ""
+
+        lines = []
+        for (task, remote, _, _), result in zip(wanted, on_all(wanted, one), strict=True):
+            if isinstance(result, BaseException):
+                lines.append(f"could not bring {remote} home from {task.name}: {result}")
+            elif result:
+                lines.append(result)
+        return lines
 
     # --- per attempt ---
 

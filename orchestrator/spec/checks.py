@@ -192,6 +192,10 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
         problems.append(SpecProblem(("policy",), "no role decides success; the job could never end"))
     if spec.backend is Backend.SSH and spec.job.loop is not None and spec.role_count(Role.EVALUATOR):
         problems += _check_evaluator_sees_checkpoints(spec)
+    if spec.job.checkpoint_dir is not None and spec.job.loop is not None:
+        problems.append(
+            SpecProblem(("job", "checkpoint_dir"), "the built-in loop's folder is train.checkpoint_dir")
+        )
     if ps_strategy and spec.train is not None and spec.train.epochs is not None:
         problems.append(
             SpecProblem(
@@ -211,8 +215,8 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
 def _check_evaluator_sees_checkpoints(spec: ClusterSpec) -> list[SpecProblem]:
     """On separate machines the evaluator reads the checkpoints the chief (or worker 0) writes: on
     the same host, or in a folder both share."""
-    if spec.train is not None and spec.train.checkpoint_dir is not None:
-        return []  # the user's folder: shared, we trust
+    if spec.shared_checkpoint_dir is not None:
+        return []  # declared shared (and proven so by the preflight)
     writer = Role.CHIEF if spec.role_count(Role.CHIEF) else Role.WORKER
     writer_host = next(i for i, h in enumerate(spec.hosts) if h.tasks.get(writer, 0) > 0)
     evaluator_host = next(i for i, h in enumerate(spec.hosts) if h.tasks.get(Role.EVALUATOR, 0) > 0)

@@ -121,8 +121,13 @@ class JobSpec(_Strict):
         default=None,
         description="ssh backend: the folder copied to every host (default: the script's folder)",
     )
+    checkpoint_dir: Path | None = Field(
+        default=None,
+        description="mode 1: a folder every host shares (same path, same files), given to the tasks as "
+        "ORCHESTRATE_CHECKPOINT_DIR; default: checkpoints/ of the run, copied between hosts by orchestrate",
+    )
 
-    _resolve_paths = field_validator("script", "loop", "files")(_resolve)
+    _resolve_paths = field_validator("script", "loop", "files", "checkpoint_dir")(_resolve)
 
     @model_validator(mode="after")
     def _one_mode(self) -> JobSpec:
@@ -137,7 +142,9 @@ class TrainSpec(_Strict):
     global_batch_size: int = Field(default=64, gt=0)
     checkpoint_every: int = Field(default=50, gt=0, description="steps between checkpoints")
     checkpoint_dir: Path | None = Field(
-        default=None, description="default: checkpoints/ in the run directory"
+        default=None,
+        description="a folder every host shares (same path, same files); default: checkpoints/ of the "
+        "run, copied between hosts by orchestrate",
     )
     cpu_replicas: int | None = Field(
         default=None,
@@ -205,11 +212,24 @@ class SshSpec(_Strict):
         description="host[:port] of this machine that the hosts can reach; heartbeats go there directly "
         "(default: through each SSH connection, which works behind NAT)",
     )
+    shared_dirs: list[str] = Field(
+        default_factory=list,
+        description="absolute folders the job expects every host to share (a network file system); "
+        "`orchestrate check` and `up` prove it by writing on one host and reading on the others",
+    )
 
     @field_validator("known_hosts")
     @classmethod
     def _expand(cls, value: Path, info: ValidationInfo) -> Path:
         return _resolve(value, info) or value
+
+    @field_validator("shared_dirs")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not path.startswith("/") or "\0" in path:
+                raise ValueError(f"{path!r}: give an absolute path, as every host mounts it")
+        return [os.path.normpath(p) for p in value]
 
 
 class ClusterSpec(_Strict):
@@ -228,3 +248,10 @@ class ClusterSpec(_Strict):
 
     def role_count(self, role: Role) -> int:
         return sum(h.tasks.get(role, 0) for h in self.hosts)
+
+    @property
+    def shared_checkpoint_dir(self) -> Path | None:
+        """The checkpoint folder the spec declares shared by every host (nothing is copied), if any."""
+        if self.train is not None and self.train.checkpoint_dir is not None:
+            return self.train.checkpoint_dir
+        return self.job.checkpoint_dir

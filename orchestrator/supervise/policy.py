@@ -30,6 +30,7 @@ class FailureKind(str, enum.Enum):
     LOST = "lost"  # no heartbeat for heartbeat_timeout_s (frozen process, cut-off host)
     STALLED = "stalled"  # alive, but its step did not advance for stall_timeout_s
     STARTUP_TIMEOUT = "startup_timeout"  # not up within startup_timeout_s
+    DIVERGED = "diverged"  # training tasks of one attempt restored different states
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ def decide(
     """
     if failure.kind is FailureKind.LAUNCH and first_attempt:
         return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
+    if failure.kind is FailureKind.DIVERGED:
+        # never silent, never trained on: a restart would meet the same folders again
+        return Decision(Action.FAIL, f"{failure.describe()}; not restarted")
     if failure.is_preemption:
         return Decision(
             Action.RESTART, f"{failure.describe()}; preempted, restarting (not counted as a restart)"

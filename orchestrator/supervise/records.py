@@ -68,6 +68,9 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "rss_bytes": h.rss_bytes if h else None,
         "last_heartbeat_at": iso_time(h.last_heartbeat_wall) if h and h.last_heartbeat_wall else None,
         "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
+        "restored": None
+        if h is None or h.restored is None
+        else {"step": h.restored.step, "fingerprint": h.restored.fingerprint, "source": h.restored.source},
     }
 
 

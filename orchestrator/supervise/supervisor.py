@@ -21,7 +21,7 @@ from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Launcher
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure, Role
+from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
 from orchestrator.supervise import policy
 from orchestrator.supervise.policy import Action, Failure, FailureKind
 from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
@@ -130,6 +130,7 @@ class Supervisor:
         self._replan = replan  # between attempts: a new plan when a port was taken meanwhile
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
+        self._same_start = False  # every training task reported the same restored state
 
     # --- control -----------------------------------------------------------------------------
 
@@ -197,11 +198,21 @@ class Supervisor:
 
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)
+        self._same_start = False
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
         records = list(self.tasks.values())
         self._end_deadline = None
         for rec in records:
             rec.exit_code, rec.health, rec.handle, rec.restart_at = None, None, None, None
+        try:
+            notes = self._launcher.before_attempt(self.plan, self.attempt)
+        except LaunchError as exc:
+            failure = Failure(None, FailureKind.LAUNCH, self.attempt, f"before attempt {self.attempt}: {exc}")
+            self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
+            return
+        for note in notes:
+            self._sink.event(kind="state", attempt=self.attempt, reason=note)
+            log.info("%s", note)
         results = self._launcher.start_all(
             [r.plan for r in records],
             self.attempt,
@@ -251,6 +262,10 @@ class Supervisor:
                 self._sink.event(kind="warning", task=rec.plan.name, reason=f"{failure.describe()} (ignored)")
             else:
                 failures.append(failure)
+        if not self._same_start:
+            diverged = self._diverged_start()
+            if diverged is not None:
+                failures.insert(0, diverged)
         if failures:
             first = policy.root_cause(failures)
             if first.is_peer_loss:
@@ -267,6 +282,40 @@ class Supervisor:
                 self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
+
+    def _diverged_start(self) -> Failure | None:
+        """The training tasks of a synchronous job must start an attempt from one state, the owner's
+        (its checkpoint is the truth). Compared as their restore reports arrive; settled once
+        every one has reported the same."""
+        state = self.plan.state
+        if state is None or self.plan.strategy is Strategy.PARAMETER_SERVER:
+            self._same_start = True
+            return None
+        names = [n for n in state.readers if self.tasks[n].plan.in_cluster]
+        starts = {}
+        for name in names:
+            h = self.tasks[name].health
+            if h is not None and h.restored is not None:
+                starts[name] = h.restored
+        if len({(r.step, r.fingerprint) for r in starts.values()}) < 2:
+            self._same_start = len(starts) == len(names)
+            return None
+        truth = starts.get(state.owner)
+        odd = [
+            n
+            for n, r in starts.items()
+            if truth is None or (r.step, r.fingerprint) != (truth.step, truth.fingerprint)
+        ]
+        table = "; ".join(
+            f"{n} step {r.step} from {r.source or 'no checkpoint (fresh weights)'} (state {r.fingerprint})"
+            for n, r in starts.items()
+        )
+        detail = (
+            f"restored a different state than {state.owner}: {table}. Trained together they would "
+            "average the gradients of different models, so the job stops here; their hosts' "
+            "checkpoint folders differ"
+        )
+        return Failure(", ".join(odd), FailureKind.DIVERGED, self.attempt, detail)
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""

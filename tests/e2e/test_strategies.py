@@ -96,7 +96,7 @@ def loop_job(tmp_path):
 
     yield make
     for job in made:
-        for proc in run_processes(job.run_dir.name):
+        for proc in run_processes(job.run_id):
             proc.kill()
 
 
@@ -118,7 +118,7 @@ def test_parameter_server_job_trains_evaluates_and_leaves_no_server_behind(loop_
         "ps-0": "STOPPED",
     }
     assert job.task("chief-0")["last_step"] == 60
-    assert run_processes(job.run_dir.name) == []
+    assert run_processes(job.run_id) == []
     # the evaluator scored the final checkpoint and reported it
     scored = job.metrics("evaluator-0")
     assert scored and scored[-1]["step"] == 60 and "eval_loss" in scored[-1]
@@ -152,7 +152,7 @@ def test_parameter_server_worker_killed_is_restarted_alone_while_the_chief_goes_
     assert any(e.get("task") == "worker-1" and "restarted alone" in e.get("reason", "") for e in events)
     assert "restarted alone: worker-1 was killed by SIGKILL" in out
     assert job.task("chief-0")["last_step"] == 400
-    assert run_processes(job.run_dir.name) == []
+    assert run_processes(job.run_id) == []
 
 
 def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(loop_job):
@@ -167,7 +167,7 @@ def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(
     resumed = [line for line in log.splitlines() if "resumed from" in line]
     assert resumed and int(resumed[-1].rsplit("step ", 1)[1]) >= 40  # from a checkpoint, not from 0
     assert job.task("chief-0")["last_step"] == 400
-    assert run_processes(job.run_dir.name) == []
+    assert run_processes(job.run_id) == []
 
 
 def test_evaluator_crash_is_reported_and_the_job_still_succeeds(loop_job):

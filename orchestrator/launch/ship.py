@@ -1,0 +1,206 @@
+"""Launch layer, ssh backend: state folders between hosts that share no disk.
+
+Lab machines have disks of their own, so a checkpoint the chief wrote is on the chief's host only.
+Before an attempt restores, the coordinator makes every reader's folder an exact copy of the
+owner's (`StatePlan`): it brings the owner's folder home (the run directory, which keeps the
+latest copy of the run's state), then sends home's copy to each host that lacks it. At the end
+of a run the same pull brings the results (model, TensorBoard, checkpoints) home.
+
+A folder is compared file by file (size and SHA-256, listed by `worker/probe.py tree` on the
+host and here), so only what differs travels. Files arrive under a staging folder beside the
+target and are moved into place by `probe.py commit` — data first, TF's `checkpoint` index last —
+so a reader never sees an index that names files not there yet, and a transfer cut short
+leaves the previous complete checkpoint in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import posixpath
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fabric
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.hosts import PROBE_SOURCE, Host, probe
+
+STAGING_PREFIX = ".incoming-"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one copy of a folder moved."""
+
+    files: int
+    bytes: int
+    removed: int
+    seconds: float
+
+    def describe(self) -> str:
+        if not self.files and not self.removed:
+            return "already the same"
+        moved = f"{self.files} file(s), {_size(self.bytes)}"
+        gone = f", {self.removed} removed" if self.removed else ""
+        return f"{moved}{gone} in {self.seconds:.1f} s"
+
+
+def local_tree(folder: Path) -> dict[str, Any]:
+    """probe.py's `tree`, run on this machine (the one implementation, as on the hosts)."""
+    return _probe_here("tree", str(folder))
+
+
+def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirror: bool = True) -> Transfer:
+    """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else)."""
+    started = time.monotonic()
+    theirs = _checked(probe(conn, host, "tree", remote), host)
+    if not theirs["exists"]:
+        return Transfer(0, 0, 0, time.monotonic() - started)
+    ours = local_tree(local)
+    todo = _differing(theirs["files"], ours["files"])
+    need = sum(theirs["files"][rel][0] for rel in todo)
+    if need > ours["free_bytes"]:
+        raise LaunchError(
+            f"cannot bring {remote} home from {host.label}: it needs {_size(need)} in {local}, "
+            f"{_size(ours['free_bytes'])} free"
+        )
+    staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
+    try:
+        if todo:
+            sftp = conn.sftp()
+            for rel in todo:
+                target = staging / rel
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                try:
+                    sftp.get(posixpath.join(theirs["folder"], rel), str(target))
+                except OSError as exc:
+                    raise LaunchError(f"{host.label}: cannot read {remote}/{rel}: {exc}") from None
+                if _sha256(target) != theirs["files"][rel][1]:
+                    raise LaunchError(
+                        f"{host.label}: {remote}/{rel} changed while it was copied (is a task still "
+                        "writing there?)"
+                    )
+        keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
+        staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+        done = _probe_here("commit", str(local), str(staging), stdin=json.dumps(keep))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+
+def push(conn: fabric.Connection, host: Host, local: Path, remote: str) -> Transfer:
+    """Make `remote` on the host an exact copy of `local`."""
+    started = time.monotonic()
+    ours = local_tree(local)
+    theirs = _checked(probe(conn, host, "tree", remote), host)
+    todo = _differing(ours["files"], theirs["files"])
+    extra = set(theirs["files"]) - set(ours["files"])
+    if not todo and not extra:
+        return Transfer(0, 0, 0, time.monotonic() - started)
+    need = sum(ours["files"][rel][0] for rel in todo)
+    if need > theirs["free_bytes"]:
+        raise LaunchError(
+            f"{host.label}: no room for the checkpoint in {theirs['folder']}: it needs {_size(need)}, "
+            f"{_size(theirs['free_bytes'])} free"
+        )
+    folder = theirs["folder"]
+    staging = posixpath.join(folder, f"{STAGING_PREFIX}{secrets.token_hex(4)}")
+    sftp = conn.sftp()
+    made: set[str] = set()
+    try:
+        _mkdirs(sftp, staging, made)
+        for rel in todo:
+            target = posixpath.join(staging, rel)
+            _mkdirs(sftp, posixpath.dirname(target), made)
+            try:
+                sftp.put(str(local / rel), target)
+            except OSError as exc:
+                raise LaunchError(
+                    f"{host.label}: cannot write {folder}/{rel} ({exc or type(exc).__name__}; "
+                    f"{_size(theirs['free_bytes'])} were free before the copy)"
+                ) from None
+        done = _checked(
+            probe(conn, host, "commit", folder, staging, stdin=json.dumps(sorted(ours["files"]))), host
+        )
+    except BaseException:
+        _remove_staging(sftp, staging, made)
+        raise
+    return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+
+def _differing(source: dict[str, list[Any]], target: dict[str, list[Any]]) -> list[str]:
+    for rel in source:
+        parts = rel.split("/")
+        if rel.startswith("/") or ".." in parts or "" in parts:
+            raise LaunchError(f"refusing to copy a file named {rel!r}")
+    return sorted(rel for rel, (size, digest) in source.items() if target.get(rel) != [size, digest])
+
+
+def _checked(answer: Any, host: Host) -> dict[str, Any]:
+    if not isinstance(answer, dict):
+        raise LaunchError(f"{host.label}: unexpected answer {answer!r:.200}")
+    return answer
+
+
+def _mkdirs(sftp: Any, path: str, made: set[str]) -> None:
+    parts = path.split("/")
+    for i in range(2, len(parts) + 1):
+        sub = "/".join(parts[:i])
+        if sub in made:
+            continue
+        with contextlib.suppress(OSError):  # there already (or not ours to make: the put says so)
+            sftp.mkdir(sub, mode=0o700)
+        made.add(sub)
+
+
+def _remove_staging(sftp: Any, staging: str, made: set[str]) -> None:
+    """Best effort; what is left is removed by the next `tree` of that folder."""
+    try:
+        for entry in sorted((m for m in made if m.startswith(staging)), key=len, reverse=True):
+            for name in sftp.listdir(entry):
+                path = posixpath.join(entry, name)
+                if path not in made:
+                    sftp.remove(path)
+            sftp.rmdir(entry)
+    except OSError:
+        pass
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _probe_here(mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, "-S", "-c", PROBE_SOURCE, mode, *args],
+        input=stdin or "",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if res.returncode != 0:
+        said = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit code {res.returncode}"
+        raise LaunchError(f"this machine: {mode} {' '.join(args)} failed: {said}")
+    answer: dict[str, Any] = json.loads(res.stdout)
+    return answer
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
