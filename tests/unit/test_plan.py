@@ -273,6 +273,39 @@ def test_ssh_loop_checkpoints_default_to_the_hosts_run_folder(tmp_path: Path) ->
     assert argv[argv.index("--checkpoint-dir") + 1] == f"{folder}/checkpoints"
 
 
+def test_every_task_gets_a_checkpoint_folder_on_its_own_host(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, TWO_HOSTS, backend="ssh")
+    hosts = {0: HostContext("/home/ann/.o", "http://x:1"), 1: HostContext("/scratch/o", "http://x:2")}
+    plan = plan_of(spec, run=dataclasses.replace(RUN, hosts=hosts))
+    dirs = {t.name: t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in plan.tasks}
+    assert dirs["worker-0"] == "/home/ann/.o/runs/demo-20250101-000000/checkpoints"
+    assert dirs["worker-2"] == "/scratch/o/runs/demo-20250101-000000/checkpoints"
+    # not declared shared: worker-0's is the truth, copied to every other training task's host
+    assert plan.state is not None and not plan.state.shared
+    assert (plan.state.owner, plan.state.readers) == ("worker-0", ("worker-0", "worker-1", "worker-2"))
+    local = plan_of(spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}"))
+    assert {t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in local.tasks} == {f"{RUN.run_dir}/checkpoints"}
+
+
+def test_a_declared_shared_checkpoint_folder_is_every_tasks_and_nothing_is_copied(tmp_path: Path) -> None:
+    spec = spec_of(
+        tmp_path, TWO_HOSTS, backend="ssh", job="script: train.py\n  checkpoint_dir: /nfs/ann/ckpt"
+    )
+    plan = plan_of(spec)
+    assert {t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in plan.tasks} == {"/nfs/ann/ckpt"}
+    assert plan.state is not None and plan.state.shared
+
+
+def test_state_owner_and_readers_per_strategy(tmp_path: Path) -> None:
+    ps = loop_plan(tmp_path, "parameter_server", "{chief: 1, worker: 2, ps: 1, evaluator: 1}")
+    assert ps.state is not None
+    # ps and workers hold no state of their own: only the chief restores, the evaluator reads
+    assert (ps.state.owner, ps.state.readers) == ("chief-0", ("chief-0", "evaluator-0"))
+    mwms = loop_plan(tmp_path, "multi_worker_mirrored", "{chief: 1, worker: 1, evaluator: 1}")
+    assert mwms.state is not None
+    assert (mwms.state.owner, mwms.state.readers) == ("chief-0", ("chief-0", "worker-0", "evaluator-0"))
+
+
 def test_ports_come_from_the_ports_mapping(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
     plan = make_plan(spec, ports={"worker-0": 41001, "worker-1": 40007}, run=RUN)

@@ -64,3 +64,78 @@ def test_facts_says_which_files_the_cache_lacks_and_which_ports_are_busy(tmp_pat
         facts = probe("facts", str(tmp_path / "w"), str(port), stdin=json.dumps(["aaa", "bbb"]))
     assert facts["missing"] == ["bbb"]
     assert facts["ports"] == {str(port): False}
+
+
+# --- state folders: tree and commit (checkpoints between hosts that share no disk) ---
+
+
+def test_tree_lists_files_with_checksums_and_leaves_out_scratch_hidden_and_symlinks(tmp_path):
+    import hashlib
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
+    (ckpt / "sub" / "ckpt-20.data-00000-of-00001").write_bytes(b"\0" * 1000)
+    (ckpt / ".worker-1").mkdir()  # a non-chief's throwaway save
+    (ckpt / ".worker-1" / "ckpt-20.index").write_text("x")
+    (ckpt / "workertemp_1").mkdir()  # tf-keras BackupAndRestore's
+    (ckpt / "workertemp_1" / "f").write_text("x")
+    secret = tmp_path / "secret"
+    secret.write_text("not ours")
+    (ckpt / "link").symlink_to(secret)
+    (ckpt / ".incoming-1234").mkdir()  # an interrupted transfer: removed by the next look
+    (ckpt / ".incoming-1234" / "half").write_text("x")
+    out = probe("tree", str(ckpt))
+    assert out["exists"] and out["free_bytes"] > 0
+    assert out["files"] == {
+        "checkpoint": [33, hashlib.sha256(b'model_checkpoint_path: "ckpt-20"\n').hexdigest()],
+        "sub/ckpt-20.data-00000-of-00001": [1000, hashlib.sha256(b"\0" * 1000).hexdigest()],
+    }
+    assert not (ckpt / ".incoming-1234").exists() and (ckpt / ".worker-1").exists()
+    assert probe("tree", str(tmp_path / "none"))["exists"] is False
+
+
+def test_commit_moves_data_before_the_index_and_removes_what_the_source_no_longer_has(tmp_path):
+    folder, staging = tmp_path / "ckpt", tmp_path / "ckpt" / ".incoming-ab"
+    folder.mkdir()
+    (folder / "ckpt-10.index").write_text("old")
+    (folder / "checkpoint").write_text("ckpt-10")
+    (folder / ".worker-1").mkdir()
+    staging.mkdir()
+    (staging / "checkpoint").write_text("ckpt-20")
+    (staging / "ckpt-20.index").write_text("new")
+    (staging / "nested").mkdir()
+    (staging / "nested" / "final.json").write_text("{}")
+    # a watcher records the order in which files appear: the index only after its data
+    keep = ["checkpoint", "ckpt-20.index", "nested/final.json"]
+    script = (
+        "import io, json, os, sys\n"
+        "order = []\n"
+        "real = os.replace\n"
+        "os.replace = lambda a, b: (order.append(os.path.basename(b)), real(a, b))\n"
+        f"sys.stdin = io.StringIO({json.dumps(keep)!r})\n"
+        "ns = {'__name__': 'probe'}\n"
+        f"exec(compile({PROBE!r}, 'probe.py', 'exec'), ns)\n"
+        f"print(json.dumps([ns['commit']({str(folder)!r}, {str(staging)!r}), order]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    answer, order = json.loads(res.stdout)
+    assert order == ["ckpt-20.index", "checkpoint", "final.json"]  # data first, index files last
+    assert answer == {"moved": 3, "removed": 1}
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == keep
+    assert (folder / "checkpoint").read_text() == "ckpt-20"
+    assert not staging.exists() and (folder / ".worker-1").is_dir()  # others' scratch left alone
+
+
+def test_shared_folder_nonce_is_written_read_and_removed(tmp_path):
+    assert probe("shared", "write", str(tmp_path), "n1") == {"ok": True, "error": None}
+    assert probe("shared", "read", str(tmp_path), "n1") == {"ok": True, "error": None}
+    assert probe("shared", "read", str(tmp_path / "elsewhere"), "n1") == {"ok": False, "error": None}
+    assert probe("shared", "remove", str(tmp_path), "n1")["ok"]
+    assert list(tmp_path.iterdir()) == []
+    os.chmod(tmp_path, 0o500)
+    try:
+        if os.geteuid() != 0:  # root writes anyway
+            assert probe("shared", "write", str(tmp_path), "n2")["ok"] is False
+    finally:
+        os.chmod(tmp_path, 0o700)

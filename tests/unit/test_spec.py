@@ -805,6 +805,38 @@ BAD_SPECS = [
         "job.files",
         "no such folder",
     ),
+    (
+        "mode-1-checkpoint-dir-in-a-loop-job",
+        """
+        name: demo
+        hosts:
+          - address: 127.0.0.1
+            tasks: {worker: 1}
+        job:
+          loop: train.py
+          checkpoint_dir: /nfs/ckpt
+        train: {steps: 10}
+        """,
+        7,
+        "job.checkpoint_dir",
+        "train.checkpoint_dir",
+    ),
+    (
+        "shared-dir-not-absolute",
+        """
+        name: demo
+        hosts:
+          - address: 127.0.0.1
+            tasks: {worker: 1}
+        job:
+          script: train.py
+        ssh:
+          shared_dirs: [data/shared]
+        """,
+        8,
+        "ssh.shared_dirs",
+        "absolute path",
+    ),
 ]
 
 

@@ -528,3 +528,74 @@ def test_exit_codes_are_described_for_people():
     assert describe_exit(-9) == "was killed by SIGKILL (exit code -9)"
     assert describe_exit(3) == "exited with code 3"
     assert "cut off from the coordinator" in describe_exit(wire.EXIT_NO_COORDINATOR)
+
+
+# --- every training task starts an attempt from the same state (hosts that share no disk) ---
+
+RESTORED = {"step": 75, "fingerprint": "a1b2c3d4e5f60718", "source": "/h0/checkpoints/ckpt-75"}
+
+
+def test_tasks_restoring_different_states_fail_the_job_at_once_and_are_not_restarted(tmp_path):
+    from worker.wire import Restored
+
+    sup, launcher, store, clock, sink = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    beat(store, "worker-0", restored=Restored(**RESTORED))
+    sup.step()
+    assert sup.state is ClusterState.RUNNING  # one report: nothing to compare yet
+    beat(store, "worker-1", restored=Restored(step=0, fingerprint="ffff000011112222"))
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    cause = sup.root_cause
+    assert cause is not None and cause.kind is FailureKind.DIVERGED and cause.task == "worker-1"
+    # says which task restored what, and why it matters
+    assert "worker-0 step 75 from /h0/checkpoints/ckpt-75" in cause.detail
+    assert "worker-1 step 0 from no checkpoint (fresh weights)" in cause.detail
+    assert "different models" in cause.detail
+    while not sup.state.is_terminal:
+        sup.step()
+    assert sup.state is ClusterState.FAILED and sup.restarts == 0  # never restarted, never trained on
+    assert "not restarted" in sup.reason
+
+
+def test_tasks_restoring_the_same_state_train_on(tmp_path):
+    from worker.wire import Restored
+
+    sup, launcher, store, clock, sink = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    for name in ("worker-0", "worker-1"):
+        beat(store, name, restored=Restored(**RESTORED))
+    sup.step()
+    assert sup.state is ClusterState.RUNNING and sup.root_cause is None
+    status = sup.status()["tasks"]
+    assert [t["restored"]["step"] for t in status] == [75, 75]  # status.json shows each task's start
+
+
+def test_a_failure_to_ship_state_before_a_restart_is_a_launch_failure_of_that_attempt(tmp_path):
+    class Shipping(FakeLauncher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attempts: list[int] = []
+
+        def before_attempt(self, plan: Any, attempt: int) -> list[str]:
+            self.attempts.append(attempt)
+            if attempt == 1:
+                raise LaunchError("hosts[1] 10.0.0.2: no room for the checkpoint in /w/checkpoints")
+            return [f"attempt {attempt}: checkpoint copied"] if attempt else []
+
+    launcher = Shipping()
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-1"].code = -9
+    while sup.state is not ClusterState.RESTARTING:
+        sup.step()
+    clock.advance(5)
+    sup.step()  # attempt 1: shipping fails, no task starts
+    assert launcher.started.count(("worker-0", 1)) == 0
+    assert sup.state is ClusterState.STOPPING and "no room for the checkpoint" in sup.reason
+    while sup.state is not ClusterState.RESTARTING:  # by policy: a launch failure after a restart
+        sup.step()
+    clock.advance(5)
+    sup.step()  # attempt 2 ships and starts
+    assert launcher.attempts == [0, 1, 2] and ("worker-0", 2) in launcher.started
+    assert any(e.get("reason") == "attempt 2: checkpoint copied" for e in sink.events)
