@@ -58,8 +58,10 @@ with strategy.scope():
 
 steps_per_epoch = len(train) // args.global_batch_size
 chief = os.environ.get("ORCHESTRATE_TASK", "worker-0") in ("worker-0", "chief-0")
-run_dir = Path(os.environ.get("ORCHESTRATE_RUN_DIR", "."))
-backup = tf.keras.callbacks.BackupAndRestore(backup_dir=str(run_dir / "backup"), save_freq=10)
+# A folder on this task's own host that orchestrate keeps consistent: before a restart, the
+# chief's latest backup is copied to every host that lacks it (lab machines share no disk).
+checkpoints = Path(os.environ.get("ORCHESTRATE_CHECKPOINT_DIR", "checkpoints"))
+backup = tf.keras.callbacks.BackupAndRestore(backup_dir=str(checkpoints / "backup"), save_freq=10)
 model.fit(
     train_ds,
     epochs=args.epochs,

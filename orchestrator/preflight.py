@@ -1,15 +1,18 @@
 """Preflight of the ssh backend: `orchestrate check`, and its fast part before `orchestrate up`.
 
 Per host, in parallel: SSH reachable with a known host key, the host's Python with TensorFlow and
-psutil, GPUs, the work folder writable with free disk, the TF ports free. With `peers=True` also
-whether every host reaches every other host's TF ports (each host listens on its ports while the
-others connect). Versions are compared across hosts.
+psutil, GPUs, the work folder writable with free disk, the TF ports free, and every folder the
+spec declares shared (train.checkpoint_dir, job.checkpoint_dir, ssh.shared_dirs) really shared:
+each host writes a nonce there and reads the others'. With `peers=True` also whether every host
+reaches every other host's TF ports (each host listens on its ports while the others connect).
+Versions are compared across hosts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ class HostReport:
     error: str | None = None  # could not connect or run anything
     facts: dict[str, Any] | None = None
     peers: dict[str, str | None] = field(default_factory=dict)  # "addr:port" -> error or None
+    shared: list[str] = field(default_factory=list)  # problems with the folders declared shared
 
     @property
     def own_problems(self) -> list[str]:
@@ -73,7 +77,7 @@ class HostReport:
         for target, err in self.peers.items():
             if err is not None:
                 out.append(f"{label}: cannot reach {target}: {err} (a firewall between the hosts?)")
-        return out
+        return out + self.shared
 
 
 def inspect(
@@ -98,9 +102,63 @@ def inspect(
             report.error = str(exc)
 
     on_all(reports, one)
+    _check_shared(spec, reports)
     if peers:
         _check_peers(spec, reports, ports)
     return reports
+
+
+def declared_shared(spec: ClusterSpec) -> dict[str, str]:
+    """Folders the spec says every host shares: path -> the key that says so."""
+    out = {}
+    if spec.train is not None and spec.train.checkpoint_dir is not None:
+        out[str(spec.train.checkpoint_dir)] = "train.checkpoint_dir"
+    if spec.job.checkpoint_dir is not None:
+        out[str(spec.job.checkpoint_dir)] = "job.checkpoint_dir"
+    for i, path in enumerate(spec.ssh.shared_dirs):
+        out.setdefault(path, f"ssh.shared_dirs[{i}]")
+    return out
+
+
+def _check_shared(spec: ClusterSpec, reports: list[HostReport]) -> None:
+    """A folder declared shared that is not (each host its own disk) would silently split the
+    job's state: every host writes a nonce file there, then each looks for the others'."""
+    ready = [r for r in reports if r.conn is not None and r.facts is not None]
+    for folder, key in declared_shared(spec).items():
+        _check_one_shared(ready, folder, key)
+
+
+def _check_one_shared(ready: list[HostReport], folder: str, key: str) -> None:
+    nonces = {r.host.index: secrets.token_hex(8) for r in ready}
+
+    def run(r: HostReport, action: str, *args: str) -> dict[str, Any]:
+        assert r.conn is not None
+        try:
+            answer: dict[str, Any] = probe(r.conn, r.host, "shared", action, folder, *args)
+        except LaunchError as exc:
+            return {"error": str(exc), "seen": []}
+        return answer
+
+    wrote = on_all(ready, lambda r: run(r, "write", nonces[r.host.index]))
+    writers = []
+    for r, w in zip(ready, wrote, strict=True):
+        why = w if isinstance(w, BaseException) else w["error"]
+        if why:
+            r.shared.append(f"{r.host.label}: cannot write in {folder} ({key}): {why}")
+        else:
+            writers.append(r)
+    expected = [nonces[r.host.index] for r in writers]
+    seen = on_all(ready, lambda r: run(r, "read", *expected))
+    for r, s in zip(ready, seen, strict=True):
+        got = set() if isinstance(s, BaseException) else set(s["seen"])
+        missing = [w.host.label for w in writers if nonces[w.host.index] not in got and w is not r]
+        if missing:
+            r.shared.append(
+                f"{r.host.label}: {folder} is not shared: it does not see what {', '.join(missing)} "
+                f"wrote there ({key} declares it shared by every host). Mount it on every host at "
+                "the same path, or drop the key and orchestrate copies the checkpoints itself"
+            )
+    on_all(writers, lambda r: run(r, "remove", nonces[r.host.index]))
 
 
 def _check_peers(spec: ClusterSpec, reports: list[HostReport], ports: Mapping[str, int]) -> None:
@@ -187,6 +245,7 @@ def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
                 "peers": "-"
                 if not r.peers
                 else (f"{len(unreachable)} unreachable" if unreachable else f"{len(r.peers)} ok"),
+                "shared": "-" if r.error or not f else ("NOT SHARED" if r.shared else "ok"),
             }
         )
     return rows

@@ -16,7 +16,8 @@ be installed there first). Standard library only; each mode prints one JSON obje
 - commit FOLDER STAGING   move the files received in STAGING into FOLDER (data first, index files
                           such as TF's `checkpoint` last, so a reader never sees an index naming
                           files not there yet), then remove what is not in the list on stdin (JSON).
-- shared WRITE|READ FOLDER NONCE   prove a folder is shared: write a nonce file, or read it back.
+- shared write|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
+                          file there, then reads the others'.
 
 The coordinator runs the same modes on its own machine (as a subprocess), so a state folder is
 read and written one way everywhere.
@@ -250,23 +251,26 @@ def commit(folder: str, staging: str) -> dict[str, Any]:
     return {"moved": len(received), "removed": removed}
 
 
-def shared(action: str, folder: str, nonce: str) -> dict[str, Any]:
-    path = os.path.join(os.path.abspath(os.path.expanduser(folder)), f".orchestrate-shared-{nonce}")
+def shared(action: str, folder: str, *nonces: str) -> dict[str, Any]:
+    """write FOLDER NONCE: leave a file named by the nonce; read FOLDER NONCE…: which of those
+    files this host sees; remove FOLDER NONCE: take ours away again."""
+    base = os.path.abspath(os.path.expanduser(folder))
+    out: dict[str, Any] = {"error": None, "seen": []}
     try:
-        if action == "write":
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "x") as f:
-                f.write(nonce)
-            return {"ok": True, "error": None}
-        if action == "read":
-            with open(path) as f:
-                return {"ok": f.read() == nonce, "error": None}
-        os.remove(path)
-        return {"ok": True, "error": None}
+        for nonce in nonces:
+            path = os.path.join(base, f".orchestrate-shared-{nonce}")
+            if action == "write":
+                os.makedirs(base, exist_ok=True)
+                with open(path, "x") as f:
+                    f.write(nonce)
+            elif action == "read":
+                if os.path.isfile(path):
+                    out["seen"].append(nonce)
+            elif os.path.isfile(path):
+                os.remove(path)
     except OSError as exc:
-        if action == "read" and isinstance(exc, FileNotFoundError):
-            return {"ok": False, "error": None}
-        return {"ok": False, "error": exc.strerror or str(exc)}
+        out["error"] = exc.strerror or str(exc)
+    return out
 
 
 def main(argv: list[str]) -> int:

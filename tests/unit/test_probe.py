@@ -127,15 +127,10 @@ def test_commit_moves_data_before_the_index_and_removes_what_the_source_no_longe
     assert not staging.exists() and (folder / ".worker-1").is_dir()  # others' scratch left alone
 
 
-def test_shared_folder_nonce_is_written_read_and_removed(tmp_path):
-    assert probe("shared", "write", str(tmp_path), "n1") == {"ok": True, "error": None}
-    assert probe("shared", "read", str(tmp_path), "n1") == {"ok": True, "error": None}
-    assert probe("shared", "read", str(tmp_path / "elsewhere"), "n1") == {"ok": False, "error": None}
-    assert probe("shared", "remove", str(tmp_path), "n1")["ok"]
+def test_shared_folder_nonces_are_written_read_and_removed(tmp_path):
+    assert probe("shared", "write", str(tmp_path), "n1") == {"error": None, "seen": []}
+    assert probe("shared", "read", str(tmp_path), "n1", "n2")["seen"] == ["n1"]
+    assert probe("shared", "read", str(tmp_path / "elsewhere"), "n1")["seen"] == []
+    assert probe("shared", "write", str(tmp_path), "n1")["error"]  # never overwrites
+    assert probe("shared", "remove", str(tmp_path), "n1")["error"] is None
     assert list(tmp_path.iterdir()) == []
-    os.chmod(tmp_path, 0o500)
-    try:
-        if os.geteuid() != 0:  # root writes anyway
-            assert probe("shared", "write", str(tmp_path), "n2")["ok"] is False
-    finally:
-        os.chmod(tmp_path, 0o700)
