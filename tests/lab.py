@@ -1,11 +1,24 @@
 """A test lab of SSH hosts on this machine (DESIGN §8), for the ssh backend's tests.
 
-- `NetnsLab` (needs root): each host is a network namespace on a private bridge with its own
-  address (10.77.N.0/24, made only inside this machine; no forwarding, no NAT) and its own sshd with
-  its own host key. A task started over SSH sees only its namespace's network, so TensorFlow's gRPC
-  between "hosts" crosses real (virtual) links, and a host can be cut off (`cut`).
+- `NetnsLab` (needs root): each host is as separate as a real machine, but for its processes'
+  ids. Its own network namespace on a private bridge with its own address (10.77.N.0/24, made
+  only inside this machine; no forwarding, no NAT), so TensorFlow's gRPC between "hosts" crosses
+  real (virtual) links and a host can be cut off (`cut`); its own hostname (h0, h1...); its own
+  disk: a mount namespace with empty private tmpfs folders over /tmp, /var/tmp, its home
+  (`LabHost.home`, where orchestrate's default work folder ~/.orchestrate lives) and the lab's
+  scratch path (`lab.scratch`: one path, other contents on each host, like a local /scratch).
+  What every host does see: the lab's shared folder (`lab.shared`, like an NFS mount: the same
+  on every host and outside) and this Python's install (the tests' `python` on every host is
+  `sys.executable`), bound back in where a private folder hid them; the rest of the machine's
+  filesystem outside the private folders. Each host's sshd (`tests/lab_host.py` prepares the
+  namespaces, then execs it) reads its key and authorized_keys from the host's private /tmp.
 - `LoopbackLab` (no root needed): one sshd per host on a loopback alias (127.0.0.N) and a high
-  port. Hosts share one network, so nothing can be cut off; enough for launch, keys and teardown.
+  port. Hosts share one network and one disk, so nothing can be cut off and a file written on
+  one host is on all; enough for launch, keys and teardown. `lab.separate_disks` says which.
+
+A host's files, seen from outside: `host.path(p)` (through `/proc/SSHD_PID/root`, which shows
+that host's mounts; just `p` on a loopback lab). A command run "on" host i: `host.exec_prefix()`
+(enters its network, mount and UTS namespaces).
 
 Both write a client key, an authorized_keys file and a known_hosts file that lists every host key,
 and stop everything they started (the hosts' leftover processes included) on close.
@@ -14,17 +27,21 @@ and stop everything they started (the hosts' leftover processes included) on clo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+BOOTSTRAP = Path(__file__).resolve().with_name("lab_host.py")
+HOST_SSHD_DIR = "/tmp/.lab-sshd"  # inside each netns host's private /tmp: its sshd's config and keys
 
 
 def why_no_lab() -> str | None:
@@ -37,7 +54,7 @@ def why_no_lab() -> str | None:
 
 
 def can_netns() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
+    return os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "nsenter", "unshare"))
 
 
 @dataclass
@@ -49,6 +66,7 @@ class LabHost:
     host_key_pub: str
     home: Path
     sshd_pid: int = 0
+    separate_disk: bool = False
 
     @property
     def known_name(self) -> str:
@@ -57,14 +75,27 @@ class LabHost:
 
     @property
     def workdir(self) -> Path:
-        """Where orchestrate keeps runs on this host (its default, ~/.orchestrate)."""
+        """Where orchestrate keeps runs on this host (its default, ~/.orchestrate): a path on the
+        host; `path(workdir)` reaches it from outside."""
         return self.home / ".orchestrate"
 
+    def path(self, p: str | os.PathLike[str]) -> Path:
+        """The absolute path `p` on this host, as seen from outside (only while its sshd runs; an
+        absolute symlink met on the way resolves outside, as /proc/PID/root does)."""
+        if not self.separate_disk:
+            return Path(p)
+        return Path(f"/proc/{self.sshd_pid}/root") / Path(p).relative_to("/")
+
     def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns] if self.netns else []
+        """Put before a command to run it on this host (its network, disk and hostname)."""
+        if self.netns is None:
+            return []
+        return ["nsenter", f"--target={self.sshd_pid}", "--net", "--mount", "--uts", "--"]
 
 
 class _Lab:
+    separate_disks = False  # whether each host has a disk of its own (NetnsLab)
+
     def __init__(self, root: Path, count: int):
         self.root = root
         self.count = count
@@ -72,50 +103,42 @@ class _Lab:
         self.client_key = root / "id_lab"
         self.known_hosts = root / "known_hosts"
         self.authorized_keys = root / "authorized_keys"
+        self.shared = root / "shared"  # the same folder on every host and outside
+        self.scratch = root / "scratch"  # a folder of its own on each host (when separate_disks)
         self.tf_base_port: int | None = None
         root.mkdir(parents=True, exist_ok=True)
+        self.shared.mkdir(exist_ok=True)
+        self.scratch.mkdir(exist_ok=True)
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "lab-client", "-f", str(self.client_key)])
         shutil.copy(f"{self.client_key}.pub", self.authorized_keys)
         os.chmod(self.authorized_keys, 0o600)
 
     # --- built by the subclasses ---
-    def _start_sshd(self, host: LabHost, key: Path) -> None:
-        conf = self.root / f"sshd-{host.name}.conf"
-        conf.write_text(
-            "\n".join(
-                [
-                    f"Port {host.ssh_port}",
-                    f"ListenAddress {host.address}",
-                    f"HostKey {key}",
-                    f"PidFile {self.root / f'sshd-{host.name}.pid'}",
-                    f"AuthorizedKeysFile {self.root / f'authorized_keys-{host.name}'}",
-                    "PermitUserEnvironment yes",
-                    "PermitRootLogin prohibit-password",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "UsePAM no",
-                    "StrictModes no",
-                    "AllowTcpForwarding yes",
-                    "MaxSessions 64",
-                    "MaxStartups 64",
-                    "Subsystem sftp internal-sftp",
-                    "LogLevel ERROR",
-                    "",
-                ]
-            )
+    def _sshd_config(self, host: LabHost, key: str, authorized_keys: str, pidfile: str) -> str:
+        return "\n".join(
+            [
+                f"Port {host.ssh_port}",
+                f"ListenAddress {host.address}",
+                f"HostKey {key}",
+                f"PidFile {pidfile}",
+                f"AuthorizedKeysFile {authorized_keys}",
+                "PermitUserEnvironment yes",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "AllowTcpForwarding yes",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "Subsystem sftp internal-sftp",
+                "LogLevel ERROR",
+                "",
+            ]
         )
-        if os.geteuid() == 0:
-            Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
-        log = self.root / f"sshd-{host.name}.log"
-        _run([*host.exec_prefix(), SSHD, "-f", str(conf), "-E", str(log)])
-        pidfile = self.root / f"sshd-{host.name}.pid"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if pidfile.exists() and pidfile.read_text().strip() and self._port_open(host):
-                host.sshd_pid = int(pidfile.read_text())
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"sshd for {host.name} did not start; {log}: {log.read_text()[-500:]}")
+
+    def _start_sshd(self, host: LabHost, key: Path, authorized_keys: Path) -> None:
+        raise NotImplementedError
 
     def _port_open(self, host: LabHost) -> bool:
         with (
@@ -137,8 +160,8 @@ class _Lab:
         keys = self.root / f"authorized_keys-{name}"
         keys.write_text(f'environment="HOME={home}" {client}\n')
         keys.chmod(0o600)
-        host = LabHost(name, address, port, netns, pub, home=home)
-        self._start_sshd(host, key)
+        host = LabHost(name, address, port, netns, pub, home=home, separate_disk=self.separate_disks)
+        self._start_sshd(host, key, keys)
         with open(self.known_hosts, "a") as f:
             f.write(f"{host.known_name} {pub}\n")
         self.hosts.append(host)
@@ -173,9 +196,13 @@ class _Lab:
 
 
 class NetnsLab(_Lab):
-    """Hosts as network namespaces (root only)."""
+    """Hosts as network, mount and UTS namespaces (root only)."""
+
+    separate_disks = True
 
     def __init__(self, root: Path, count: int):
+        self._sshds: dict[str, subprocess.Popen[bytes]] = {}
+        self._namespaces: dict[str, set[tuple[int, int]]] = {}  # host name: its namespaces (dev, inode)
         super().__init__(root, count)
         self.tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
         self.subnet = _free_subnet()
@@ -200,6 +227,87 @@ class NetnsLab(_Lab):
             self.close()
             raise
 
+    def _private_folders(self, host: LabHost) -> list[tuple[str, int]]:
+        """What each host has of its own: (path, mode) of an empty tmpfs mounted there."""
+        return [("/tmp", 0o1777), ("/var/tmp", 0o1777), (str(host.home), 0o755), (str(self.scratch), 0o1777)]
+
+    def _kept_folders(self, private: list[str]) -> list[tuple[str, bool]]:
+        """(path, read only) of what every host sees although a private folder would hide it: the
+        shared folder, and this Python (a venv, its base install, the real folder of the binary)."""
+        wanted = [(str(self.shared.resolve()), False)]
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+            wanted.append((os.path.realpath(p), True))
+            wanted.append((os.path.abspath(p), True))
+        wanted.append((os.path.realpath(os.path.dirname(sys.executable)), True))
+        wanted.append((os.path.abspath(os.path.dirname(sys.executable)), True))
+
+        def under(path: str, folder: str) -> bool:
+            return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+        private = [os.path.realpath(p) for p in private]
+        hidden = [(p, ro) for p, ro in dict(wanted).items() if any(under(p, f) for f in private)]
+        # a folder inside another kept one comes back with it
+        return [(p, ro) for p, ro in hidden if not any(q != p and under(p, q) for q, _ in hidden)]
+
+    def _start_sshd(self, host: LabHost, key: Path, authorized_keys: Path) -> None:
+        assert host.netns is not None
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
+        private_key, private_keys, private_conf = (
+            f"{HOST_SSHD_DIR}/{n}" for n in ("hostkey", "authorized_keys", "sshd_config")
+        )
+        conf = self.root / f"sshd-{host.name}.conf"  # a copy for the curious; the host reads its own
+        conf.write_text(self._sshd_config(host, private_key, private_keys, "none"))
+        private = self._private_folders(host)
+        plan = {
+            "hostname": host.name,
+            "private": private,
+            "keep": self._kept_folders([p for p, _ in private]),
+            "folders": [(HOST_SSHD_DIR, 0o700)],
+            "files": [
+                (str(conf), private_conf, 0o600),
+                (str(key), private_key, 0o600),
+                (str(authorized_keys), private_keys, 0o600),
+            ],
+            # in the foreground (its pid is ours), logging to stderr (the log file outside)
+            "exec": [SSHD, "-D", "-e", "-f", private_conf],
+        }
+        log = self.root / f"sshd-{host.name}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{host.netns}",
+                    "--",
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--propagation",
+                    "private",
+                    "--",
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    str(BOOTSTRAP),
+                    json.dumps(plan),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+            )
+        self._sshds[host.name] = proc
+        host.sshd_pid = proc.pid  # nsenter, unshare and the bootstrap each exec the next: sshd's pid
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            if self._port_open(host):
+                ids = (_ns_id(proc.pid, kind) for kind in ("net", "mnt", "uts"))
+                self._namespaces[host.name] = {i for i in ids if i is not None}
+                if os.path.realpath(f"/proc/{proc.pid}/exe") != os.path.realpath(SSHD):
+                    raise RuntimeError(f"{host.name}: pid {proc.pid} is not sshd")
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"sshd for {host.name} did not start; {log}: {log.read_text()[-500:]}")
+
     def cut(self, i: int) -> None:
         """Cut host i off the network (its link goes down; its processes keep running)."""
         _run(["ip", "-n", self.hosts[i].netns or "", "link", "set", "eth0", "down"])
@@ -208,23 +316,38 @@ class NetnsLab(_Lab):
         _run(["ip", "-n", self.hosts[i].netns or "", "link", "set", "eth0", "up"])
 
     def pids(self, i: int) -> list[int]:
-        out = subprocess.run(
-            ["ip", "netns", "pids", self.hosts[i].netns or ""], capture_output=True, text=True, check=False
-        ).stdout
-        return [int(p) for p in out.split() if int(p) != self.hosts[i].sshd_pid]
+        return [p for p in self._in_namespaces(self.hosts[i].name) if p != self.hosts[i].sshd_pid]
+
+    def _in_namespaces(self, name: str) -> list[int]:
+        """Every process in one of the host's network, mount or UTS namespaces."""
+        mine = self._namespaces.get(name, set())
+        found = []
+        for entry in os.listdir("/proc") if mine else []:
+            if entry.isdigit() and any(_ns_id(int(entry), k) in mine for k in ("net", "mnt", "uts")):
+                found.append(int(entry))
+        return found
 
     def close(self) -> None:
         for h in self.hosts:
-            for pid in self.pids(self.hosts.index(h)) + [h.sshd_pid]:
+            for pid in self._in_namespaces(h.name):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        for proc in self._sshds.values():  # sshd itself, even if it never got its namespaces
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        # a host's mount namespace (and its private folders) goes with its last process
+        deadline = time.monotonic() + 5
+        while any(self._in_namespaces(h.name) for h in self.hosts) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for i in range(self.count):
             subprocess.run(["ip", "netns", "del", f"olab{self.tag}h{i}"], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
 
 
 class LoopbackLab(_Lab):
-    """Hosts as sshd instances on loopback aliases (no root)."""
+    """Hosts as sshd instances on loopback aliases (no root); they share this machine's disk."""
 
     def __init__(self, root: Path, count: int):
         super().__init__(root, count)
@@ -236,6 +359,22 @@ class LoopbackLab(_Lab):
         except BaseException:
             self.close()
             raise
+
+    def _start_sshd(self, host: LabHost, key: Path, authorized_keys: Path) -> None:
+        conf = self.root / f"sshd-{host.name}.conf"
+        pidfile = self.root / f"sshd-{host.name}.pid"
+        conf.write_text(self._sshd_config(host, str(key), str(authorized_keys), str(pidfile)))
+        if os.geteuid() == 0:
+            Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
+        log = self.root / f"sshd-{host.name}.log"
+        _run([SSHD, "-f", str(conf), "-E", str(log)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if pidfile.exists() and pidfile.read_text().strip() and self._port_open(host):
+                host.sshd_pid = int(pidfile.read_text())
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"sshd for {host.name} did not start; {log}: {log.read_text()[-500:]}")
 
     def pids(self, i: int) -> list[int]:
         import psutil
@@ -261,6 +400,15 @@ def make_lab(root: Path, count: int) -> _Lab:
     return LoopbackLab(root, count)
 
 
+def _ns_id(pid: int, kind: str) -> tuple[int, int] | None:
+    """Which namespace of a kind ("net", "mnt", "uts") a process is in; None once it is gone."""
+    try:
+        st = os.stat(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def _free_subnet() -> int:
     used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True, check=False).stdout
     choices = [n for n in range(1, 250) if f"10.77.{n}." not in used]
@@ -274,8 +422,6 @@ def _user() -> str:
 
 
 def _python() -> str:
-    import sys
-
     return sys.executable
 
 

@@ -24,11 +24,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fabric
+import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.hosts import PROBE_SOURCE, Host, probe
@@ -58,8 +60,27 @@ def local_tree(folder: Path) -> dict[str, Any]:
     return _probe_here("tree", str(folder))
 
 
+IO_TIMEOUT_S = 60.0  # no byte moved this long: the host is gone (a cut-off host never answers)
+
+
+@contextlib.contextmanager
+def _sftp(conn: fabric.Connection) -> Iterator[paramiko.SFTPClient]:
+    """An SFTP session of this transfer's own (one client shared by threads can deadlock in
+    paramiko's prefetch), every read and write bounded by IO_TIMEOUT_S."""
+    transport = conn.transport
+    assert transport is not None
+    client = paramiko.SFTPClient.from_transport(transport)
+    assert client is not None
+    client.get_channel().settimeout(IO_TIMEOUT_S)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirror: bool = True) -> Transfer:
-    """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else)."""
+    """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else). The
+    operations on one host's connection run one at a time (see `_sftp`)."""
     started = time.monotonic()
     theirs = _checked(probe(conn, host, "tree", remote), host)
     if not theirs["exists"]:
@@ -74,8 +95,7 @@ def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirro
         )
     staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
     try:
-        if todo:
-            sftp = conn.sftp()
+        with _sftp(conn) as sftp:
             for rel in todo:
                 target = staging / rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -113,26 +133,26 @@ def push(conn: fabric.Connection, host: Host, local: Path, remote: str) -> Trans
         )
     folder = theirs["folder"]
     staging = posixpath.join(folder, f"{STAGING_PREFIX}{secrets.token_hex(4)}")
-    sftp = conn.sftp()
     made: set[str] = set()
-    try:
-        _mkdirs(sftp, staging, made)
-        for rel in todo:
-            target = posixpath.join(staging, rel)
-            _mkdirs(sftp, posixpath.dirname(target), made)
-            try:
-                sftp.put(str(local / rel), target)
-            except OSError as exc:
-                raise LaunchError(
-                    f"{host.label}: cannot write {folder}/{rel} ({exc or type(exc).__name__}; "
-                    f"{_size(theirs['free_bytes'])} were free before the copy)"
-                ) from None
-        done = _checked(
-            probe(conn, host, "commit", folder, staging, stdin=json.dumps(sorted(ours["files"]))), host
-        )
-    except BaseException:
-        _remove_staging(sftp, staging, made)
-        raise
+    with _sftp(conn) as sftp:
+        try:
+            _mkdirs(sftp, staging, made)
+            for rel in todo:
+                target = posixpath.join(staging, rel)
+                _mkdirs(sftp, posixpath.dirname(target), made)
+                try:
+                    sftp.put(str(local / rel), target)
+                except OSError as exc:
+                    raise LaunchError(
+                        f"{host.label}: cannot write {folder}/{rel} ({exc or type(exc).__name__}; "
+                        f"{_size(theirs['free_bytes'])} were free before the copy)"
+                    ) from None
+            done = _checked(
+                probe(conn, host, "commit", folder, staging, stdin=json.dumps(sorted(ours["files"]))), host
+            )
+        except BaseException:
+            _remove_staging(sftp, staging, made)
+            raise
     return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
 

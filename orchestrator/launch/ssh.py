@@ -301,22 +301,25 @@ class SshLauncher(Launcher):
                     (task, posixpath.join(folder, "tensorboard"), self._home / "tensorboard", False)
                 )
 
-        def one(item: tuple[TaskPlan, str, Path, bool]) -> str:
-            task, remote, local, mirror = item
-            host = self._hosts[task.host_index]
-            try:
-                got = ship.pull(self._connection(task.host_index), host, remote, local, mirror=mirror)
-            except (OSError, EOFError, paramiko.SSHException) as exc:
-                raise LaunchError(f"{host.label}: {exc or type(exc).__name__}") from None
-            return f"{local.name}/ from {task.name} ({host.label}): {got.describe()}" if got.files else ""
+        def host_pulls(index: int) -> list[str]:
+            # one host's pulls one after another (they share its connection); hosts in parallel
+            lines = []
+            host = self._hosts[index]
+            for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
+                try:
+                    got = ship.pull(self._connection(index), host, remote, local, mirror=mirror)
+                except (LaunchError, OSError, EOFError, paramiko.SSHException) as exc:
+                    lines.append(f"could not bring {remote} home from {task.name} ({host.label}): {exc}")
+                    continue
+                if got.files:
+                    lines.append(f"{local.name}/ from {task.name} ({host.label}): {got.describe()}")
+            return lines
 
-        lines = []
-        for (task, remote, _, _), result in zip(wanted, on_all(wanted, one), strict=True):
-            if isinstance(result, BaseException):
-                lines.append(f"could not bring {remote} home from {task.name}: {result}")
-            elif result:
-                lines.append(result)
-        return lines
+        hosts = sorted({w[0].host_index for w in wanted})
+        out: list[str] = []
+        for index, result in zip(hosts, on_all(hosts, host_pulls), strict=True):
+            out += [f"{self._hosts[index].label}: {result}"] if isinstance(result, BaseException) else result
+        return out
 
     # --- per attempt ---
 

@@ -296,3 +296,30 @@ def test_model_fit_with_backup_and_restore_resumes_mid_training_after_kill(job_f
     first_after_restart = min(p["step"] for p in points if p["attempt"] == 1)
     assert first_after_restart > 40, first_after_restart  # resumed mid-training, not from step 1
     assert "held-out accuracy" in (job.run_dir / "logs" / "worker-0.log").read_text()
+
+
+def test_workers_that_start_from_different_states_never_train_on(job_factory):
+    # worker-1 changes its own copy of the weights after they were made equal (as a worker whose
+    # disk lacked the checkpoint would restore nothing): caught before the first step
+    job = loop_job(job_factory, steps=100)
+    module = (
+        (job.root / "train.py")
+        .read_text()
+        .replace(
+            "    return tf.keras.Sequential([layers.Input(shape=(8,)), hidden, layers.Dense(4)])",
+            "    model = tf.keras.Sequential([layers.Input(shape=(8,)), hidden, layers.Dense(4)])\n"
+            '    if os.environ["ORCHESTRATE_TASK"] == "worker-1":\n'
+            "        hidden.kernel.assign(hidden.kernel.numpy() + 1.0)\n"
+            "    return model",
+        )
+    )
+    assert "worker-1" in module
+    (job.root / "train.py").write_text(module)
+    res = job.up(timeout_s=120)
+    assert res.returncode == 1, res.stdout
+    st = status(job)
+    assert st["state"] == "FAILED" and st["restarts"] == 0, st  # never restarted
+    assert "different" in st["reason"] and "not restarted" in st["reason"], st["reason"]
+    assert "worker-0 step 0" in res.stdout and "worker-1 step 0" in res.stdout  # which task restored what
+    assert all((t["last_step"] or 0) == 0 for t in st["tasks"]), st["tasks"]  # not one step trained
+    assert run_processes(job.run_id) == []

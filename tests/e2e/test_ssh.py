@@ -1,5 +1,6 @@
-"""The ssh backend end to end, on real sshd hosts (tests/lab.py): network namespaces as root,
-loopback sshd instances otherwise. Real SSH, real keys, real TensorFlow, real signals."""
+"""The ssh backend end to end, on real sshd hosts (tests/lab.py): as root, namespaces with a network,
+a disk and a hostname of their own; loopback sshd instances otherwise. Real SSH, real keys, real
+TensorFlow, real signals. A host's files are read from outside through `host.path(...)`."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def lab(tmp_path_factory):
 class SshJob(CliRun):
     def __init__(self, lab, root: Path, script: str, *, hosts: int = 2, spec: dict | None = None, name="s"):
         self.lab, self.root = lab, root
-        self.run_dir = root / f"run-{secrets.token_hex(3)}"  # its name is the run id on the hosts
+        self.run_dir = root / f"run-{secrets.token_hex(3)}"
         (root / "job").mkdir(parents=True, exist_ok=True)
         (root / "job" / "job.py").write_text(textwrap.dedent(script))
         self.hosts = list(range(hosts))
@@ -123,8 +124,8 @@ def ssh_job(lab, tmp_path):
             proc.kill()
 
 
-def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, tmp_path):
-    marker = tmp_path / "executed"
+def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, lab):
+    marker = lab.shared / f"executed-{secrets.token_hex(3)}"  # the same path on every host and here
     nasty = NASTY.format(marker=marker)
     job = ssh_job(
         MWMS,
@@ -140,12 +141,13 @@ def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, tmp_
     for i, task in enumerate(("worker-0", "worker-1", "worker-2")):
         log = (job.run_dir / "logs" / f"{task}.log").read_text()
         # the log streamed back; the host keeps its own copy
-        remote = job.lab.hosts[i].workdir / "runs" / job.run_id / "logs" / f"{task}.log"
+        host = job.lab.hosts[i]
+        remote = host.path(host.workdir / "runs" / job.run_id / "logs" / f"{task}.log")
         assert "FINAL 60.0" in log and "FINAL 60.0" in remote.read_text()  # 3 replicas x 20 steps
         assert f"ENV {json.dumps(nasty)}" in log
         assert f"ARGV {json.dumps([nasty, '--x=$HOME'])}" in log
         # the runtime copied into the run's folder ran, not the coordinator's checkout
-        assert f"RUNTIME {job.lab.hosts[i].workdir}/runs/{job.run_id}/lib/worker/__init__.py" in log
+        assert f"RUNTIME {host.workdir}/runs/{job.run_id}/lib/worker/__init__.py" in log
     assert not marker.exists()  # nothing in the spec was ever run by a shell
     assert job.hosts_empty(), job.host_pids()
 
@@ -232,7 +234,8 @@ def test_unknown_host_key_is_refused_and_nothing_starts(ssh_job):
     assert "hosts[1]" in res.stderr and "host key unknown" in res.stderr and "ssh-keyscan" in res.stderr
     assert "hosts[0]" not in res.stderr  # the known host is fine, and not blamed
     assert job.hosts_empty(), job.host_pids()
-    assert not any((h.workdir / "runs" / job.run_id).exists() for h in job.lab.hosts)  # nothing copied
+    assert all(h.path(h.home).is_dir() for h in job.lab.hosts)  # each host's disk is in view
+    assert not any(h.path(h.workdir / "runs" / job.run_id).exists() for h in job.lab.hosts)  # nothing copied
 
 
 def test_accept_new_records_a_first_key_but_a_changed_key_is_refused(ssh_job, lab, tmp_path):
@@ -387,7 +390,8 @@ def test_down_stops_a_task_left_behind_when_its_shim_and_the_coordinator_died(ss
     proc = job.start()
     try:
         assert wait_until(lambda: job.steps() >= 3, 60), job.status()
-        pidfile = job.lab.hosts[0].workdir / "runs" / job.run_id / "tasks" / "worker-0.json"
+        host = job.lab.hosts[0]
+        pidfile = host.path(host.workdir / "runs" / job.run_id / "tasks" / "worker-0.json")
         record = json.loads(pidfile.read_text())
         os.kill(record["shim"], signal.SIGKILL)
         proc.kill()
@@ -437,7 +441,9 @@ def test_files_travel_once_and_only_when_changed(lab, tmp_path):
     finally:
         close_all({0: conn})
     assert (first, again, changed) == (2, 0, 1)
-    cached = {p.name: p.read_bytes() for p in Path(workdir, "cache").iterdir()}
+    if lab.separate_disks:
+        assert not Path(workdir).exists()  # host 0's disk, not this machine's
+    cached = {p.name: p.read_bytes() for p in (h.path(workdir) / "cache").iterdir()}
     assert (src / "data" / "big.bin").read_bytes() in cached.values()
     assert b"print('v2')\n" in cached.values() and b"print('v1')\n" in cached.values()
     assert not any(name.startswith(".") for name in cached)  # no half-written upload left
