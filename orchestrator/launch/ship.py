@@ -46,6 +46,7 @@ class Transfer:
     bytes: int
     removed: int
     seconds: float
+    exists: bool = True  # the source folder was there
 
     def describe(self) -> str:
         if not self.files and not self.removed:
@@ -84,7 +85,7 @@ def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirro
     started = time.monotonic()
     theirs = _checked(probe(conn, host, "tree", remote), host)
     if not theirs["exists"]:
-        return Transfer(0, 0, 0, time.monotonic() - started)
+        return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
     ours = local_tree(local)
     todo = _differing(theirs["files"], ours["files"])
     need = sum(theirs["files"][rel][0] for rel in todo)

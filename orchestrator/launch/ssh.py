@@ -31,7 +31,7 @@ from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
 from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
-from orchestrator.plan import HostContext, LaunchPlan, TaskPlan, job_files_root, remote_run_folder
+from orchestrator.plan import HostContext, LaunchPlan, StatePlan, TaskPlan, job_files_root, remote_run_folder
 from orchestrator.record import now_iso
 from orchestrator.spec.model import ClusterSpec, Role, SshSpec
 from worker import wire
@@ -153,6 +153,8 @@ class SshLauncher(Launcher):
         self._shared_hosts: set[int] = set()  # hosts with several tasks: their heartbeats go via a relay
         self.reports: list[preflight.HostReport] = []
         self._files: list[FileEntry] = []
+        self._follower: threading.Thread | None = None  # new checkpoints to the evaluators' hosts
+        self._follow_stop = threading.Event()
 
     # --- before the first attempt ---
 
@@ -246,28 +248,47 @@ class SshLauncher(Launcher):
 
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
         """Attempts after the first restore the owner's latest checkpoint: bring it home, then
-        send home's copy to every reader's host whose folder differs (ship.py)."""
+        send home's copy to every reader's host whose folder differs (ship.py). An evaluator on
+        another host than the owner then gets each new checkpoint while the attempt runs."""
+        self._stop_following()
         state = plan.state
-        if attempt == 0 or state is None or state.shared:
+        if state is None or state.shared:
             return []
-        owner = plan.task(state.owner)
+        notes = self._ship(plan, state) if attempt > 0 else []
+        evaluators = [t for t in map(plan.task, state.readers) if t.role is Role.EVALUATOR]
+        if self._targets(plan, evaluators):
+            self._follow_stop = threading.Event()
+            self._follower = threading.Thread(
+                target=self._follow, args=(plan, evaluators, self._follow_stop), daemon=True, name="ship"
+            )
+            self._follower.start()
+        return notes
+
+    def _targets(self, plan: LaunchPlan, readers: list[TaskPlan]) -> list[tuple[int, str]]:
+        """(host, folder) of the readers, but the owner's own."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
         source = (owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR])
+        return sorted({(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in readers} - {source})
+
+    def _ship(self, plan: LaunchPlan, state: StatePlan) -> list[str]:
+        owner = plan.task(state.owner)
+        host = self._hosts[owner.host_index]
         home = self._home / "checkpoints"
         try:
             got = ship.pull(
-                self._connection(owner.host_index), self._hosts[owner.host_index], source[1], home
+                self._connection(owner.host_index), host, owner.env[wire.ENV_CHECKPOINT_DIR], home
             )
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self._suspect.add(owner.host_index)
-            raise LaunchError(
-                f"{self._hosts[owner.host_index].label}: bringing the checkpoint home: {exc}"
-            ) from None
-        notes = [
-            f"checkpoints of {owner.name} ({self._hosts[owner.host_index].label}) → {home}: {got.describe()}"
-        ]
-        targets = sorted(
-            {(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in map(plan.task, state.readers)} - {source}
-        )
+            raise LaunchError(f"{host.label}: bringing the checkpoint home: {exc}") from None
+        notes = [f"checkpoints of {owner.name} ({host.label}) → {home}: {got.describe()}"]
+        targets = self._targets(plan, list(map(plan.task, state.readers)))
+        if not got.exists and any(home.iterdir() if home.is_dir() else ()):
+            # the owner's folder is gone (a --resume after its host was cleaned): home's copy is
+            # the latest state there is, so the owner gets it back too
+            targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
+            notes[0] = f"{owner.name} ({host.label}) has no checkpoint folder; using the copy in {home}"
 
         def one(target: tuple[int, str]) -> ship.Transfer:
             index, folder = target
@@ -283,9 +304,42 @@ class SshLauncher(Launcher):
             notes.append(f"→ {self._hosts[index].label} {folder}: {sent.describe()}")
         return notes
 
+    def _follow(self, plan: LaunchPlan, evaluators: list[TaskPlan], stop: threading.Event) -> None:
+        """While the attempt runs: each new checkpoint of the owner, home and on to the evaluators'
+        hosts. A round that fails (a file changed while copied, a host away) is tried again."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        home = self._home / "checkpoints"
+        every_s = max(2.0, self._spec.health.heartbeat_interval_s)
+        while not stop.wait(every_s):
+            try:
+                got = ship.pull(
+                    self._connection(owner.host_index),
+                    self._hosts[owner.host_index],
+                    owner.env[wire.ENV_CHECKPOINT_DIR],
+                    home,
+                )
+                if not got.exists:
+                    continue
+                for index, folder in self._targets(plan, evaluators):
+                    if stop.is_set():
+                        return
+                    sent = ship.push(self._connection(index), self._hosts[index], home, folder)
+                    if sent.files:
+                        log.debug("%s %s: %s", self._hosts[index].label, folder, sent.describe())
+            except (LaunchError, OSError, EOFError, paramiko.SSHException) as exc:
+                log.debug("checkpoints to the evaluators, tried again in %g s: %s", every_s, exc)
+
+    def _stop_following(self) -> None:
+        if self._follower is not None:
+            self._follow_stop.set()
+            self._follower.join(timeout=2 * ship.IO_TIMEOUT_S)
+            self._follower = None
+
     def bring_home(self, plan: LaunchPlan) -> list[str]:
         """The owner's model/, tensorboard/ and latest checkpoint, the evaluators' tensorboard/,
         into the run directory. A host that cannot be reached is said, not raised."""
+        self._stop_following()
         if plan.state is None:
             return []
         owner = plan.task(plan.state.owner)
@@ -462,6 +516,7 @@ class SshLauncher(Launcher):
             )
 
     def close(self) -> None:
+        self._stop_following()
         for relay in self._relays.values():
             relay.close()
         self._relays = {}

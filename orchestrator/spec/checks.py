@@ -190,8 +190,6 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
                 )
     if effective and not any(rule.decides for rule in effective.values()):
         problems.append(SpecProblem(("policy",), "no role decides success; the job could never end"))
-    if spec.backend is Backend.SSH and spec.job.loop is not None and spec.role_count(Role.EVALUATOR):
-        problems += _check_evaluator_sees_checkpoints(spec)
     if spec.job.checkpoint_dir is not None and spec.job.loop is not None:
         problems.append(
             SpecProblem(("job", "checkpoint_dir"), "the built-in loop's folder is train.checkpoint_dir")
@@ -210,25 +208,6 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
     ):
         problems.append(SpecProblem(("train", "cpu_replicas"), "applies to strategy: mirrored only"))
     return problems
-
-
-def _check_evaluator_sees_checkpoints(spec: ClusterSpec) -> list[SpecProblem]:
-    """On separate machines the evaluator reads the checkpoints the chief (or worker 0) writes: on
-    the same host, or in a folder both share."""
-    if spec.shared_checkpoint_dir is not None:
-        return []  # declared shared (and proven so by the preflight)
-    writer = Role.CHIEF if spec.role_count(Role.CHIEF) else Role.WORKER
-    writer_host = next(i for i, h in enumerate(spec.hosts) if h.tasks.get(writer, 0) > 0)
-    evaluator_host = next(i for i, h in enumerate(spec.hosts) if h.tasks.get(Role.EVALUATOR, 0) > 0)
-    if spec.hosts[writer_host].address == spec.hosts[evaluator_host].address:
-        return []
-    return [
-        SpecProblem(
-            ("hosts", evaluator_host, "tasks", "evaluator"),
-            f"the evaluator reads the checkpoints {writer.value}-0 writes on hosts[{writer_host}]: put it on "
-            "that host, or set train.checkpoint_dir to a folder both hosts share",
-        )
-    ]
 
 
 def _key(path: tuple[str | int, ...]) -> str:

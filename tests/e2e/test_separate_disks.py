@@ -289,3 +289,35 @@ def test_a_host_without_room_for_the_checkpoint_is_a_clear_error_and_keeps_its_o
     finally:
         close_all({1: conn})
         subprocess.run([*host1.exec_prefix(), "umount", str(small)], check=False)
+
+
+def test_an_evaluator_on_another_host_scores_every_checkpoint_shipped_to_it(lab, tmp_path, jobs):
+    needs_separate_disks(lab)
+    module = LOOP + (
+        "\n    def make_eval_dataset():\n"
+        "        x = np.random.default_rng(3).normal(size=(64, 6)).astype('float32')\n"
+        "        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(32)\n"
+    )
+    job = SshJob(lab, tmp_path / "eval", module)
+    data = yaml.safe_load(job.spec.read_text())
+    data.update(
+        strategy="mirrored",
+        hosts=[lab.host_spec(0), lab.host_spec(1, tasks={"evaluator": 1})],
+        job={"loop": "job/job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
+        train=TRAIN,
+    )
+    data["health"].update(heartbeat_timeout_s=5, final_wait_s=60)
+    job.spec.write_text(yaml.safe_dump(data))
+    jobs.append(job)
+    res = job.up(timeout_s=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = job.status()
+    assert {t["task"]: t["state"] for t in status["tasks"]} == {
+        "worker-0": "SUCCEEDED",
+        "evaluator-0": "SUCCEEDED",
+    }
+    points = [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    scored = [p["step"] for p in points if p["task"] == "evaluator-0" and "eval_loss" in p]
+    assert scored and scored[-1] == 90, scored  # it saw the final checkpoint, on its own disk
+    assert any((job.run_dir / "tensorboard" / "eval").iterdir())  # its output came home
+    assert job.hosts_empty(), job.host_pids()
