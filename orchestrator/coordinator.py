@@ -189,9 +189,12 @@ def up(
         )
         with _stop_on_signals(supervisor):
             result = supervisor.run()
+        started = time.monotonic()
         home = launcher.bring_home(supervisor.plan)
-        for line in home:
-            record.event(kind="results", reason=line)
+        if home:
+            took_s = round(time.monotonic() - started, 3)
+            for line in home:
+                record.event(kind="results", reason=line, seconds=took_s)
         return UpResult(run_dir, result, supervisor.plan, tuple(home))
     finally:
         if supervisor is not None and not supervisor.state.is_terminal:
