@@ -1,4 +1,4 @@
-"""Run every benchmark (DESIGN §9, P1-P7), print one table, and keep the figures.
+"""Run every benchmark (DESIGN §9, P1-P7; P9 state across hosts), print one table, keep the figures.
 
 Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
 one after another (never side by side: they would measure each other), writes everything to
@@ -31,6 +31,7 @@ PLAN = [
     ("P4/P5", "recovery.py", (["--runs", "3"], ["--runs", "1"])),
     ("P6", "capacity.py", ([], ["--cases", "whole:relayed:1000", "relay:direct:8", "--measure-s", "8"])),
     ("P7", "ssh_fanout.py", (["--repeats", "3"], ["--repeats", "1"])),
+    ("P9", "ship_state.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
 ]
 
 
@@ -153,6 +154,20 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
     if p7.get("skipped"):
         out.append(f"| P7 ssh fan-out | skipped | {p7['skipped']} |")
+    p9 = results.get("P9", {})
+    for r in p9.get("rows", []):
+        out.append(
+            f"| P9 restart, chief's checkpoint copied, {r['model']} model, {r['hosts']} hosts | "
+            f"{r['restart_shipped_s']:.2f} s (×{r['ratio']:.2f}; the copy {r['copy_s']:.2f} s); results "
+            f"home {r['home_s']:.2f} s | same restart with a shared folder {r['restart_shared_s']:.2f} s |"
+        )
+    for every, r in (p9.get("steps_lost") or {}).items():
+        out.append(
+            f"| P9 steps lost per kill -9, separate disks | median {r['median']:g}, max {r['max']} "
+            f"| checkpoint_every {every} |"
+        )
+    if p9.get("skipped"):
+        out.append(f"| P9 state across hosts | skipped | {p9['skipped']} |")
     for name, r in results.items():
         if "error" in r:
             out.append(f"| {name} | FAILED ({r['error']}) | see the JSON |")
