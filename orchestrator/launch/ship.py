@@ -61,29 +61,54 @@ def local_tree(folder: Path) -> dict[str, Any]:
     return _probe_here("tree", str(folder))
 
 
-IO_TIMEOUT_S = 60.0  # no byte moved this long: the host is gone (a cut-off host never answers)
+IO_TIMEOUT_S = 60.0  # default: no answer this long and the host is gone (a cut-off host never answers)
 
 
 @contextlib.contextmanager
-def _sftp(conn: fabric.Connection) -> Iterator[paramiko.SFTPClient]:
+def _sftp(conn: fabric.Connection, timeout_s: float) -> Iterator[paramiko.SFTPClient]:
     """An SFTP session of this transfer's own (one client shared by threads can deadlock in
-    paramiko's prefetch), every read and write bounded by IO_TIMEOUT_S."""
+    paramiko's prefetch). Its channel opens within `timeout_s` (paramiko would wait an hour for a
+    host that went away) and every read and write is bounded by it."""
     transport = conn.transport
     assert transport is not None
-    client = paramiko.SFTPClient.from_transport(transport)
-    assert client is not None
-    client.get_channel().settimeout(IO_TIMEOUT_S)
+    channel = transport.open_session(timeout=timeout_s)
+    channel.settimeout(timeout_s)
+    channel.invoke_subsystem("sftp")
+    client = paramiko.SFTPClient(channel)
     try:
         yield client
     finally:
         client.close()
 
 
-def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirror: bool = True) -> Transfer:
-    """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else). The
-    operations on one host's connection run one at a time (see `_sftp`)."""
+@contextlib.contextmanager
+def _connection_errors(host: Host, what: str) -> Iterator[None]:
+    """A connection that fails or goes silent mid-copy is a LaunchError naming the host."""
+    try:
+        yield
+    except (OSError, EOFError, paramiko.SSHException) as exc:
+        raise LaunchError(f"{host.label}: {what}: {exc or type(exc).__name__}") from None
+
+
+def pull(
+    conn: fabric.Connection,
+    host: Host,
+    remote: str,
+    local: Path,
+    *,
+    mirror: bool = True,
+    timeout_s: float = IO_TIMEOUT_S,
+) -> Transfer:
+    """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else)."""
+    with _connection_errors(host, f"bringing {remote} home"):
+        return _pull(conn, host, remote, local, mirror, timeout_s)
+
+
+def _pull(
+    conn: fabric.Connection, host: Host, remote: str, local: Path, mirror: bool, timeout_s: float
+) -> Transfer:
     started = time.monotonic()
-    theirs = _checked(probe(conn, host, "tree", remote), host)
+    theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
     if not theirs["exists"]:
         return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
     ours = local_tree(local)
@@ -96,7 +121,7 @@ def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirro
         )
     staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
     try:
-        with _sftp(conn) as sftp:
+        with _sftp(conn, timeout_s) as sftp:
             for rel in todo:
                 target = staging / rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -117,11 +142,18 @@ def pull(conn: fabric.Connection, host: Host, remote: str, local: Path, *, mirro
     return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
 
-def push(conn: fabric.Connection, host: Host, local: Path, remote: str) -> Transfer:
+def push(
+    conn: fabric.Connection, host: Host, local: Path, remote: str, *, timeout_s: float = IO_TIMEOUT_S
+) -> Transfer:
     """Make `remote` on the host an exact copy of `local`."""
+    with _connection_errors(host, f"sending the checkpoint to {remote}"):
+        return _push(conn, host, local, remote, timeout_s)
+
+
+def _push(conn: fabric.Connection, host: Host, local: Path, remote: str, timeout_s: float) -> Transfer:
     started = time.monotonic()
     ours = local_tree(local)
-    theirs = _checked(probe(conn, host, "tree", remote), host)
+    theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
     todo = _differing(ours["files"], theirs["files"])
     extra = set(theirs["files"]) - set(ours["files"])
     if not todo and not extra:
@@ -135,7 +167,7 @@ def push(conn: fabric.Connection, host: Host, local: Path, remote: str) -> Trans
     folder = theirs["folder"]
     staging = posixpath.join(folder, f"{STAGING_PREFIX}{secrets.token_hex(4)}")
     made: set[str] = set()
-    with _sftp(conn) as sftp:
+    with _sftp(conn, timeout_s) as sftp:
         try:
             _mkdirs(sftp, staging, made)
             for rel in todo:
@@ -143,17 +175,21 @@ def push(conn: fabric.Connection, host: Host, local: Path, remote: str) -> Trans
                 _mkdirs(sftp, posixpath.dirname(target), made)
                 try:
                     sftp.put(str(local / rel), target)
+                except TimeoutError:
+                    raise  # the host went silent: not a full disk
                 except OSError as exc:
                     raise LaunchError(
                         f"{host.label}: cannot write {folder}/{rel} ({exc or type(exc).__name__}; "
                         f"{_size(theirs['free_bytes'])} were free before the copy)"
                     ) from None
+            keep = json.dumps(sorted(ours["files"]))
             done = _checked(
-                probe(conn, host, "commit", folder, staging, stdin=json.dumps(sorted(ours["files"]))), host
+                probe(conn, host, "commit", folder, staging, stdin=keep, timeout_s=timeout_s), host
             )
-        except BaseException:
-            _remove_staging(sftp, staging, made)
+        except LaunchError:
+            _remove_staging(sftp, staging, made)  # the host answers: take the partial copy away
             raise
+        # a host that went silent is not asked again: its next `tree` removes the staging folder
     return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
 

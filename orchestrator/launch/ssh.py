@@ -142,6 +142,8 @@ class SshLauncher(Launcher):
         self._spec = spec
         self._run_id = run_id
         self._home = home  # the run directory on this machine: results and the latest state come here
+        # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
+        self._io_timeout_s = max(10.0, 3 * spec.ssh.connect_timeout_s)
         self._hosts = hosts_of(spec)
         self._conns: dict[int, fabric.Connection] = {}
         self._contexts: dict[int, HostContext] = {}
@@ -277,11 +279,15 @@ class SshLauncher(Launcher):
         home = self._home / "checkpoints"
         try:
             got = ship.pull(
-                self._connection(owner.host_index), host, owner.env[wire.ENV_CHECKPOINT_DIR], home
+                self._connection(owner.host_index),
+                host,
+                owner.env[wire.ENV_CHECKPOINT_DIR],
+                home,
+                timeout_s=self._io_timeout_s,
             )
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            self._suspect.add(owner.host_index)
-            raise LaunchError(f"{host.label}: bringing the checkpoint home: {exc}") from None
+        except LaunchError:
+            self._suspect.add(owner.host_index)  # its connection is renewed before the next use
+            raise
         notes = [f"checkpoints of {owner.name} ({host.label}) → {home}: {got.describe()}"]
         targets = self._targets(plan, list(map(plan.task, state.readers)))
         if not got.exists and any(home.iterdir() if home.is_dir() else ()):
@@ -293,10 +299,12 @@ class SshLauncher(Launcher):
         def one(target: tuple[int, str]) -> ship.Transfer:
             index, folder = target
             try:
-                return ship.push(self._connection(index), self._hosts[index], home, folder)
-            except (OSError, EOFError, paramiko.SSHException) as exc:
+                return ship.push(
+                    self._connection(index), self._hosts[index], home, folder, timeout_s=self._io_timeout_s
+                )
+            except LaunchError:
                 self._suspect.add(index)
-                raise LaunchError(f"{self._hosts[index].label}: sending the checkpoint: {exc}") from None
+                raise
 
         results = on_all(targets, one)
         raise_if_failed(results, "copying the checkpoint to the hosts")
@@ -318,22 +326,29 @@ class SshLauncher(Launcher):
                     self._hosts[owner.host_index],
                     owner.env[wire.ENV_CHECKPOINT_DIR],
                     home,
+                    timeout_s=self._io_timeout_s,
                 )
                 if not got.exists:
                     continue
                 for index, folder in self._targets(plan, evaluators):
                     if stop.is_set():
                         return
-                    sent = ship.push(self._connection(index), self._hosts[index], home, folder)
+                    sent = ship.push(
+                        self._connection(index),
+                        self._hosts[index],
+                        home,
+                        folder,
+                        timeout_s=self._io_timeout_s,
+                    )
                     if sent.files:
                         log.debug("%s %s: %s", self._hosts[index].label, folder, sent.describe())
-            except (LaunchError, OSError, EOFError, paramiko.SSHException) as exc:
+            except LaunchError as exc:
                 log.debug("checkpoints to the evaluators, tried again in %g s: %s", every_s, exc)
 
     def _stop_following(self) -> None:
         if self._follower is not None:
             self._follow_stop.set()
-            self._follower.join(timeout=2 * ship.IO_TIMEOUT_S)
+            self._follower.join(timeout=4 * self._io_timeout_s)
             self._follower = None
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
@@ -361,9 +376,16 @@ class SshLauncher(Launcher):
             host = self._hosts[index]
             for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
                 try:
-                    got = ship.pull(self._connection(index), host, remote, local, mirror=mirror)
-                except (LaunchError, OSError, EOFError, paramiko.SSHException) as exc:
-                    lines.append(f"could not bring {remote} home from {task.name} ({host.label}): {exc}")
+                    got = ship.pull(
+                        self._connection(index),
+                        host,
+                        remote,
+                        local,
+                        mirror=mirror,
+                        timeout_s=self._io_timeout_s,
+                    )
+                except LaunchError as exc:
+                    lines.append(f"could not bring {remote} home from {task.name}: {exc}")
                     continue
                 if got.files:
                     lines.append(f"{local.name}/ from {task.name} ({host.label}): {got.describe()}")

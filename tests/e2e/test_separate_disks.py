@@ -321,3 +321,39 @@ def test_an_evaluator_on_another_host_scores_every_checkpoint_shipped_to_it(lab,
     assert scored and scored[-1] == 90, scored  # it saw the final checkpoint, on its own disk
     assert any((job.run_dir / "tensorboard" / "eval").iterdir())  # its output came home
     assert job.hosts_empty(), job.host_pids()
+
+
+def test_a_host_cut_off_while_its_checkpoint_is_copied_fails_in_bounded_time(lab, tmp_path):
+    needs_separate_disks(lab)
+    from orchestrator.errors import LaunchError
+    from orchestrator.launch import ship
+    from orchestrator.launch.hosts import Host, close_all, connect
+    from orchestrator.spec.model import SshSpec
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "ckpt-20.data-00000-of-00001").write_bytes(os.urandom(1024 * 1024))
+    (home / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
+    host1 = lab.hosts[1]
+    folder = str(lab.scratch / "cut")
+    host = Host(1, host1.address, host1.ssh_port, None, lab.client_key, (sys.executable,))
+    conn = connect(host, SshSpec(known_hosts=lab.known_hosts, connect_timeout_s=2))
+    lab.cut(1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LaunchError) as info:
+            ship.push(conn, host, home, folder, timeout_s=3)
+        took = time.monotonic() - started
+    finally:
+        lab.restore(1)
+        close_all({1: conn})
+    assert "hosts[1]" in str(info.value), info.value
+    assert took < 3 * 3 + 2, took  # bounded: never paramiko's hour for a channel that never opens
+    conn = connect(host, SshSpec(known_hosts=lab.known_hosts, connect_timeout_s=2))
+    try:  # back on the network: the next copy goes through, and nothing half-done is left there
+        assert ship.push(conn, host, home, folder, timeout_s=10).files == 2
+    finally:
+        close_all({1: conn})
+    assert sorted(p.name for p in host1.path(Path(folder)).iterdir()) == sorted(
+        p.name for p in home.iterdir()
+    )
