@@ -62,12 +62,34 @@ def test_request_without_or_with_wrong_token_is_rejected(server):
         b"[]",
         json.dumps({"task": "worker-0"}).encode(),
         json.dumps({"task": 1, "attempt": 0, "seq": 1, "sent_at": 0, "pid": 1}).encode(),
+        *(
+            json.dumps(
+                {"task": "worker-0", "attempt": 0, "seq": 1, "sent_at": 0, "pid": 1, "restored": r}
+            ).encode()
+            for r in (
+                {"step": "75", "fingerprint": "ab"},
+                {"step": 75},
+                {"step": 75, "fingerprint": "x" * 1000},
+                {"step": 75, "fingerprint": "ab", "source": 3},
+                [75],
+            )
+        ),
     ],
 )
 def test_malformed_heartbeat_is_400_and_server_survives(server, body):
     srv, store, _ = server
     assert post(srv.url, body, "right-token") == 400
     assert post(srv.url, hb(), "right-token") == 200
+
+
+def test_a_restore_report_reaches_the_store_and_stays_for_the_attempt(server):
+    srv, store, _ = server
+    start = wire.Restored(
+        step=75, fingerprint="a1b2c3d4e5f60718", source="/h/ckpt-75", epoch=2, step_in_epoch=5
+    )
+    assert post(srv.url, hb(seq=1, restored=start), "right-token") == 200
+    assert post(srv.url, hb(seq=2, step=76), "right-token") == 200  # later heartbeats need not repeat it
+    assert store.snapshot()["worker-0"].restored == start
 
 
 def test_unknown_task_and_stale_attempt(server):
