@@ -365,10 +365,10 @@ class SshLauncher(Launcher):
             folder = task.env[wire.ENV_RUN_DIR]
             if task.name == owner.name:
                 wanted.append((task, posixpath.join(folder, "model"), self._home / "model", False))
-            if task.name == owner.name or task.role is Role.EVALUATOR:
-                wanted.append(
-                    (task, posixpath.join(folder, "tensorboard"), self._home / "tensorboard", False)
-                )
+            board = posixpath.join(folder, "tensorboard")
+            seen = any(w[0].host_index == task.host_index and w[1] == board for w in wanted)
+            if (task.name == owner.name or task.role is Role.EVALUATOR) and not seen:
+                wanted.append((task, board, self._home / "tensorboard", False))
 
         def host_pulls(index: int) -> list[str]:
             # one host's pulls one after another (they share its connection); hosts in parallel
