@@ -236,8 +236,10 @@ def _summarize(outcome: UpResult) -> int:
     r = outcome.result
     print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
     print(f"  attempts {r.attempt + 1}, restarts {r.restarts}; run record: {outcome.run_dir}")
-    for line in outcome.brought_home:
-        print(f"  brought home: {line}")
+    if outcome.brought_home:
+        print(f"  brought home from the hosts into {outcome.run_dir}:")
+        for line in outcome.brought_home:
+            print(f"    {line}")
     for f in r.task_restarts:
         print(f"  restarted alone: {f.describe()}")
     for f in r.ignored:

@@ -134,7 +134,8 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(la
     assert (job.run_dir / "model" / "model.keras").exists()
     assert any((job.run_dir / "tensorboard").iterdir())
     assert (job.run_dir / "checkpoints" / "ckpt-90.index").exists()
-    assert "brought home: model/" in out
+    said = out.split(f"brought home from the hosts into {job.run_dir}:\n", 1)[1]
+    assert "    model/ from worker-0" in said and "    checkpoints/ from worker-0" in said
     assert job.hosts_empty(), job.host_pids()
 
     # the killed and resumed run ends with the model of an uninterrupted one
@@ -248,6 +249,24 @@ def test_a_checkpoint_folder_declared_shared_but_not_is_caught_before_anything_s
     check = orchestrate_check(job.spec)
     assert check.returncode == 0, check.stdout + check.stderr
     assert list((lab.shared / "ckpt").iterdir()) == []
+    # ...unless one host mounts it read-only: its tasks could not write their checkpoints there
+    ro = lab.shared / "ro"
+    ro.mkdir()
+    data["job"]["checkpoint_dir"] = str(ro)
+    data["ssh"] = {**data["ssh"], "shared_dirs": [str(lab.shared)]}
+    job.spec.write_text(yaml.safe_dump(data))
+    on_host1 = lab.hosts[1].exec_prefix()
+    subprocess.run([*on_host1, "mount", "--bind", str(ro), str(ro)], check=True)
+    subprocess.run([*on_host1, "mount", "-o", "remount,bind,ro", str(ro)], check=True)
+    try:
+        check = orchestrate_check(job.spec)
+    finally:
+        subprocess.run([*on_host1, "umount", str(ro)], check=False)
+    assert check.returncode == 3, check.stdout + check.stderr
+    problems = [line for line in check.stdout.splitlines() if line.startswith("problem:")]
+    assert len(problems) == 1, problems  # host 1, this folder; ssh.shared_dirs passes
+    assert "hosts[1]" in problems[0] and f"cannot write in {ro} (job.checkpoint_dir)" in problems[0]
+    assert list(ro.iterdir()) == [] and not [p for p in lab.shared.iterdir() if p.name.startswith(".")]
 
 
 def test_a_host_without_room_for_the_checkpoint_is_a_clear_error_and_keeps_its_old_one(lab, tmp_path):
