@@ -104,11 +104,17 @@ def final_weights(run_dir: Path) -> list[np.ndarray]:
 
 def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(lab, tmp_path, jobs):
     needs_separate_disks(lab)
-    job = loop_job(lab, tmp_path / "killed", jobs)
+    job = loop_job(lab, tmp_path / "killed", jobs, restart={"max_restarts": 2, "backoff_s": 3})
     proc = job.start()
     try:
         assert wait_until(lambda: (job.task("worker-1").get("last_step") or 0) >= 35, 120), job.status()
         os.kill(job.task("worker-1")["pid"], signal.SIGKILL)  # on host 1; pids are global here
+        assert wait_until(lambda: job.status().get("state") == "RESTARTING", 30), job.status()
+        # meanwhile the chief's host got a half-written checkpoint (as a save cut short leaves)
+        host0 = lab.hosts[0]
+        folder = host0.path(host0.workdir / "runs" / job.run_id / "checkpoints")
+        (folder / "ckpt-999.data-00000-of-00001").write_bytes(os.urandom(5000))
+        (folder / "ckpt-999.index").write_bytes(b"\x00half")
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -121,6 +127,7 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(la
     starts = [t["restored"] for t in status["tasks"]]
     assert starts[0]["step"] == starts[1]["step"] >= 30, starts
     assert starts[0]["fingerprint"] == starts[1]["fingerprint"], starts
+    assert "ckpt-999" not in starts[0]["source"]  # the previous complete checkpoint was used
     host1 = lab.hosts[1]
     log1 = (job.run_dir / "logs" / "worker-1.log").read_text()
     assert f"resumed from {starts[1]['source']} at step {starts[1]['step']}" in log1
