@@ -207,7 +207,12 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
                 address=addresses[slot.name],
                 port=ports[slot.name],
                 argv=_argv(
-                    spec, slot.role, python=python, run_folder=run_folder, local=local, ckpt=checkpoint_dir
+                    spec,
+                    slot.role,
+                    python=python,
+                    run_folder=run_folder,
+                    local=local,
+                    checkpoint_dir=checkpoint_dir,
                 ),
                 env=env,
                 cwd=cwd,
@@ -266,7 +271,13 @@ def _job_path(spec: ClusterSpec, path: Path, *, run_folder: str, local: bool) ->
 
 
 def _argv(
-    spec: ClusterSpec, role: Role, *, python: tuple[str, ...], run_folder: str, local: bool, ckpt: str
+    spec: ClusterSpec,
+    role: Role,
+    *,
+    python: tuple[str, ...],
+    run_folder: str,
+    local: bool,
+    checkpoint_dir: str,
 ) -> tuple[str, ...]:
     """Mode 1: every task runs the script. Mode 2: the training tasks run the loop; the evaluator
     scores its checkpoints; parameter_server's ps and worker tasks serve the chief."""
@@ -276,7 +287,6 @@ def _argv(
         return (*python, "-m", "worker", "run", "--script", script, "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    checkpoint_dir = ckpt
     module = _job_path(spec, job.loop, run_folder=run_folder, local=local)
     if role is Role.EVALUATOR:
         return (*python, "-m", "worker", "evaluate", "--module", module, "--checkpoint-dir", checkpoint_dir)

@@ -114,12 +114,7 @@ class Reporter:
                 return
             self._connecting = True
             sent_before = self._posted
-        self._wake.set()
-        if self._thread is None:
-            return
-        deadline = time.monotonic() + wait_s
-        while self._posted == sent_before and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self._wait_posted(sent_before, wait_s)
 
     def mark_restored(self, restored: wire.Restored, wait_s: float = 2.0) -> None:
         """Where this attempt starts (the built-in loop, after its restore). Sent at once, and
@@ -127,6 +122,10 @@ class Reporter:
         with self._lock:
             self._restored = restored
             sent_before = self._posted
+        self._wait_posted(sent_before, wait_s)
+
+    def _wait_posted(self, sent_before: int, wait_s: float) -> None:
+        """Send a heartbeat now and wait (at most wait_s) until one after `sent_before` is taken."""
         self._wake.set()
         if self._thread is None:
             return

@@ -16,7 +16,6 @@ leaves the previous complete checkpoint in use.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import posixpath
 import secrets
@@ -34,6 +33,7 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.hosts import PROBE_SOURCE, Host, probe
+from orchestrator.launch.sync import sha256_file
 
 STAGING_PREFIX = ".incoming-"
 
@@ -129,7 +129,7 @@ def _pull(
                     sftp.get(posixpath.join(theirs["folder"], rel), str(target))
                 except OSError as exc:
                     raise LaunchError(f"{host.label}: cannot read {remote}/{rel}: {exc}") from None
-                if _sha256(target) != theirs["files"][rel][1]:
+                if sha256_file(target) != theirs["files"][rel][1]:
                     raise LaunchError(
                         f"{host.label}: {remote}/{rel} changed while it was copied (is a task still "
                         "writing there?)"
@@ -143,16 +143,24 @@ def _pull(
 
 
 def push(
-    conn: fabric.Connection, host: Host, local: Path, remote: str, *, timeout_s: float = IO_TIMEOUT_S
+    conn: fabric.Connection,
+    host: Host,
+    local: Path,
+    remote: str,
+    *,
+    timeout_s: float = IO_TIMEOUT_S,
+    ours: dict[str, Any] | None = None,
 ) -> Transfer:
-    """Make `remote` on the host an exact copy of `local`."""
+    """Make `remote` on the host an exact copy of `local`. `ours`: local_tree(local), when the
+    caller sends one folder to several hosts (listed and hashed once, not once per host)."""
     with _connection_errors(host, f"sending the checkpoint to {remote}"):
-        return _push(conn, host, local, remote, timeout_s)
+        return _push(conn, host, local, remote, timeout_s, ours if ours is not None else local_tree(local))
 
 
-def _push(conn: fabric.Connection, host: Host, local: Path, remote: str, timeout_s: float) -> Transfer:
+def _push(
+    conn: fabric.Connection, host: Host, local: Path, remote: str, timeout_s: float, ours: dict[str, Any]
+) -> Transfer:
     started = time.monotonic()
-    ours = local_tree(local)
     theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
     todo = _differing(ours["files"], theirs["files"])
     extra = set(theirs["files"]) - set(ours["files"])
@@ -229,14 +237,6 @@ def _remove_staging(sftp: Any, staging: str, made: set[str]) -> None:
             sftp.rmdir(entry)
     except OSError:
         pass
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _probe_here(mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:

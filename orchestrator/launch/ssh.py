@@ -296,12 +296,12 @@ class SshLauncher(Launcher):
             targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
             notes[0] = f"{owner.name} ({host.label}) has no checkpoint folder; using the copy in {home}"
 
+        ours = ship.local_tree(home)  # once for every host it goes to
+
         def one(target: tuple[int, str]) -> ship.Transfer:
             index, folder = target
             try:
-                return ship.push(
-                    self._connection(index), self._hosts[index], home, folder, timeout_s=self._io_timeout_s
-                )
+                return self._push_home(index, folder, ours)
             except LaunchError:
                 self._suspect.add(index)
                 raise
@@ -311,6 +311,17 @@ class SshLauncher(Launcher):
         for (index, folder), sent in zip(targets, results, strict=True):
             notes.append(f"→ {self._hosts[index].label} {folder}: {sent.describe()}")
         return notes
+
+    def _push_home(self, index: int, folder: str, ours: dict[str, Any]) -> ship.Transfer:
+        """Make `folder` on host `index` a copy of the run directory's checkpoints/ (listed in `ours`)."""
+        return ship.push(
+            self._connection(index),
+            self._hosts[index],
+            self._home / "checkpoints",
+            folder,
+            timeout_s=self._io_timeout_s,
+            ours=ours,
+        )
 
     def _follow(self, plan: LaunchPlan, evaluators: list[TaskPlan], stop: threading.Event) -> None:
         """While the attempt runs: each new checkpoint of the owner, home and on to the evaluators'
@@ -330,16 +341,11 @@ class SshLauncher(Launcher):
                 )
                 if not got.exists:
                     continue
+                ours = ship.local_tree(home)
                 for index, folder in self._targets(plan, evaluators):
                     if stop.is_set():
                         return
-                    sent = ship.push(
-                        self._connection(index),
-                        self._hosts[index],
-                        home,
-                        folder,
-                        timeout_s=self._io_timeout_s,
-                    )
+                    sent = self._push_home(index, folder, ours)
                     if sent.files:
                         log.debug("%s %s: %s", self._hosts[index].label, folder, sent.describe())
             except LaunchError as exc:

@@ -86,12 +86,16 @@ def runtime_entry(entries: Sequence[FileEntry], name: str) -> FileEntry:
 
 
 def _entry(rel: str, path: Path) -> FileEntry:
+    st = path.stat()
+    return FileEntry(rel, sha256_file(path), stat.S_IMODE(st.st_mode), st.st_size, path)
+
+
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    st = path.stat()
-    return FileEntry(rel, digest.hexdigest(), stat.S_IMODE(st.st_mode), st.st_size, path)
+    return digest.hexdigest()
 
 
 def upload(
