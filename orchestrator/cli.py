@@ -121,24 +121,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import shlex
-    import sys as _sys
 
-    from orchestrator.plan import RunContext, make_plan
-    from orchestrator.ports import reserve_ports
+    from orchestrator import launch
+    from orchestrator.plan import make_plan
 
     spec = _load(args)
-    with reserve_ports(spec) as reservation:
-        plan = make_plan(
-            spec,
-            ports=reservation.ports,
-            run=RunContext(
-                run_id=f"{spec.name}-<time>-<random>",
-                run_dir=Path("runs") / f"{spec.name}-<time>",
-                spec_dir=args.spec.resolve().parent,
-                coordinator_url="http://127.0.0.1:<chosen at launch>",
-                python=_sys.executable,
-            ),
-        )
+    run_id = f"{spec.name}-<time>-<random>"
+    run_dir = Path("runs") / f"{spec.name}-<time>"
+    plan = make_plan(spec, run_id, launch.preview(spec, run_id, run_dir, args.spec.resolve().parent))
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return EXIT_OK
@@ -167,36 +157,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from orchestrator import preflight
-    from orchestrator.ports import reserve_ports
-    from orchestrator.spec import Backend
+    from orchestrator import launch
 
     spec = _load(args)
-    if spec.backend is not Backend.SSH:
+    report = launch.check(spec)
+    if report is None:
         print(f"{args.spec}: backend {spec.backend.value} runs every task on this machine; nothing to check")
         return EXIT_OK
-    with reserve_ports(spec) as reservation:
-        reports = preflight.inspect(spec, reservation.ports, peers=True)
-    try:
-        rows = preflight.table_rows(reports)
-        table = Table(title=f"{spec.name}: {len(reports)} host(s)")
-        for column in rows[0]:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*row.values())
-        console = Console(highlight=False, soft_wrap=True)
-        console.print(table)
-        for warning in preflight.warnings(reports):
-            console.print(f"warning: {warning}")
-        problems = preflight.problems(reports)
-        for problem in problems:
-            console.print(f"problem: {problem}")
-        if problems:
-            return EXIT_LAUNCH
-        console.print("all hosts ready")
-        return EXIT_OK
-    finally:
-        preflight.close(reports)
+    table = Table(title=report.title)
+    for column in report.rows[0]:
+        table.add_column(column)
+    for row in report.rows:
+        table.add_row(*row.values())
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(table)
+    for warning in report.warnings:
+        console.print(f"warning: {warning}")
+    for problem in report.problems:
+        console.print(f"problem: {problem}")
+    if report.problems:
+        return EXIT_LAUNCH
+    console.print("all hosts ready")
+    return EXIT_OK
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -253,9 +235,7 @@ def _summarize(outcome: UpResult) -> int:
             print("  traceback:")
             for line in cause.error.traceback.rstrip().splitlines()[-15:]:
                 print(f"    {line}")
-        for name in (cause.task or "").split(", "):
-            if not name:
-                continue
+        for name in r.failed_tasks:
             log_path = outcome.run_dir / "logs" / f"{name}.log"
             lines = tail_lines(log_path, 20)
             if lines:

@@ -1,4 +1,4 @@
-"""Coordinator: wires the layers for `orchestrate up` — spec → ports → plan → launcher →
+"""Coordinator: wires the layers for `orchestrate up` — spec → backend (placements) → plan →
 supervisor, with the heartbeat server, the run record, the console view and signal handling.
 
 Whatever happens (a failure, Ctrl-C, SIGTERM, a bug of ours), every task started is stopped
@@ -15,25 +15,27 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import psutil
 
-from orchestrator import rundir
+from orchestrator import launch, rundir
 from orchestrator.errors import LaunchError, RunDirError, UsageError
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.api import Launcher
-from orchestrator.launch.local import LocalLauncher
+from orchestrator.launch.api import Backend, Heartbeats
+from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
-from orchestrator.plan import LaunchPlan, RunContext, make_plan
-from orchestrator.ports import reserve_ports
-from orchestrator.record import RunRecord, new_run_dir, new_run_id, now_iso, write_json_atomic
-from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.record import RunRecord, new_run_dir, new_run_id, now_iso
+from orchestrator.spec.model import ClusterSpec
+from orchestrator.supervise.records import RunResult
 from orchestrator.supervise.states import ClusterState
-from orchestrator.supervise.supervisor import RunResult, Supervisor, SupervisorConfig
+from orchestrator.supervise.supervisor import Supervisor, SupervisorConfig
 from orchestrator.view import LiveView, PlainView
 
 log = logging.getLogger("orchestrator")
@@ -44,25 +46,7 @@ class UpResult:
     run_dir: Path
     result: RunResult
     plan: LaunchPlan
-    brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir (ssh backend)
-
-
-def make_launcher(spec: ClusterSpec, run_id: str, run_dir: Path) -> Launcher:
-    if spec.backend is Backend.LOCAL:
-        return LocalLauncher()
-    from orchestrator.launch.ssh import SshLauncher  # paramiko loads only when needed
-
-    return SshLauncher(spec, run_id, run_dir)
-
-
-def heartbeat_bind(spec: ClusterSpec) -> tuple[str, int, bool]:
-    """Where the heartbeat server listens, and whether tasks post there directly: loopback (local
-    tasks, SSH tunnels) or the address the hosts reach (ssh.coordinator_address)."""
-    direct = spec.ssh.coordinator_address if spec.backend is Backend.SSH else None
-    if direct is None:
-        return "127.0.0.1", 0, False
-    host, _, port = direct.partition(":")
-    return host, int(port or 0), True
+    brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir
 
 
 def status_interval_s(tasks: int) -> float:
@@ -79,136 +63,135 @@ def up(
     resume: bool = False,
     live: bool | None = None,
     config_overrides: dict[str, float] | None = None,
-    launcher: Launcher | None = None,
+    backend: Backend | None = None,
 ) -> UpResult:
-    """Run the job to its end. `launcher`: the spec's backend unless given (the capacity benchmark
-    gives one whose tasks are simulated)."""
+    """Run the job to its end. `backend`: the spec's unless given (the capacity benchmark gives
+    one whose tasks are simulated)."""
     _raise_open_files_limit()
-    first_attempt, restarts, run_id = 0, 0, new_run_id(spec.name)
-    if resume:
-        assert run_dir is not None
-        # the same run goes on: its id names its folders on the hosts (and their checkpoints)
-        first_attempt, restarts, run_id = _resume_point(run_dir, spec)
+    run_id, first_attempt, restarts = (
+        _resume_point(run_dir, spec) if resume else (new_run_id(spec.name), 0, 0)
+    )
     run_dir = run_dir or new_run_dir(spec.name)
-    launcher = launcher or make_launcher(spec, run_id, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = RunRecord(run_dir)
-    if resume:
-        record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
-    record.write_spec(spec_path.read_text(encoding="utf-8"))
-    token = secrets.token_urlsafe(32)
-    store = HealthStore(time.monotonic, on_points=record.metrics)
-    bind_host, bind_port, direct = heartbeat_bind(spec)
-    try:
-        server = HeartbeatServer(store, token, host=bind_host, port=bind_port).start()
-    except OSError as exc:
-        launcher.close()
-        raise LaunchError(
-            f"cannot listen for heartbeats on {bind_host}:{bind_port} (ssh.coordinator_address): "
-            f"{exc.strerror or exc}"
-        ) from None
-    use_live = sys.stdout.isatty() if live is None else live
-    view = LiveView() if use_live else PlainView()
-    tailer = None
-    supervisor = None
-    reservation = None
-    try:
-        reservation = reserve_ports(spec)
-        hosts = launcher.prepare(
-            reservation.ports, ("127.0.0.1", server.port), server.url if direct else None
-        )
-        hosts_record = launcher.hosts_record()
-        if hosts_record is not None:
-            write_json_atomic(run_dir / "hosts.json", hosts_record)
-        context = RunContext(
-            run_id=run_id,
-            run_dir=run_dir.resolve(),
-            spec_dir=spec_path.resolve().parent,
-            coordinator_url=server.url,
-            python=sys.executable,
-            hosts=hosts,
-        )
-        plan = make_plan(spec, ports=reservation.ports, run=context)
-        record.write_plan(plan.to_json())
-        launcher.deploy(plan)
-
-        def replan() -> tuple[LaunchPlan, list[str]] | None:
-            assert reservation is not None
-            moved = reservation.renew_busy()
-            if not moved:
-                return None
-            new_plan = make_plan(spec, ports=reservation.ports, run=context)
-            record.write_plan(new_plan.to_json())
-            notes = [
-                f"port {old} of {task} is in use by another program; moved to {new}"
-                for task, (old, new) in moved.items()
-            ]
-            return new_plan, notes
-
-        me = psutil.Process()
-        record.write_coordinator(
-            {
-                "run_id": run_id,
-                "pid": me.pid,
-                "create_time": me.create_time(),
-                "started_at": now_iso(),
-                "heartbeat_url": server.url,
-            }
-        )
-        last_state = [""]
-        written = [-1, 0.0]  # transitions, time of the last status written
-        status_every_s = status_interval_s(len(plan.tasks))
+    backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
+    token, record = secrets.token_urlsafe(32), RunRecord(run_dir)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(record.close)
+        cleanup.callback(backend.close)
+        if resume:
+            record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
+        record.write_spec(spec_path.read_text(encoding="utf-8"))
+        store = HealthStore(time.monotonic, on_points=record.metrics)
+        server = cleanup.enter_context(_heartbeat_server(backend, store, token))
+        view = LiveView() if (sys.stdout.isatty() if live is None else live) else PlainView()
+        cleanup.callback(view.close)
+        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url))  # tunnels end on loopback
+        record.write_backend(backend.record())
+        planner = _Planner(spec, run_id, placements, record)
+        plan = planner({})
+        record.write_coordinator(_coordinator_info(run_id, server.url))
         tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
-
-        def on_change(sup: Supervisor) -> None:
-            # A transition is written at once; heartbeat news (steps, metrics) once per interval:
-            # with many tasks, status.json and the view are the coordinator's largest cost.
-            now = time.monotonic()
-            if sup.transitions == written[0] and now - written[1] < status_every_s:
-                return
-            written[:] = [sup.transitions, now]
-            status = sup.status()
-            if tailer is not None and status["state"] != last_state[0]:
-                tailer.poll()  # the tasks' last words come before the news of their end
-                last_state[0] = status["state"]
-            record.write_status(status)
-            record.flush()
-            view.update(status)
-
+        cleanup.callback(tailer.stop)
         supervisor = Supervisor(
             plan,
-            launcher,
+            backend,
             store,
             record,
             token,
             SupervisorConfig.from_spec(spec, **(config_overrides or {})),
-            on_change=on_change,
+            on_change=_StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks))),
             first_attempt=first_attempt,
             restarts=restarts,
-            replan=replan,
+            replan=planner,
         )
+        cleanup.callback(_leave_nothing_running, supervisor)
         with _stop_on_signals(supervisor):
             result = supervisor.run()
-        started = time.monotonic()
-        home = launcher.bring_home(supervisor.plan)
-        if home:
-            took_s = round(time.monotonic() - started, 3)
-            for line in home:
-                record.event(kind="results", reason=line, seconds=took_s)
+        home = _bring_home(backend, supervisor.plan, record)
         return UpResult(run_dir, result, supervisor.plan, tuple(home))
+
+
+class _Planner:
+    """The plan from the spec and the backend's placements, made again when the backend moves a
+    task between attempts; each one written to plan.json."""
+
+    def __init__(
+        self, spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement], record: RunRecord
+    ):
+        self._spec, self._run_id, self._record = spec, run_id, record
+        self._placements = dict(placements)
+
+    def __call__(self, moved: Mapping[str, Placement]) -> LaunchPlan:
+        self._placements.update(moved)
+        plan = make_plan(self._spec, self._run_id, self._placements)
+        self._record.write_plan(plan.to_json())
+        return plan
+
+
+class _StatusWriter:
+    """After each supervisor step: a transition is written at once; heartbeat news (steps,
+    metrics) once per interval — with many tasks, status.json and the view are the coordinator's
+    largest cost."""
+
+    def __init__(self, record: RunRecord, view: LiveView | PlainView, tailer: LogTailer, every_s: float):
+        self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
+        self._transitions, self._written_at, self._state = -1, 0.0, ""
+
+    def __call__(self, sup: Supervisor) -> None:
+        now = time.monotonic()
+        if sup.transitions == self._transitions and now - self._written_at < self._every_s:
+            return
+        self._transitions, self._written_at = sup.transitions, now
+        status = sup.status()
+        if status["state"] != self._state:
+            self._tailer.poll()  # the tasks' last words come before the news of their end
+            self._state = status["state"]
+        self._record.write_status(status)
+        self._record.flush()
+        self._view.update(status)
+
+
+@contextlib.contextmanager
+def _heartbeat_server(backend: Backend, store: HealthStore, token: str) -> Iterator[HeartbeatServer]:
+    host, port = backend.listen()
+    try:
+        server = HeartbeatServer(store, token, host=host, port=port).start()
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot listen for heartbeats on {host}:{port} (ssh.coordinator_address): {exc.strerror or exc}"
+        ) from None
+    try:
+        yield server
     finally:
-        if supervisor is not None and not supervisor.state.is_terminal:
-            # Only a bug of ours gets here: still, leave nothing running.
-            handles = [r.handle for r in supervisor.tasks.values() if r.handle is not None]
-            launcher.stop(handles, grace_s=2.0)
-        if tailer is not None:
-            tailer.stop()
-        view.close()
         server.close()
-        if reservation is not None:
-            reservation.release()
-        launcher.close()
-        record.close()
+
+
+def _coordinator_info(run_id: str, url: str) -> dict[str, Any]:
+    me = psutil.Process()
+    return {
+        "run_id": run_id,
+        "pid": me.pid,
+        "create_time": me.create_time(),
+        "started_at": now_iso(),
+        "heartbeat_url": url,
+    }
+
+
+def _bring_home(backend: Backend, plan: LaunchPlan, record: RunRecord) -> list[str]:
+    started = time.monotonic()
+    home = backend.bring_home(plan)
+    took_s = round(time.monotonic() - started, 3)
+    for line in home:
+        record.event(kind="results", reason=line, seconds=took_s)
+    return home
+
+
+def _leave_nothing_running(supervisor: Supervisor) -> None:
+    """Only a bug of ours ends `up` before the supervisor's own teardown: still, stop everything."""
+    if not supervisor.state.is_terminal:
+        left = supervisor.stop_now(grace_s=2.0)
+        if left:
+            log.error("could not confirm the exit of %s", ", ".join(left))
 
 
 def _raise_open_files_limit() -> None:
@@ -221,8 +204,11 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int, str]:
-    """The attempt number, restart count and run id a resumed run continues with."""
+def _resume_point(run_dir: Path | None, spec: ClusterSpec) -> tuple[str, int, int]:
+    """The run id, attempt number and restart count a resumed run continues with: the same run
+    goes on, its id names its folders on the hosts (and their checkpoints)."""
+    if run_dir is None:
+        raise UsageError("--resume needs the run directory")
     try:
         status = rundir.read_status(run_dir)
     except RunDirError as exc:
@@ -237,7 +223,7 @@ def _resume_point(run_dir: Path, spec: ClusterSpec) -> tuple[int, int, str]:
     run_id = status.get("run_id")
     if not isinstance(run_id, str) or not run_id:
         raise UsageError(f"--resume {run_dir}: its status.json records no run_id")
-    return int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0)), run_id
+    return run_id, int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))
 
 
 class _stop_on_signals:

@@ -1,4 +1,5 @@
-"""Plan layer: ClusterSpec -> LaunchPlan, a pure function (no I/O; ports are reserved beforehand).
+"""Plan layer: ClusterSpec + placements -> LaunchPlan, a pure function (no I/O: the backend placed
+the tasks beforehand, launch/placement.py).
 
 Builds every task's TF_CONFIG following TensorFlow's rules: one `cluster` of the training roles
 (chief, worker, ps), the evaluator kept out of it and given its own TF_CONFIG that names the
@@ -9,50 +10,17 @@ from __future__ import annotations
 
 import json
 import posixpath
-import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.spec.model import Backend, ClusterSpec, HostSpec, Role, Strategy
-from orchestrator.spec.roles import RolePolicy, role_policies
+from orchestrator.launch.placement import Placement, job_files_root
+from orchestrator.spec.model import Backend, ClusterSpec, Role, Strategy
+from orchestrator.spec.roles import RolePolicy, TaskSlot, role_policies, task_slots
 from worker import wire
 
 _CLUSTER_ROLES = (Role.CHIEF, Role.WORKER, Role.PS)
-
-
-@dataclass(frozen=True)
-class TaskSlot:
-    """A task's place in the cluster, before ports are known."""
-
-    role: Role
-    index: int
-    host_index: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.role.value}-{self.index}"
-
-
-@dataclass(frozen=True)
-class HostContext:
-    """What the ssh backend learned of one host before planning."""
-
-    workdir: str  # absolute on that host; runs live in WORKDIR/runs/<run id>
-    coordinator_url: str  # where its tasks post heartbeats (a tunnel's port, or the direct address)
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What the planner needs beyond the spec; chosen by the caller, so planning stays pure."""
-
-    run_id: str
-    run_dir: Path
-    spec_dir: Path
-    coordinator_url: str
-    python: str  # interpreter for local tasks (the coordinator's own)
-    hosts: Mapping[int, HostContext] = field(default_factory=dict)  # ssh backend, by host index
 
 
 @dataclass(frozen=True)
@@ -84,8 +52,8 @@ class StatePlan:
 
     Each task's folder is its env's ORCHESTRATE_CHECKPOINT_DIR, on its own host. Unless the spec
     declares a shared folder, the owner's folder is the truth: before an attempt restores, its
-    latest state is copied to the readers' hosts that lack it (ssh backend; the local backend's
-    tasks share one folder)."""
+    latest state is copied to the readers' hosts that lack it (by the backend, where hosts share
+    no disk)."""
 
     shared: bool  # the spec's folder, which every host sees (nothing is copied)
     owner: str  # the task whose checkpoints are the truth: the chief, or worker-0
@@ -131,56 +99,34 @@ class LaunchPlan:
         return out
 
 
-def task_slots(spec: ClusterSpec) -> list[TaskSlot]:
-    """Every task of the spec, numbered per role in host order, listed chief, worker, ps, evaluator."""
-    counters = {role: 0 for role in Role}
-    slots = []
-    for role in Role:
-        for h, host in enumerate(spec.hosts):
-            for _ in range(host.tasks.get(role, 0)):
-                slots.append(TaskSlot(role, counters[role], h))
-                counters[role] += 1
-    return slots
-
-
-def host_address(spec: ClusterSpec, host: HostSpec) -> str:
-    # The local backend simulates the whole cluster on this machine.
-    return "127.0.0.1" if spec.backend is Backend.LOCAL else host.address
-
-
-def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -> LaunchPlan:
+def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement]) -> LaunchPlan:
+    """The whole run's plan from the spec and where the backend placed each task."""
     slots = task_slots(spec)
-    missing = [s.name for s in slots if s.name not in ports]
+    missing = [s.name for s in slots if s.name not in placements]
     if missing:
-        raise ValueError(f"no port for tasks {missing}")
-    addresses = {s.name: f"{host_address(spec, spec.hosts[s.host_index])}:{ports[s.name]}" for s in slots}
+        raise ValueError(f"no placement for tasks {missing}")
+    addresses = {s.name: f"{placements[s.name].host}:{placements[s.name].port}" for s in slots}
     cluster = {
         role.value: [addresses[s.name] for s in slots if s.role is role]
         for role in _CLUSTER_ROLES
         if any(s.role is role for s in slots)
     }
     gpus = _split_gpus(spec, slots)
-    local = spec.backend is Backend.LOCAL
     tasks = []
     for slot in slots:
+        place = placements[slot.name]
         host = spec.hosts[slot.host_index]
-        if local:
-            run_folder, coordinator_url, cwd = str(run.run_dir), run.coordinator_url, str(run.spec_dir)
-            python: tuple[str, ...] = (run.python,)
-        else:
-            ctx = run.hosts.get(slot.host_index) or default_host_context(spec, slot.host_index)
-            run_folder, coordinator_url = remote_run_folder(ctx, run.run_id), ctx.coordinator_url
-            cwd, python = posixpath.join(run_folder, "code"), tuple(shlex.split(host.python))
         tf_config = {"cluster": cluster, "task": {"type": slot.role.value, "index": slot.index}}
-        checkpoint_dir = str(spec.shared_checkpoint_dir or posixpath.join(run_folder, "checkpoints"))
+        checkpoint_dir = str(spec.shared_checkpoint_dir or posixpath.join(place.run_folder, "checkpoints"))
         env = {
             **spec.job.env,
             **host.env,
+            **place.env,
             "TF_CONFIG": json.dumps(tf_config, separators=(",", ":")),
-            wire.ENV_RUN_ID: run.run_id,
-            wire.ENV_RUN_DIR: run_folder,
+            wire.ENV_RUN_ID: run_id,
+            wire.ENV_RUN_DIR: place.run_folder,
             wire.ENV_TASK: slot.name,
-            wire.ENV_COORDINATOR: coordinator_url,
+            wire.ENV_COORDINATOR: place.coordinator_url,
             wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
             wire.ENV_CHECKPOINT_DIR: checkpoint_dir,
             # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
@@ -195,34 +141,26 @@ def make_plan(spec: ClusterSpec, *, ports: Mapping[str, int], run: RunContext) -
             env["GRPC_FAIL_FAST"] = "use_caller"
         if slot.name in gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]
-        if not local:  # the worker runtime copied beside the job comes first
-            lib = posixpath.join(run_folder, "lib")
-            env["PYTHONPATH"] = f"{lib}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else lib
+        if place.pythonpath:  # a worker runtime copied beside the job comes first
+            env["PYTHONPATH"] = ":".join([*place.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
         tasks.append(
             TaskPlan(
                 name=slot.name,
                 role=slot.role,
                 index=slot.index,
-                host=host_address(spec, host),
+                host=place.host,
                 address=addresses[slot.name],
-                port=ports[slot.name],
-                argv=_argv(
-                    spec,
-                    slot.role,
-                    python=python,
-                    run_folder=run_folder,
-                    local=local,
-                    checkpoint_dir=checkpoint_dir,
-                ),
+                port=place.port,
+                argv=_argv(spec, slot.role, place, checkpoint_dir=checkpoint_dir),
                 env=env,
-                cwd=cwd,
+                cwd=place.cwd,
                 in_cluster=slot.role in _CLUSTER_ROLES,
                 host_index=slot.host_index,
             )
         )
     return LaunchPlan(
         spec.name,
-        run.run_id,
+        run_id,
         spec.strategy,
         spec.backend,
         cluster,
@@ -245,49 +183,23 @@ def state_plan(spec: ClusterSpec, slots: list[TaskSlot]) -> StatePlan:
     return StatePlan(shared=spec.shared_checkpoint_dir is not None, owner=owner, readers=tuple(readers))
 
 
-def default_host_context(spec: ClusterSpec, index: int) -> HostContext:
-    """A host's context before connecting (for `orchestrate plan`): its folder as written."""
-    direct = spec.ssh.coordinator_address
-    url = f"http://{direct}" if direct else "http://127.0.0.1:<port forwarded through SSH>"
-    return HostContext(spec.hosts[index].workdir or "~/.orchestrate", url)
-
-
-def remote_run_folder(ctx: HostContext, run_id: str) -> str:
-    return posixpath.join(ctx.workdir, "runs", run_id)
-
-
-def job_files_root(spec: ClusterSpec) -> Path:
-    """The folder copied to every host for the ssh backend (job.files, or the job's own folder)."""
-    entry = spec.job.script or spec.job.loop
-    assert entry is not None
-    return spec.job.files or entry.parent
-
-
-def _job_path(spec: ClusterSpec, path: Path, *, run_folder: str, local: bool) -> str:
-    if local:
+def _job_path(spec: ClusterSpec, path: Path, place: Placement) -> str:
+    if place.code_root is None:
         return str(path)
     rel = path.relative_to(job_files_root(spec)).as_posix()
-    return posixpath.join(run_folder, "code", rel)
+    return posixpath.join(place.code_root, rel)
 
 
-def _argv(
-    spec: ClusterSpec,
-    role: Role,
-    *,
-    python: tuple[str, ...],
-    run_folder: str,
-    local: bool,
-    checkpoint_dir: str,
-) -> tuple[str, ...]:
+def _argv(spec: ClusterSpec, role: Role, place: Placement, *, checkpoint_dir: str) -> tuple[str, ...]:
     """Mode 1: every task runs the script. Mode 2: the training tasks run the loop; the evaluator
     scores its checkpoints; parameter_server's ps and worker tasks serve the chief."""
-    job = spec.job
+    job, python = spec.job, place.python
     if job.script is not None:
-        script = _job_path(spec, job.script, run_folder=run_folder, local=local)
+        script = _job_path(spec, job.script, place)
         return (*python, "-m", "worker", "run", "--script", script, "--", *job.args)
     assert job.loop is not None and spec.train is not None  # guaranteed by spec validation
     train = spec.train
-    module = _job_path(spec, job.loop, run_folder=run_folder, local=local)
+    module = _job_path(spec, job.loop, place)
     if role is Role.EVALUATOR:
         return (*python, "-m", "worker", "evaluate", "--module", module, "--checkpoint-dir", checkpoint_dir)
     if spec.strategy is Strategy.PARAMETER_SERVER and role in (Role.PS, Role.WORKER):

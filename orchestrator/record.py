@@ -1,5 +1,6 @@
 """Run record layer: the run directory (DESIGN §5) — spec.yaml, plan.json, status.json,
-events.jsonl, metrics.jsonl, logs/, and coordinator.json (who supervises this run, for `down`).
+events.jsonl, metrics.jsonl, logs/, coordinator.json (who supervises this run) and backend.json
+(where its tasks run), the last two for `down`.
 
 status.json is replaced atomically (write a temporary file, then rename), so a reader never sees
 half of one.
@@ -102,6 +103,10 @@ class RunRecord:
 
     def write_plan(self, plan_json: dict[str, Any]) -> None:
         write_json_atomic(self.dir / "plan.json", plan_json)
+
+    def write_backend(self, info: dict[str, Any]) -> None:
+        """Where the tasks run, for `orchestrate down` once the coordinator is gone (launch.reattach)."""
+        write_json_atomic(self.dir / "backend.json", info)
 
     def write_coordinator(self, info: dict[str, Any]) -> None:
         write_json_atomic(self.dir / "coordinator.json", info)

@@ -4,6 +4,7 @@ a detached run, or one started from another terminal.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -13,8 +14,8 @@ from typing import Any
 
 import psutil
 
+from orchestrator import launch
 from orchestrator.errors import RunDirError
-from orchestrator.launch.local import group_alive, signal_group
 from orchestrator.logtail import LogTailer
 from orchestrator.record import RUNS_DIR, read_json
 from orchestrator.supervise.states import ClusterState
@@ -34,13 +35,16 @@ def resolve_run_dir(arg: str | None) -> Path:
 
 def read_status(run_dir: Path) -> dict[str, Any]:
     try:
-        return read_json(run_dir / "status.json")
+        status = read_json(run_dir / "status.json")
     except FileNotFoundError:
         raise RunDirError(
             f"{run_dir} has no status.json yet (the run is starting, or never started)"
         ) from None
     except ValueError as exc:
         raise RunDirError(f"{run_dir}/status.json is unreadable: {exc}") from None
+    if not isinstance(status, dict):
+        raise RunDirError(f"{run_dir}/status.json is not a JSON object")
+    return status
 
 
 def coordinator_alive(run_dir: Path) -> int | None:
@@ -55,38 +59,12 @@ def coordinator_alive(run_dir: Path) -> int | None:
     return None
 
 
-def live_task_groups(status: dict[str, Any]) -> list[int]:
-    """Process groups of the run's tasks that still exist (pid and start time must match)."""
-    groups = []
-    for t in status.get("tasks", []):
-        pgid, pid, created = t.get("pgid"), t.get("pid"), t.get("create_time")
-        if not pgid or not group_alive(pgid):
-            continue
-        try:
-            leader_ok = abs(psutil.Process(pid).create_time() - created) < 0.01
-        except psutil.Error:
-            leader_ok = False  # the leader is gone; the group lives on in its children
-        try:
-            same_run = leader_ok or any(
-                os.getpgid(p.pid) == pgid and _env_run_id(p) == status.get("run_id")
-                for p in psutil.process_iter()
-            )
-        except (ProcessLookupError, psutil.Error):
-            same_run = False
-        if same_run:
-            groups.append(pgid)
-    return groups
-
-
-def _env_run_id(proc: psutil.Process) -> str | None:
-    try:
-        return proc.environ().get("ORCHESTRATE_RUN_ID")
-    except psutil.Error:
-        return None
-
-
 def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
-    """Stop a run from outside. Idempotent: a run already stopped is left as it is (exit 0)."""
+    """Stop a run from outside. Idempotent: a run already stopped is left as it is (exit 0).
+
+    Its coordinator is asked first. The places its tasks ran (launch.reattach, from the backend's
+    record) are asked only when the coordinator may have left something: it died mid-run, or it
+    could not confirm that a task had exited (a host cut off)."""
     pid = coordinator_alive(run_dir)
     if pid is not None:
         out.write(f"asking the coordinator (pid {pid}) to stop the run…\n")
@@ -98,40 +76,47 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
             os.kill(pid, signal.SIGTERM)  # second signal: immediate teardown
             time.sleep(3)
     status = read_status(run_dir)
-    if (run_dir / "hosts.json").exists():  # ssh backend: the tasks ran on other machines
-        return _down_remote(run_dir, status, out)
-    groups = live_task_groups(status)
-    if groups:
-        out.write(f"coordinator gone; stopping {len(groups)} task process group(s) it left\n")
-        for g in groups:
-            signal_group(g, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(group_alive(g) for g in groups):
-            time.sleep(0.1)
-        for g in groups:
-            signal_group(g, signal.SIGKILL)
-    status = read_status(run_dir)
-    out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
-    return 0
-
-
-def _down_remote(run_dir: Path, status: dict[str, Any], out: Any) -> int:
-    """The hosts are asked only when the coordinator may have left something: it died mid-run, or
-    it could not confirm that a task on a cut-off host had exited."""
-    events = run_dir / "events.jsonl"
-    unconfirmed = events.exists() and "exit not confirmed" in events.read_text(encoding="utf-8")
     ok = True
-    if not ClusterState(status.get("state", "PENDING")).is_terminal or unconfirmed:
-        from orchestrator.launch.ssh import stop_leftovers
-
-        out.write("asking the hosts to stop what is left of the run…\n")
-        plan_tasks = read_json(run_dir / "plan.json")["tasks"]
-        for line, reached in stop_leftovers(read_json(run_dir / "hosts.json"), plan_tasks):
-            out.write(line + "\n")
-            ok = ok and reached
+    if not ClusterState(status.get("state", "PENDING")).is_terminal or unconfirmed_tasks(run_dir):
+        record = _read_record(run_dir, "backend.json")
+        if record is not None:  # without it, nothing was started
+            out.write("coordinator gone; stopping what is left of the run…\n")
+            plan = _read_record(run_dir, "plan.json") or {}
+            for line, reached in launch.reattach(record, status, plan).stop(grace_s):
+                out.write(line + "\n")
+                ok = ok and reached
     status = read_status(run_dir)
     out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
     return 0 if ok else 1
+
+
+def unconfirmed_tasks(run_dir: Path) -> list[str]:
+    """Tasks whose exit the coordinator could not confirm (its `unconfirmed` events)."""
+    out: list[str] = []
+    try:
+        with open(run_dir / "events.jsonl", encoding="utf-8") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a crash
+                if isinstance(event, dict) and event.get("kind") == "unconfirmed":
+                    out += [str(t) for t in event.get("tasks", [])]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _read_record(run_dir: Path, name: str) -> dict[str, Any] | None:
+    try:
+        data = read_json(run_dir / name)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise RunDirError(f"{run_dir}/{name} is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{run_dir}/{name} is not a JSON object")
+    return data
 
 
 def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = sys.stdout) -> int:

@@ -19,13 +19,12 @@ from typing import Any
 
 from worker import wire
 from worker.runtime import reporter
+from worker.training import FINAL_MARKER, LoopError, load_module, tensorboard_scalar, user_loss
 
 POLL_S = 1.0
 
 
 def run(module: Path, checkpoint_dir: Path) -> None:
-    from worker.loop import FINAL_MARKER, LoopError, load_module, tensorboard_scalar, user_loss
-
     user = load_module(module)
     if not callable(getattr(user, "make_eval_dataset", None)):
         raise LoopError(

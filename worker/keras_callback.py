@@ -14,7 +14,7 @@ from worker.reporter import keeps_points
 from worker.runtime import reporter
 
 
-class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name-defined]
+class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     """Reports step (the optimizer's iteration count, so a resumed run continues its count) and logs;
     in metrics.jsonl from the chief (worker 0) only, as every worker's logs are the same."""
 

@@ -17,11 +17,8 @@ all workers agree on a step, save there, and exit with code 42.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +26,19 @@ from types import ModuleType
 from typing import Any
 
 from worker import wire
+from worker.ps import PsTrainer
 from worker.reporter import is_chief
 from worker.runtime import reporter
-
-PREEMPTED_EXIT_CODE = 42  # TF's convention after a preemption save; the coordinator restarts on it
-
-
-FINAL_MARKER = "final.json"  # in the checkpoint folder: the last step, written when training is done
+from worker.training import (
+    LoopError,
+    checkpoint_write_dir,
+    load_module,
+    replica_step,
+    tensorboard_scalar,
+    user_loss,
+    user_optimizer,
+    write_final_marker,
+)
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,6 @@ class LoopConfig:
 
     def finished(self, step: int, epoch: int) -> bool:
         return step >= self.steps if self.steps is not None else epoch >= (self.epochs or 0)
-
-
-class LoopError(Exception):
-    """A problem with the user's loop module or the loop's configuration (not retried)."""
 
 
 class RestoreMismatch(LoopError):
@@ -82,33 +81,12 @@ def state_fingerprint(model: Any, optimizer: Any, counters: tuple[Any, ...]) -> 
     return digest.hexdigest()[:16]
 
 
-def load_module(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("orchestrate_user_loop", path)
-    if spec is None or spec.loader is None:
-        raise LoopError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    missing = [name for name in ("build_model", "make_dataset") if not callable(getattr(module, name, None))]
-    if missing:
-        raise LoopError(f"{path} must define {' and '.join(missing)}() (see the job.loop contract)")
-    return module
-
-
 def run(config: LoopConfig) -> None:
     user = load_module(config.module)
     if config.strategy == "parameter_server":
-        from worker.ps import PsTrainer
-
         PsTrainer(config, user).train()
         return
     _Trainer(config, user).train()
-
-
-def write_final_marker(checkpoint_dir: Path, step: int) -> None:
-    """Tell an evaluator that training is over and which checkpoint is the last one."""
-    tmp = checkpoint_dir / f".{FINAL_MARKER}.tmp"
-    tmp.write_text(json.dumps({"step": step, "run_id": os.environ.get(wire.ENV_RUN_ID)}))
-    os.replace(tmp, checkpoint_dir / FINAL_MARKER)
 
 
 class _Trainer:
@@ -296,40 +274,11 @@ class _Trainer:
                 print(f"[orchestrate] step {step}{total}: loss {loss:.4f}, checkpoint saved", flush=True)
 
 
-def replica_step(tf: Any, model: Any, optimizer: Any, per_example_loss: Any, global_batch_size: int) -> Any:
-    """One replica's training step: the loss scaled by the *global* batch (so the replicas' sum is the
-    batch mean whatever their number), regularization scaled likewise, gradients applied."""
-
-    def step(features: Any, labels: Any) -> Any:
-        with tf.GradientTape() as tape:
-            predictions = model(features, training=True)
-            per_example = per_example_loss(labels, predictions)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-            if model.losses:
-                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
-    return step
-
-
 def _exit_preempted(write_dir: Path, is_chief: bool) -> None:
     print("[orchestrate] stop requested: checkpoint saved, exiting", flush=True)
     if not is_chief:
         shutil.rmtree(write_dir, ignore_errors=True)
-    raise SystemExit(PREEMPTED_EXIT_CODE)
-
-
-def tensorboard_scalar(tf: Any, name: str, value: float) -> None:
-    """A TensorBoard scalar, written without the tensorboard package (tf.summary.scalar needs it;
-    the file format does not): a float tensor tagged for TensorBoard's "scalars" plugin."""
-    from tensorflow.core.framework import summary_pb2
-
-    plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    tf.summary.write(
-        name, tf.constant(value, dtype=tf.float32), metadata=summary_pb2.SummaryMetadata(plugin_data=plugin)
-    )
+    raise SystemExit(wire.EXIT_PREEMPTED)
 
 
 def _make_strategy(tf: Any, name: str, cpu_replicas: int | None = None) -> Any:
@@ -346,48 +295,6 @@ def _make_strategy(tf: Any, name: str, cpu_replicas: int | None = None) -> Any:
             return tf.distribute.MirroredStrategy(devices=devices)
         return tf.distribute.MirroredStrategy()  # every GPU of this host (or its CPU)
     raise LoopError(f"the built-in loop does not support strategy {name!r}")
-
-
-def checkpoint_write_dir(checkpoint_dir: Path, is_chief: bool, task_type: str | None, task_id: int) -> Path:
-    if is_chief:
-        try:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            probe = checkpoint_dir / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            raise LoopError(
-                f"checkpoint directory {checkpoint_dir} is not writable ({exc.strerror or exc}); "
-                "fix its permissions or free space, or set train.checkpoint_dir"
-            ) from None
-        return checkpoint_dir
-    # Non-chief workers must save too (the save is a collective), but where nobody reads it: a
-    # folder of their own beside the real checkpoints (invisible to latest_checkpoint), emptied
-    # first, so what a killed attempt left there goes with the next one.
-    own = checkpoint_dir / f".{task_type}-{task_id}"
-    shutil.rmtree(own, ignore_errors=True)
-    try:
-        own.mkdir(parents=True)
-    except OSError:
-        own = Path(tempfile.mkdtemp(prefix=f"orchestrate-ckpt-{task_type}-{task_id}-"))
-    return own
-
-
-def user_optimizer(tf: Any, user: ModuleType) -> Any:
-    """The module's make_optimizer(), or Adam."""
-    return user.make_optimizer() if hasattr(user, "make_optimizer") else tf.keras.optimizers.Adam()
-
-
-def user_loss(tf: Any, user: ModuleType) -> Any:
-    """The module's per-example make_loss(), or sparse categorical cross-entropy from logits."""
-    return user.make_loss() if hasattr(user, "make_loss") else _default_loss(tf)
-
-
-def _default_loss(tf: Any) -> Any:
-    def sparse_categorical_crossentropy(labels: Any, logits: Any) -> Any:
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int32), logits=logits)
-
-    return sparse_categorical_crossentropy
 
 
 def config_from_args(ns: Any) -> LoopConfig:

@@ -20,7 +20,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from worker import wire
 from worker.runtime import reporter
+from worker.training import checkpoint_write_dir, replica_step, user_loss, user_optimizer, write_final_marker
 
 REPORT_EVERY = 10  # steps between join()s that report progress (each join waits for stragglers)
 
@@ -52,8 +54,6 @@ class PsTrainer:
 
     def __init__(self, config: Any, user: ModuleType):
         import tensorflow as tf
-
-        from worker.loop import checkpoint_write_dir, user_loss, user_optimizer
 
         self.tf, self.config = tf, config
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -88,8 +88,6 @@ class PsTrainer:
         self._stop = False
 
     def _step_fn(self, iterator: Any) -> Any:
-        from worker.loop import replica_step
-
         tf = self.tf
         step = replica_step(
             tf, self.model, self.optimizer, self.per_example_loss, self.config.global_batch_size
@@ -98,8 +96,6 @@ class PsTrainer:
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def train(self) -> None:
-        from worker.loop import PREEMPTED_EXIT_CODE, write_final_marker
-
         rep = reporter()
         total = self.config.steps
         rep.set_total_steps(total)
@@ -125,7 +121,7 @@ class PsTrainer:
                 if latest is None or not latest.endswith(f"-{step}"):
                     self.manager.save(checkpoint_number=step)
                 print("[orchestrate] stop requested: checkpoint saved, exiting", flush=True)
-                raise SystemExit(PREEMPTED_EXIT_CODE)
+                raise SystemExit(wire.EXIT_PREEMPTED)
         write_final_marker(self.config.checkpoint_dir, step)
         if self.config.run_dir is not None:
             path = Path(self.config.run_dir) / "model" / "model.keras"

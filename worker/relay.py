@@ -1,4 +1,4 @@
-"""The per-host heartbeat relay (ssh backend), and the small HTTP/1.1 both it and the coordinator speak.
+"""The per-host heartbeat relay (ssh backend).
 
 On a host with several tasks, each posts its heartbeats to the relay on the host's loopback (a
 host with one task posts directly: nothing to batch); the relay forwards
@@ -19,132 +19,55 @@ Nothing reported is lost or delayed where it matters:
 
 Run over an SSH channel as `PYTHON -S WORKDIR/cache/<sha256>` (standard library only, imports
 nothing of this package). stdin, one line: JSON {upstream: "http://host:port", token, interval_s,
-give_up_s}; stdout, one line once listening: JSON {"event": "listening", "port": N}.
+give_up_s, http_module}; stdout, one line once listening: JSON {"event": "listening", "port": N}.
+`http_module` is the absolute path of worker/http1.py in the same cache (the HTTP/1.1 the coordinator
+speaks too), loaded by its path; without it, the http1.py beside this file (the source tree).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-HEARTBEAT_PATH = b"/v1/heartbeat"  # as worker/wire.py (this file is run on its own)
+if TYPE_CHECKING:  # at run time the module is loaded by its path (load_http1)
+    from worker.http1 import Answer, HttpProtocol
+
+# As worker/wire.py (this file runs on its own; tests/unit/test_wire.py keeps them equal)
+HEARTBEAT_PATH = b"/v1/heartbeat"
 BATCH_PATH = b"/v1/heartbeats"
-TOKEN_HEADER = b"x-orchestrate-token"
-FLUSH_HEADER = b"x-orchestrate-flush"
+TOKEN_HEADER = b"X-Orchestrate-Token"
+FLUSH_HEADER = b"x-orchestrate-flush"  # lower-case, as http1.parse_head gives names
 POST_IN_HEADER = b"X-Orchestrate-Post-In"
-MAX_HEAD_BYTES = 16 * 1024
-MAX_BODY_BYTES = 8 * 1024 * 1024
-_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 410: b"Gone"}
-_REASONS.update({413: b"Too Large", 503: b"Service Unavailable"})
+OK_STATUS = 200
+BAD_REQUEST_STATUS = 400
+NOT_FOUND_STATUS = 404
+UNREACHABLE_STATUS = 503  # the relay's own: the coordinator is unreachable from here
 
-Answer = tuple[int, bytes] | tuple[int, bytes, bytes]  # status, body[, extra header lines]
-#: (path, body, headers with lower-case names, the connection) -> the answer, now or later
-Handler = Callable[[bytes, bytes, dict[bytes, bytes], "HttpProtocol"], "Answer | Awaitable[Answer]"]
+_HTTP1_NAME = "orchestrate_http1"
 
 
-class HttpProtocol(asyncio.Protocol):
-    """One keep-alive connection: POST requests with Content-Length, answered in order.
-
-    The token header is checked before a body is looked at. A handler may answer later (a
-    coroutine); the connection then reads no further request until it has.
-    """
-
-    def __init__(self, token: bytes, handle: Handler):
-        self._token = token
-        self._handle = handle
-        self._buffer = b""
-        self._transport: asyncio.Transport | None = None
-        self._waiting = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        # A task that dies mid-request (killed, or its host cut off) resets its connection: routine.
-        self._transport = None
-
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        self._serve()
-
-    def _serve(self) -> None:
-        while self._transport is not None and not self._waiting:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self.answer(413, b"headers too large", close=True)
-                return
-            method, path, headers = parse_head(self._buffer[:end])
-            try:
-                length = int(headers.get(b"content-length", b"0"))
-            except ValueError:
-                length = -1
-            if not hmac.compare_digest(headers.get(TOKEN_HEADER, b""), self._token):
-                self.answer(401, b"bad or missing token", close=True)
-                return
-            if method != b"POST":
-                self.answer(404, b"unknown path", close=True)
-                return
-            if not 0 < length <= MAX_BODY_BYTES:
-                self.answer(413, b"bad body length", close=True)
-                return
-            if len(self._buffer) < end + 4 + length:
-                return  # the body is still on its way
-            body = self._buffer[end + 4 : end + 4 + length]
-            self._buffer = self._buffer[end + 4 + length :]
-            close = headers.get(b"connection", b"").lower() == b"close"
-            result = self._handle(path, body, headers, self)
-            if isinstance(result, tuple):
-                self._reply(result, close)
-            else:
-                self._waiting = True
-                asyncio.ensure_future(self._later(result, close))
-
-    async def _later(self, result: Awaitable[Answer], close: bool) -> None:
-        answer = await result
-        self._waiting = False
-        self._reply(answer, close)
-        self._serve()
-
-    def _reply(self, answer: Answer, close: bool) -> None:
-        status, body, *extra = answer
-        self.answer(status, body, extra[0] if extra else b"", close=close)
-
-    def answer(self, status: int, body: bytes, extra: bytes = b"", close: bool = False) -> None:
-        transport = self._transport
-        if transport is None:
-            return
-        head = b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\n%s" % (
-            status,
-            _REASONS.get(status, b""),
-            len(body),
-            extra,
-        )
-        transport.write(head + (b"Connection: close\r\n\r\n" if close else b"\r\n") + body)
-        if close:
-            transport.close()
-            self._transport = None
-            self._buffer = b""
-
-
-def parse_head(head: bytes) -> tuple[bytes, bytes, dict[bytes, bytes]]:
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    method, path = (parts[0], parts[1]) if len(parts) >= 2 else (b"", b"")
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return method, path, headers
+def load_http1(path: str | None = None) -> ModuleType:
+    """worker/http1.py, loaded by its path: `path` in the host's cache (named by its SHA-256, like
+    this file), or beside this file when run from the source tree."""
+    file = path or str(Path(__file__).with_name("http1.py"))
+    loader = importlib.machinery.SourceFileLoader(_HTTP1_NAME, file)  # any file name, not just *.py
+    spec = importlib.util.spec_from_file_location(_HTTP1_NAME, file, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_HTTP1_NAME] = module
+    loader.exec_module(module)
+    return module
 
 
 class Relay:
@@ -171,24 +94,24 @@ class Relay:
 
     def handle(self, path: bytes, body: bytes, headers: dict[bytes, bytes], conn: HttpProtocol) -> Any:
         if path != HEARTBEAT_PATH:
-            return 404, b"unknown path"
+            return NOT_FOUND_STATUS, b"unknown path"
         if not self._reachable:
-            return 503, b"coordinator unreachable from the relay"
+            return UNREACHABLE_STATUS, b"coordinator unreachable from the relay"
         try:
             raw = json.loads(body)
             key = (raw["task"], raw["attempt"], raw["pid"])
         except (ValueError, TypeError, KeyError):
-            return 400, b"not a heartbeat"
+            return BAD_REQUEST_STATUS, b"not a heartbeat"
         self._pending.append((body, key))
         if headers.get(FLUSH_HEADER) == b"1":
             return self._flush_for(key)
-        return self._verdicts.get(key, 200), b"", self._post_in()
+        return self._verdicts.get(key, OK_STATUS), b"", self._post_in()
 
     async def _flush_for(self, key: tuple[Any, ...]) -> Answer:
         await self.flush()
         if not self._reachable:
-            return 503, b"coordinator unreachable from the relay"
-        return self._verdicts.get(key, 200), b"", self._post_in()
+            return UNREACHABLE_STATUS, b"coordinator unreachable from the relay"
+        return self._verdicts.get(key, OK_STATUS), b"", self._post_in()
 
     def _post_in(self) -> bytes:
         """When the task should post next: a quarter interval before one of our full flushes, so
@@ -233,8 +156,8 @@ class Relay:
     async def _post(self, body: bytes) -> list[Any] | None:
         head = (
             b"POST %s HTTP/1.1\r\nHost: coordinator\r\nContent-Type: application/json\r\n"
-            b"X-Orchestrate-Token: %s\r\nContent-Length: %d\r\n\r\n"
-        ) % (BATCH_PATH, self._token.encode(), len(body))
+            b"%s: %s\r\nContent-Length: %d\r\n\r\n"
+        ) % (BATCH_PATH, TOKEN_HEADER, self._token.encode(), len(body))
         try:
             return await asyncio.wait_for(self._exchange(head + body), self._timeout_s)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
@@ -249,7 +172,7 @@ class Relay:
         reader, writer = self._streams
         writer.write(request)
         status, body = await read_response(reader)
-        if not status.startswith(b"HTTP/1.1 200"):
+        if not status.startswith(b"HTTP/1.1 %d" % OK_STATUS):
             raise ValueError(status.decode(errors="replace").strip())
         answer = json.loads(body)
         if not isinstance(answer, list):
@@ -271,13 +194,13 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return status, await reader.readexactly(length) if length else b""
 
 
-async def serve(config: dict[str, Any], stop: asyncio.Event) -> int:
+async def serve(config: dict[str, Any], stop: asyncio.Event, http1: ModuleType) -> int:
     relay = Relay(
         config["upstream"], config["token"], float(config["interval_s"]), float(config["give_up_s"])
     )
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: HttpProtocol(config["token"].encode(), relay.handle), "127.0.0.1", 0, backlog=1024
+        lambda: http1.HttpProtocol(config["token"].encode(), relay.handle), "127.0.0.1", 0, backlog=1024
     )
     port = server.sockets[0].getsockname()[1]
     os.write(1, (json.dumps({"event": "listening", "port": port}) + "\n").encode())
@@ -298,6 +221,12 @@ def main() -> int:
     if not line:
         return 2
     config = json.loads(line)
+    sys.dont_write_bytecode = True  # the host's cache holds files named by checksum, nothing else
+    try:
+        http1 = load_http1(config.get("http_module"))
+    except (OSError, ImportError, SyntaxError) as exc:
+        print(f"relay: cannot load the HTTP module: {exc}", file=sys.stderr, flush=True)
+        return 2
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
 
@@ -307,7 +236,7 @@ def main() -> int:
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    return loop.run_until_complete(serve(config, stop))
+    return loop.run_until_complete(serve(config, stop, http1))
 
 
 if __name__ == "__main__":

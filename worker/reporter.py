@@ -168,7 +168,7 @@ class Reporter:
             final = self._stopped.is_set()
             body, sent_points, phase = self._snapshot()
             status, post_in = self._post(body, urgent=phase != self._phase_sent)
-            if status == 200:
+            if status == wire.OK_STATUS:
                 last_ok = time.monotonic()
                 sent_points.clear()
                 self._posted += 1

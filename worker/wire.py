@@ -1,7 +1,9 @@
-"""The wire contract between a task and its coordinator: environment names and the heartbeat format.
+"""The wire contract between a task and its coordinator: environment names, the heartbeat format,
+its HTTP paths, headers and statuses, and the exit codes a task stops with.
 
-Both packages import this module (and only this one across the boundary). It must stay light:
-stdlib only, no TensorFlow.
+Both packages import this module, so it must stay light: stdlib only, no TensorFlow. The files that
+run alone on a host (shim.py, relay.py, http1.py) keep copies of some values, which
+tests/unit/test_wire.py keeps equal.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ TOKEN_HEADER = "X-Orchestrate-Token"
 FLUSH_HEADER = "X-Orchestrate-Flush"
 #: A relay's answer: seconds until the task should post its next heartbeat.
 POST_IN_HEADER = "X-Orchestrate-Post-In"
+#: The heartbeat endpoint's answers (the coordinator's, or a relay's on its behalf). Only OK_STATUS
+#: means the heartbeat was taken.
+OK_STATUS = 200
+BAD_REQUEST_STATUS = 400  # not a heartbeat
+BAD_TOKEN_STATUS = 401
+NOT_FOUND_STATUS = 404  # an unknown path, or a task the coordinator's attempt does not hold
 #: The coordinator answers a heartbeat of an attempt it has already left behind with this status,
 #: telling the task to exit.
 STALE_ATTEMPT_STATUS = 410
@@ -58,6 +66,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 #: A task's exit code when it stopped itself: its coordinator was unreachable for
 #: ORCHESTRATE_COORDINATOR_TIMEOUT_S, or answered that its attempt is over.
 EXIT_NO_COORDINATOR = 75
+#: A task's exit code after it saved a checkpoint on a stop or preemption (TensorFlow's convention):
+#: the coordinator restarts it without counting against the restart budget.
+EXIT_PREEMPTED = 42
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Every request must carry the run's secret token; anything else is rejected before it is parsed.
 
 An asyncio protocol on a thread of its own, with just the HTTP/1.1 a heartbeat needs (POST with
-Content-Length, keep-alive, pipelining; shared with the per-host relay, worker/relay.py): one
+Content-Length, keep-alive, pipelining; worker/http1.py, shared with the per-host relay): one
 connection per task costs a socket, not a thread (P6: the stdlib ThreadingHTTPServer spent 39% of a
 core on 1,000 tasks at 1 Hz, mostly parsing headers and switching threads). Tasks of the local
 backend post here one by one; on ssh hosts a relay posts its host's heartbeats as one batch.
@@ -19,7 +19,7 @@ import threading
 
 from orchestrator.health.store import HealthStore
 from worker import wire
-from worker.relay import Answer, HttpProtocol
+from worker.http1 import Answer, HttpProtocol
 
 log = logging.getLogger("orchestrator.health")
 
@@ -108,19 +108,19 @@ class _Handler:
             try:
                 return self._store.ingest(wire.Heartbeat.from_bytes(body)), b""
             except ValueError as exc:
-                return 400, str(exc).encode()
+                return wire.BAD_REQUEST_STATUS, str(exc).encode()
         if path == _BATCH_PATH:
             try:
                 items = wire.loads(body)
             except ValueError as exc:
-                return 400, str(exc).encode()
+                return wire.BAD_REQUEST_STATUS, str(exc).encode()
             if not isinstance(items, list):
-                return 400, b"a batch is a JSON list of heartbeats"
-            return 200, json.dumps([self._one(item) for item in items]).encode()
-        return 404, b"unknown path"
+                return wire.BAD_REQUEST_STATUS, b"a batch is a JSON list of heartbeats"
+            return wire.OK_STATUS, json.dumps([self._one(item) for item in items]).encode()
+        return wire.NOT_FOUND_STATUS, b"unknown path"
 
     def _one(self, item: object) -> int:
         try:
             return self._store.ingest(wire.Heartbeat.from_dict(item))
         except ValueError:
-            return 400
+            return wire.BAD_REQUEST_STATUS

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker import wire
 from worker.wire import Heartbeat, Restored, TaskError
 
 
@@ -68,12 +69,12 @@ class HealthStore:
         now = self._clock()
         with self._lock:
             if hb.attempt < self._attempt:
-                return 410
+                return wire.STALE_ATTEMPT_STATUS
             old = self._tasks.get(hb.task)
             if old is None or hb.attempt != self._attempt:
-                return 404
+                return wire.NOT_FOUND_STATUS
             if hb.seq <= old.seq and old.pid == hb.pid:
-                return 200  # sent again by a relay that did not hear our answer: taken already
+                return wire.OK_STATUS  # sent again by a relay that did not hear our answer: taken already
             step_changed = hb.step is not None and hb.step != old.step
             rate = old.steps_per_s
             if (
@@ -112,7 +113,7 @@ class HealthStore:
             )
         if hb.points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, hb.points)
-        return 200
+        return wire.OK_STATUS
 
     def snapshot(self) -> dict[str, TaskHealth]:
         with self._lock:

@@ -1,1 +1,79 @@
-"""Launch layer: start, poll and stop the processes of a plan (local subprocesses; SSH later)."""
+"""Launch layer: the backends (where tasks run) behind one interface (api.py).
+
+This package is the only place that names a backend: `open_backend` makes the spec's, `reattach`
+finds a run's processes from its record, `preview` places the tasks without reaching anything
+(`orchestrate plan`), `check` runs a backend's checks (`orchestrate check`). Backends are imported
+only when used: the SSH one loads paramiko.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import RunDirError
+from orchestrator.spec.model import Backend as BackendName
+from orchestrator.spec.model import ClusterSpec
+
+if TYPE_CHECKING:
+    from orchestrator.launch.api import Backend, Leftovers
+    from orchestrator.launch.placement import Placement
+    from orchestrator.launch.preflight import CheckReport
+
+
+def open_backend(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
+    """The spec's backend for one run (not opened yet). `spec_dir`: the spec's folder."""
+    if spec.backend is BackendName.LOCAL:
+        from orchestrator.launch.local import LocalBackend
+
+        return LocalBackend(spec, run_dir, spec_dir)
+    from orchestrator.launch.ssh import SshBackend
+
+    return SshBackend(spec, run_id, run_dir)
+
+
+def reattach(record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]) -> Leftovers:
+    """A run's processes, from its backend record (backend.json), status.json and plan.json."""
+    name = record.get("backend")
+    if name == BackendName.LOCAL.value:
+        from orchestrator.launch.local import LocalLeftovers
+
+        return LocalLeftovers(record, status)
+    if name == BackendName.SSH.value:
+        from orchestrator.launch.ssh import SshLeftovers
+
+        return SshLeftovers(record, plan)
+    raise RunDirError(f"backend.json names an unknown backend {name!r}")
+
+
+def preview(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> dict[str, Placement]:
+    """Where the tasks would run, without reaching any host. Local ports are chosen free now and
+    let go (chosen again at launch unless the spec fixes base_port)."""
+    from orchestrator.launch import placement
+
+    if spec.backend is BackendName.LOCAL:
+        from orchestrator.launch.ports import reserve_ports
+
+        with reserve_ports(spec) as reservation:
+            return placement.local_placements(
+                spec,
+                reservation.ports,
+                run_dir=run_dir,
+                spec_dir=spec_dir,
+                coordinator_url="http://127.0.0.1:<chosen at launch>",
+                python=sys.executable,
+            )
+    return placement.ssh_preview(spec, run_id)
+
+
+def check(spec: ClusterSpec) -> CheckReport | None:
+    """`orchestrate check`: the backend's report, or None where there is nothing to check (every
+    task runs on this machine)."""
+    if spec.backend is BackendName.LOCAL:
+        return None
+    from orchestrator.launch import preflight
+    from orchestrator.launch.placement import ssh_ports
+
+    return preflight.check(spec, ssh_ports(spec))

@@ -1,21 +1,33 @@
-"""Launch layer: the Launcher interface and the live handle of one task's process.
+"""Launch layer: the backend boundary — what the coordinator, the planner and the supervisor may
+ask of any backend (local subprocesses, SSH hosts, the ones to come), and the one stop routine.
 
-A launcher starts each task in its own process group (session), so stopping a task means one
-signal to one group — never a search by process name. `stop()` is SIGTERM, a grace period, then
-SIGKILL, and returns only when the group is gone.
+A backend's life: `open` (reach and check where the tasks run, take what they need: ports,
+tunnels, files) → per-task placements, from which the plan is made; per attempt
+`before_attempt` then `start` for each task; `bring_home` at the end; `close`. Its `record()` is
+written into the run directory so that `orchestrate down` can `reattach` once the coordinator is
+gone, with one code path for every backend.
+
+A backend overrides only its transport: its handles know how to signal and watch one task's
+process group; `stop_all` is the TERM → grace → KILL routine for any set of handles (as torch
+elastic's one close routine over per-process handles), and it returns what it could not confirm
+as data, never by raising.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from orchestrator.errors import LaunchError
-from orchestrator.plan import HostContext, LaunchPlan, TaskPlan
+from orchestrator.launch.placement import Placement
+from orchestrator.plan import LaunchPlan, TaskPlan
 
 
 @dataclass(frozen=True)
@@ -27,8 +39,34 @@ class ProcessInfo:
     create_time: float  # guards against a recycled pid
 
 
+class Sig(enum.Enum):
+    TERM = "TERM"  # stop: the task may save and exit (a stopped task is continued first)
+    KILL = "KILL"
+
+
+@dataclass(frozen=True)
+class Heartbeats:
+    """The coordinator's heartbeat server, as a backend sees it when opening."""
+
+    host: str  # where it listens on this machine
+    port: int
+    url: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a backend did before an attempt: lines for the record, and the tasks it placed anew
+    (a port taken meanwhile by another program); the plan is made again from those."""
+
+    notes: list[str] = field(default_factory=list)
+    moved: dict[str, Placement] = field(default_factory=dict)
+
+
 class TaskHandle(abc.ABC):
-    """One running attempt of one task."""
+    """One running attempt of one task: its process group, wherever it runs."""
+
+    kill_wait_s: ClassVar[float] = 10.0  # after SIGKILL, how long its exit may take to be confirmed
+    unconfirmed_hint: ClassVar[str] = "it survived SIGKILL (uninterruptible I/O?)"
 
     def __init__(self, task: TaskPlan, attempt: int, log_path: Path):
         self.task = task
@@ -39,59 +77,138 @@ class TaskHandle(abc.ABC):
     @abc.abstractmethod
     def process(self) -> ProcessInfo: ...
 
+    @property
+    def where(self) -> str:
+        """Where it runs, for people ("" on this machine)."""
+        return ""
+
     @abc.abstractmethod
     def poll(self) -> int | None:
         """The exit code once the task's main process has exited (negative: killed by that signal)."""
 
+    @abc.abstractmethod
+    def signal(self, sig: Sig) -> None:
+        """Send `sig` to the task's whole process group; a group already gone is fine."""
 
-class Launcher(abc.ABC):
-    def prepare(
-        self, ports: Mapping[str, int], heartbeat: tuple[str, int], direct_url: str | None
-    ) -> dict[int, HostContext]:
-        """Reach and check every host before planning (nothing starts if one fails); what the
-        planner needs to know of each. `heartbeat` is the coordinator's local server."""
-        return {}
+    @property
+    @abc.abstractmethod
+    def exited(self) -> bool:
+        """Confirmed: its exit code is known and nothing of its group runs any more."""
 
-    def hosts_record(self) -> dict[str, Any] | None:
-        """How to reach the hosts later (`orchestrate down` without a coordinator); None if local."""
+    @property
+    def reachable(self) -> bool:
+        """False once nothing more can be learned of it (its host's connection is gone)."""
+        return True
+
+    def release(self) -> None:
+        """Let go of what watching it holds (a channel); called once it is stopped or given up."""
         return None
 
-    def deploy(self, plan: LaunchPlan) -> None:
-        """Put what the tasks need (code, runtime) where they run."""
-        return None
 
-    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
-        """Give every host what the attempt needs of the earlier ones: where hosts share no disk,
-        the owner's latest checkpoint (plan.state). Lines for the record; LaunchError if it fails.
-        Nothing to do where every task sees one folder (the local backend)."""
-        return []
+def stop_all(
+    handles: Sequence[TaskHandle],
+    grace_s: float,
+    hurry: threading.Event | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[TaskHandle]:
+    """SIGTERM every handle's group, wait up to `grace_s` (less once `hurry` is set), SIGKILL what
+    is left, wait for the exits to be confirmed. Returns the handles whose exit could not be."""
 
-    def bring_home(self, plan: LaunchPlan) -> list[str]:
-        """At the end of the run, whatever its outcome: copy the results (model, TensorBoard,
-        the latest checkpoint) into the run directory. Lines for the summary; never raises."""
-        return []
+    def settled(hs: Sequence[TaskHandle]) -> bool:
+        return all(h.exited or not h.reachable for h in hs)
+
+    live = [h for h in handles if not h.exited and h.reachable]
+    for h in live:
+        h.signal(Sig.TERM)
+    deadline = clock() + grace_s
+    while not settled(live) and clock() < deadline and not (hurry is not None and hurry.is_set()):
+        sleep(0.05)
+    late = [h for h in live if not h.exited and h.reachable]
+    for h in late:
+        h.signal(Sig.KILL)
+    deadline = clock() + max((h.kill_wait_s for h in late), default=0.0)
+    while not settled(late) and clock() < deadline:
+        sleep(0.02)
+    for h in handles:
+        h.release()
+    return [h for h in handles if not h.exited]
+
+
+def stop_in_background(handles: Sequence[TaskHandle], grace_s: float, hurry: threading.Event) -> Future[Any]:
+    """`stop_all` on a thread of its own: stopping one task never holds up the supervisor."""
+    done: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(stop_all(handles, grace_s, hurry))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="stop").start()
+    return done
+
+
+def unconfirmed_reason(handles: Sequence[TaskHandle]) -> str:
+    names = ", ".join(f"{h.task.name} on {h.where}" if h.where else h.task.name for h in handles)
+    return f"{names}: exit not confirmed; {handles[0].unconfirmed_hint}"
+
+
+class Backend(abc.ABC):
+    """Where the tasks of one run execute. One instance per run; see the module docstring."""
+
+    name: ClassVar[str]
+
+    def listen(self) -> tuple[str, int]:
+        """Where the coordinator's heartbeat server listens: loopback unless the backend's tasks
+        post to it directly from elsewhere."""
+        return "127.0.0.1", 0
 
     @abc.abstractmethod
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
-        """Start one task; raises LaunchError when it cannot be started at all."""
+    def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+        """Reach and check everything the tasks need (nothing starts if one thing fails:
+        LaunchError naming all of it); every task's placement."""
+
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
+        """Give every task what the attempt needs of the earlier ones (where hosts share no disk,
+        the owner's latest checkpoint, plan.state); LaunchError if it cannot."""
+        return Prepared()
+
+    @abc.abstractmethod
+    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
+        """Start one task; LaunchError when it cannot be started at all."""
 
     def start_all(
-        self, tasks: list[TaskPlan], attempt: int, token: str, log_paths: list[Path]
+        self, tasks: list[TaskPlan], attempt: int, secret: str, log_paths: list[Path]
     ) -> list[TaskHandle | LaunchError]:
-        """Start every task (a launcher may do it in parallel); per task, its handle or its error."""
-        out: list[Any] = []
+        """Start every task (a backend may do it in parallel); per task, its handle or its error."""
+        out: list[TaskHandle | LaunchError] = []
         for task, log_path in zip(tasks, log_paths, strict=True):
             try:
-                out.append(self.start(task, attempt, token, log_path))
+                out.append(self.start(task, attempt, secret, log_path))
             except LaunchError as exc:
                 out.append(exc)
         return out
 
     @abc.abstractmethod
-    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
-        """SIGTERM every handle's process group, wait up to `grace_s` (less once `hurry` is set),
-        SIGKILL what is left, and return when no process of any group remains."""
+    def record(self) -> dict[str, Any]:
+        """What `reattach` needs to find this run's processes later: {"backend": name, …}."""
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        """At the end of the run, whatever its outcome: copy the results (model, TensorBoard, the
+        latest checkpoint) into the run directory. Lines for the summary; never raises."""
+        return []
 
     def close(self) -> None:
-        """Release what the launcher holds (connections). Running tasks must be stopped first."""
-        return None  # nothing to release by default
+        """Release what the backend holds (ports, connections). Its tasks are stopped first."""
+        return None
+
+
+class Leftovers(abc.ABC):
+    """A run's processes found again from its record, once its coordinator is gone."""
+
+    @abc.abstractmethod
+    def stop(self, grace_s: float) -> list[tuple[str, bool]]:
+        """Stop whatever of the run still runs; per place, a line and whether it could be asked."""
+

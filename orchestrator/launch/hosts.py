@@ -71,18 +71,18 @@ def hosts_of(spec: ClusterSpec) -> list[Host]:
     return [Host.from_spec(i, h) for i, h in enumerate(spec.hosts)]
 
 
-class HostKeyUnknown(paramiko.SSHException):
+class HostKeyUnknown(paramiko.SSHException):  # type: ignore[misc]  # paramiko is untyped
     def __init__(self, name: str, key: paramiko.PKey):
         super().__init__(name)
         self.name, self.key = name, key
 
 
-class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+class _RefuseUnknown(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         raise HostKeyUnknown(hostname, key)
 
 
-class _RecordNew(paramiko.MissingHostKeyPolicy):
+class _RecordNew(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]
     """accept-new: trust a host seen for the first time and append its key to known_hosts."""
 
     def __init__(self, path: Path):
@@ -99,7 +99,7 @@ class _RecordNew(paramiko.MissingHostKeyPolicy):
 
 
 def fingerprint(key: paramiko.PKey) -> str:
-    return key.fingerprint  # "SHA256:…", as ssh-keygen -l prints it
+    return str(key.fingerprint)  # "SHA256:…", as ssh-keygen -l prints it
 
 
 def connect(host: Host, ssh: SshSpec) -> fabric.Connection:

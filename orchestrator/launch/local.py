@@ -1,29 +1,48 @@
-"""Launch layer: tasks as local subprocesses — a one-machine simulation of the cluster.
+"""Launch layer, local backend: tasks as local subprocesses — a one-machine simulation of the cluster.
 
-Each task starts in a new session (its own process group). Its stdout and stderr go straight to
-its log file (not through a pipe), so the log stays complete even if the coordinator dies, and a
-dead coordinator cannot kill a task with SIGPIPE by accident.
+Opening reserves a free TF port per task (ports.py: locked for the coordinator's lifetime, so two
+runs never collide). Each task starts in a new session (its own process group). Its stdout and
+stderr go straight to its log file (not through a pipe), so the log stays complete even if the
+coordinator dies, and a dead coordinator cannot kill a task with SIGPIPE by accident.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
-import threading
-import time
+import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
-from orchestrator.plan import TaskPlan
+from orchestrator.launch.api import (
+    Backend,
+    Heartbeats,
+    Leftovers,
+    Prepared,
+    ProcessInfo,
+    Sig,
+    TaskHandle,
+    stop_all,
+)
+from orchestrator.launch.placement import Placement, local_placements
+from orchestrator.launch.ports import PortReservation, reserve_ports
+from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso
+from orchestrator.spec.model import Backend as BackendName
+from orchestrator.spec.model import ClusterSpec, Role
+from worker import wire
 
 log = logging.getLogger("orchestrator.launch")
+
+_SIGNALS = {Sig.TERM: signal.SIGTERM, Sig.KILL: signal.SIGKILL}
 
 
 class LocalTaskHandle(TaskHandle):
@@ -43,10 +62,51 @@ class LocalTaskHandle(TaskHandle):
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def signal(self, sig: Sig) -> None:
+        signal_group(self._process.pgid, _SIGNALS[sig])
+        if sig is Sig.TERM:
+            signal_group(self._process.pgid, signal.SIGCONT)  # a stopped (SIGSTOP) task gets to handle it
 
-class LocalLauncher(Launcher):
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
-        env = {**os.environ, **task.launch_env(attempt=attempt, token=token)}
+    @property
+    def exited(self) -> bool:
+        # its own exit code collected (so it can be reported), and its group empty
+        return self.popen.poll() is not None and not group_alive(self._process.pgid)
+
+
+class LocalBackend(Backend):
+    name = BackendName.LOCAL.value
+
+    def __init__(self, spec: ClusterSpec, run_dir: Path, spec_dir: Path, python: str = sys.executable):
+        self._spec = spec
+        self._run_dir = run_dir
+        self._spec_dir = spec_dir  # the tasks' working folder: relative paths mean what they meant there
+        self._python = python
+        self._ports: PortReservation | None = None
+        self._placements: dict[str, Placement] = {}
+
+    def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+        self._ports = reserve_ports(self._spec)
+        self._placements = local_placements(
+            self._spec,
+            self._ports.ports,
+            run_dir=self._run_dir.resolve(),
+            spec_dir=self._spec_dir,
+            coordinator_url=heartbeats.url,
+            python=self._python,
+        )
+        return dict(self._placements)
+
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
+        """A port another program took since the last attempt (ours are stopped now) moves."""
+        if attempt == 0 or self._ports is None:
+            return Prepared()
+        moved = {}
+        for task, (_, new) in self._ports.renew_busy().items():
+            moved[task] = self._placements[task] = dataclasses.replace(self._placements[task], port=new)
+        return Prepared(moved=moved)
+
+    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
+        env = {**os.environ, **task.launch_env(attempt=attempt, token=secret)}
         with open(log_path, "ab") as out:
             out.write(
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()
@@ -67,30 +127,91 @@ class LocalLauncher(Launcher):
         log.debug("started %s attempt %d: pid %d", task.name, attempt, popen.pid)
         return LocalTaskHandle(task, attempt, log_path, popen)
 
-    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
-        groups = [h.process.pgid for h in handles if group_alive(h.process.pgid)]
-        for pgid in groups:
-            signal_group(pgid, signal.SIGTERM)
-            signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) task gets to handle its SIGTERM
+    def record(self) -> dict[str, Any]:
+        # The tasks' process groups are in status.json (pid, pgid, start time) as they start.
+        return {"backend": self.name}
 
-        def gone() -> bool:
-            # every group empty, and every task's own exit code collected (so it can be reported)
-            return all(h.poll() is not None for h in handles) and not any(group_alive(g) for g in groups)
+    def close(self) -> None:
+        if self._ports is not None:
+            self._ports.release()
+            self._ports = None
 
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
-            if gone():
-                return
-            time.sleep(0.05)
-        for pgid in groups:
-            signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            if gone():
-                return
-            time.sleep(0.02)
-        alive = [g for g in groups if group_alive(g)]
-        raise LaunchError(f"process groups {alive} survived SIGKILL (uninterruptible I/O?)")
+
+class _RecordedGroup(TaskHandle):
+    """A task's process group found again from status.json (not our child: no exit code)."""
+
+    def __init__(self, task: TaskPlan, pgid: int):
+        super().__init__(task, 0, Path(os.devnull))
+        self._process = ProcessInfo(pid=pgid, pgid=pgid, create_time=0.0)
+
+    @property
+    def process(self) -> ProcessInfo:
+        return self._process
+
+    def poll(self) -> int | None:
+        return None
+
+    def signal(self, sig: Sig) -> None:
+        signal_group(self._process.pgid, _SIGNALS[sig])
+
+    @property
+    def exited(self) -> bool:
+        return not group_alive(self._process.pgid)
+
+
+class LocalLeftovers(Leftovers):
+    """The process groups status.json records for the run's tasks that still carry its run id."""
+
+    def __init__(self, record: Mapping[str, Any], status: Mapping[str, Any]):
+        self._status = status
+
+    def stop(self, grace_s: float) -> list[tuple[str, bool]]:
+        groups = live_task_groups(self._status)
+        if not groups:
+            return []
+        handles = [_RecordedGroup(_placeholder(name), pgid) for name, pgid in groups]
+        left = stop_all(handles, grace_s)
+        names = ", ".join(name for name, _ in groups)
+        line = f"this machine: stopped {len(groups)} task process group(s) the coordinator left ({names})"
+        if left:
+            line += f"; still running: {', '.join(h.task.name for h in left)}"
+        return [(line, not left)]
+
+
+def _placeholder(name: str) -> TaskPlan:
+    role, _, index = name.rpartition("-")
+    return TaskPlan(name, Role(role), int(index), "", "", 0, (), {}, "", True)
+
+
+def live_task_groups(status: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(task, process group) of the run's tasks that still exist (the leader's pid and start time
+    must match, or a member must carry the run id)."""
+    groups = []
+    for t in status.get("tasks", []):
+        pgid, pid, created = t.get("pgid"), t.get("pid"), t.get("create_time")
+        if not pgid or not group_alive(pgid):
+            continue
+        try:
+            leader_ok = abs(psutil.Process(pid).create_time() - created) < 0.01
+        except psutil.Error:
+            leader_ok = False  # the leader is gone; the group lives on in its children
+        try:
+            same_run = leader_ok or any(
+                os.getpgid(p.pid) == pgid and _env_run_id(p) == status.get("run_id")
+                for p in psutil.process_iter()
+            )
+        except (ProcessLookupError, psutil.Error):
+            same_run = False
+        if same_run:
+            groups.append((str(t.get("task")), int(pgid)))
+    return groups
+
+
+def _env_run_id(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get(wire.ENV_RUN_ID)
+    except psutil.Error:
+        return None
 
 
 def group_alive(pgid: int) -> bool:

@@ -17,34 +17,52 @@ import posixpath
 import shlex
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fabric
 import paramiko
 
-from orchestrator import preflight
 from orchestrator.errors import LaunchError
-from orchestrator.launch import ship
-from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
+from orchestrator.launch import preflight
+from orchestrator.launch.api import Backend, Heartbeats, Leftovers, Prepared, ProcessInfo, Sig, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
+from orchestrator.launch.placement import Placement, job_files_root, ssh_placements, ssh_ports
+from orchestrator.launch.state import StateCopies
 from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
-from orchestrator.plan import HostContext, LaunchPlan, StatePlan, TaskPlan, job_files_root, remote_run_folder
+from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import ClusterSpec, Role, SshSpec
+from orchestrator.spec.model import Backend as BackendName
+from orchestrator.spec.model import ClusterSpec, SshSpec
+from orchestrator.spec.roles import task_slots
 from worker import wire
 
 log = logging.getLogger("orchestrator.ssh")
-_KILL_WAIT_S = 5.0  # after SIGKILL, how long a host may take to confirm the exit
 
 
 class SshTaskHandle(TaskHandle):
-    def __init__(self, task: TaskPlan, attempt: int, log_path: Path, host: Host, channel: paramiko.Channel):
+    kill_wait_s = 5.0  # after SIGKILL, how long a host may take to confirm the exit
+    unconfirmed_hint = (
+        "its connection was lost; such a task stops by itself once its SSH connection or the "
+        "coordinator is gone, and a new attempt there stops any leftover first"
+    )
+
+    def __init__(
+        self,
+        task: TaskPlan,
+        attempt: int,
+        log_path: Path,
+        host: Host,
+        channel: paramiko.Channel,
+        on_lost: Callable[[int], None],
+    ):
         super().__init__(task, attempt, log_path)
         self.host = host
         self._channel = channel
+        self._on_lost = on_lost  # its host's connection is renewed before the next use
         self._started = threading.Event()
         self._ended = threading.Event()  # exit reported, or the channel closed
         self._exit_code: int | None = None
@@ -61,13 +79,28 @@ class SshTaskHandle(TaskHandle):
     def process(self) -> ProcessInfo:
         return self._info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
 
+    @property
+    def where(self) -> str:
+        return self.host.label
+
     def poll(self) -> int | None:
         return self._exit_code
 
+    def signal(self, sig: Sig) -> None:
+        self.send(sig.value)  # the shim signals the group (TERM with CONT)
+
     @property
-    def ended(self) -> bool:
-        """The task's exit is known, or its channel is gone (nothing more can be learned)."""
-        return self._ended.is_set()
+    def exited(self) -> bool:
+        return self._exit_code is not None  # the shim reports it once the whole group is gone
+
+    @property
+    def reachable(self) -> bool:
+        return not self._ended.is_set()
+
+    def release(self) -> None:
+        self._channel.close()
+        if self._exit_code is None:
+            self._on_lost(self.task.host_index)
 
     def wait_started(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -85,9 +118,6 @@ class SshTaskHandle(TaskHandle):
         # A channel already gone is fine: the shim stops the task by itself then.
         with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
             self._channel.sendall(f"{command}\n".encode())
-
-    def close(self) -> None:
-        self._channel.close()
 
     def _pump_output(self) -> None:
         with open(self.log_path, "ab") as out:
@@ -137,54 +167,80 @@ class SshTaskHandle(TaskHandle):
             self._messages.append(str(event.get("message")))
 
 
-class SshLauncher(Launcher):
+@dataclass(frozen=True)
+class _HostContext:
+    workdir: str  # absolute on that host; runs live in WORKDIR/runs/<run id>
+    coordinator_url: str  # where its tasks post heartbeats (a tunnel's port, or the direct address)
+
+
+class SshBackend(Backend):
+    name = BackendName.SSH.value
+
     def __init__(self, spec: ClusterSpec, run_id: str, home: Path):
         self._spec = spec
         self._run_id = run_id
-        self._home = home  # the run directory on this machine: results and the latest state come here
-        # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
-        self._io_timeout_s = max(10.0, 3 * spec.ssh.connect_timeout_s)
         self._hosts = hosts_of(spec)
         self._conns: dict[int, fabric.Connection] = {}
-        self._contexts: dict[int, HostContext] = {}
+        self._contexts: dict[int, _HostContext] = {}
         self._suspect: set[int] = set()  # hosts whose connection must be renewed before use
         self._heartbeat: tuple[str, int] | None = None
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
         self._relays: dict[int, _Relay] = {}  # per host: where its tasks post heartbeats
-        self._shared_hosts: set[int] = set()  # hosts with several tasks: their heartbeats go via a relay
-        self.reports: list[preflight.HostReport] = []
+        per_host = [s.host_index for s in task_slots(spec)]
+        # hosts with several tasks: their heartbeats go through a relay
+        self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
         self._files: list[FileEntry] = []
-        self._follower: threading.Thread | None = None  # new checkpoints to the evaluators' hosts
-        self._follow_stop = threading.Event()
+        self._states = StateCopies(
+            self._hosts,
+            home,
+            self._connection,
+            self._suspect.add,
+            # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
+            io_timeout_s=max(10.0, 3 * spec.ssh.connect_timeout_s),
+            every_s=max(2.0, spec.health.heartbeat_interval_s),
+        )
 
-    # --- before the first attempt ---
+    def listen(self) -> tuple[str, int]:
+        """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""
+        direct = self._spec.ssh.coordinator_address
+        if direct is None:
+            return "127.0.0.1", 0
+        host, _, port = direct.partition(":")
+        return host, int(port or 0)
 
-    def prepare(
-        self, ports: Mapping[str, int], heartbeat: tuple[str, int], direct_url: str | None
-    ) -> dict[int, HostContext]:
-        """Connect to every host and check it (the fast part of `orchestrate check`); open the
-        heartbeat tunnels. Raises LaunchError naming every host with a problem."""
-        self._heartbeat, self._direct_url = heartbeat, direct_url
+    def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+        """Connect to every host and check it (the fast part of `orchestrate check`), open the
+        heartbeat tunnels, send every host the files its cache lacks. Raises LaunchError naming
+        every host with a problem."""
+        self._heartbeat = (heartbeats.host, heartbeats.port)
+        self._direct_url = heartbeats.url if self._spec.ssh.coordinator_address else None
         self._files = worker_files() + job_files(job_files_root(self._spec))
         files = [f.sha256 for f in self._files]
-        self.reports = preflight.inspect(self._spec, ports, peers=False, files=files)
-        self._conns = {r.host.index: r.conn for r in self.reports if r.conn is not None}
-        problems = preflight.problems(self.reports)
-        for warning in preflight.warnings(self.reports):
+        reports = preflight.inspect(self._spec, ssh_ports(self._spec), peers=False, files=files)
+        self._conns = {r.host.index: r.conn for r in reports if r.conn is not None}
+        problems = preflight.problems(reports)
+        for warning in preflight.warnings(reports):
             log.warning("%s", warning)
         if problems:
             raise LaunchError("preflight failed (see `orchestrate check`):\n  " + "\n  ".join(problems))
-        for report in self.reports:
+        for report in reports:
             assert report.facts is not None
-            self._contexts[report.host.index] = HostContext(
+            self._contexts[report.host.index] = _HostContext(
                 workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
             )
-        return dict(self._contexts)
+        self._upload({r.host.index: (r.facts or {}).get("missing", []) for r in reports})
+        return ssh_placements(
+            self._spec,
+            self._run_id,
+            {i: c.workdir for i, c in self._contexts.items()},
+            {i: c.coordinator_url for i, c in self._contexts.items()},
+        )
 
-    def hosts_record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         ssh = self._spec.ssh
         return {
+            "backend": self.name,
             "run_id": self._run_id,
             "ssh": {
                 "known_hosts": str(ssh.known_hosts),
@@ -206,17 +262,17 @@ class SshLauncher(Launcher):
             "shim_sha256": shim_entry(self._files).sha256,  # the copy in each host's cache
         }
 
-    def deploy(self, plan: LaunchPlan) -> None:
-        """Send every host the files its cache lacks (the job's folder and the worker runtime)."""
-        reports = {r.host.index: r for r in self.reports}
-        used = sorted({t.host_index for t in plan.tasks})
-        per_host = [t.host_index for t in plan.tasks]
-        self._shared_hosts = {i for i in used if per_host.count(i) > 1}
+    def _upload(self, missing: dict[int, list[str]]) -> None:
+        """Send every host with tasks the files its cache lacks (the job's folder, the runtime)."""
+        used = sorted({s.host_index for s in task_slots(self._spec)})
 
         def one(index: int) -> Any:
-            missing = (reports[index].facts or {}).get("missing", [])
             return upload(
-                self._conns[index], self._hosts[index], self._contexts[index].workdir, self._files, missing
+                self._conns[index],
+                self._hosts[index],
+                self._contexts[index].workdir,
+                self._files,
+                missing[index],
             )
 
         results = on_all(used, one)
@@ -229,6 +285,12 @@ class SshLauncher(Launcher):
                 result.uploaded_bytes,
                 result.unchanged,
             )
+
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
+        return Prepared(notes=self._states.before_attempt(plan, attempt))
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        return self._states.bring_home(plan)
 
     def _coordinator_url(self, index: int) -> str:
         if self._direct_url is not None:
@@ -246,190 +308,36 @@ class SshLauncher(Launcher):
             ) from None
         return f"http://127.0.0.1:{port}"
 
-    # --- state between hosts (they share no disk) ---
-
-    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
-        """Attempts after the first restore the owner's latest checkpoint: bring it home, then
-        send home's copy to every reader's host whose folder differs (ship.py). An evaluator on
-        another host than the owner then gets each new checkpoint while the attempt runs."""
-        self._stop_following()
-        state = plan.state
-        if state is None or state.shared:
-            return []
-        notes = self._ship(plan, state) if attempt > 0 else []
-        evaluators = [t for t in map(plan.task, state.readers) if t.role is Role.EVALUATOR]
-        if self._targets(plan, evaluators):
-            self._follow_stop = threading.Event()
-            self._follower = threading.Thread(
-                target=self._follow, args=(plan, evaluators, self._follow_stop), daemon=True, name="ship"
-            )
-            self._follower.start()
-        return notes
-
-    def _targets(self, plan: LaunchPlan, readers: list[TaskPlan]) -> list[tuple[int, str]]:
-        """(host, folder) of the readers, but the owner's own."""
-        assert plan.state is not None
-        owner = plan.task(plan.state.owner)
-        source = (owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR])
-        return sorted({(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in readers} - {source})
-
-    def _ship(self, plan: LaunchPlan, state: StatePlan) -> list[str]:
-        owner = plan.task(state.owner)
-        host = self._hosts[owner.host_index]
-        home = self._home / "checkpoints"
-        try:
-            got = ship.pull(
-                self._connection(owner.host_index),
-                host,
-                owner.env[wire.ENV_CHECKPOINT_DIR],
-                home,
-                timeout_s=self._io_timeout_s,
-            )
-        except LaunchError:
-            self._suspect.add(owner.host_index)  # its connection is renewed before the next use
-            raise
-        notes = [f"checkpoints of {owner.name} ({host.label}) → {home}: {got.describe()}"]
-        targets = self._targets(plan, list(map(plan.task, state.readers)))
-        if not got.exists and any(home.iterdir() if home.is_dir() else ()):
-            # the owner's folder is gone (a --resume after its host was cleaned): home's copy is
-            # the latest state there is, so the owner gets it back too
-            targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
-            notes[0] = f"{owner.name} ({host.label}) has no checkpoint folder; using the copy in {home}"
-
-        ours = ship.local_tree(home)  # once for every host it goes to
-
-        def one(target: tuple[int, str]) -> ship.Transfer:
-            index, folder = target
-            try:
-                return self._push_home(index, folder, ours)
-            except LaunchError:
-                self._suspect.add(index)
-                raise
-
-        results = on_all(targets, one)
-        raise_if_failed(results, "copying the checkpoint to the hosts")
-        for (index, folder), sent in zip(targets, results, strict=True):
-            notes.append(f"→ {self._hosts[index].label} {folder}: {sent.describe()}")
-        return notes
-
-    def _push_home(self, index: int, folder: str, ours: dict[str, Any]) -> ship.Transfer:
-        """Make `folder` on host `index` a copy of the run directory's checkpoints/ (listed in `ours`)."""
-        return ship.push(
-            self._connection(index),
-            self._hosts[index],
-            self._home / "checkpoints",
-            folder,
-            timeout_s=self._io_timeout_s,
-            ours=ours,
-        )
-
-    def _follow(self, plan: LaunchPlan, evaluators: list[TaskPlan], stop: threading.Event) -> None:
-        """While the attempt runs: each new checkpoint of the owner, home and on to the evaluators'
-        hosts. A round that fails (a file changed while copied, a host away) is tried again."""
-        assert plan.state is not None
-        owner = plan.task(plan.state.owner)
-        home = self._home / "checkpoints"
-        every_s = max(2.0, self._spec.health.heartbeat_interval_s)
-        while not stop.wait(every_s):
-            try:
-                got = ship.pull(
-                    self._connection(owner.host_index),
-                    self._hosts[owner.host_index],
-                    owner.env[wire.ENV_CHECKPOINT_DIR],
-                    home,
-                    timeout_s=self._io_timeout_s,
-                )
-                if not got.exists:
-                    continue
-                ours = ship.local_tree(home)
-                for index, folder in self._targets(plan, evaluators):
-                    if stop.is_set():
-                        return
-                    sent = self._push_home(index, folder, ours)
-                    if sent.files:
-                        log.debug("%s %s: %s", self._hosts[index].label, folder, sent.describe())
-            except LaunchError as exc:
-                log.debug("checkpoints to the evaluators, tried again in %g s: %s", every_s, exc)
-
-    def _stop_following(self) -> None:
-        if self._follower is not None:
-            self._follow_stop.set()
-            self._follower.join(timeout=4 * self._io_timeout_s)
-            self._follower = None
-
-    def bring_home(self, plan: LaunchPlan) -> list[str]:
-        """The owner's model/, tensorboard/ and latest checkpoint, the evaluators' tensorboard/,
-        into the run directory. A host that cannot be reached is said, not raised."""
-        self._stop_following()
-        if plan.state is None:
-            return []
-        owner = plan.task(plan.state.owner)
-        wanted: list[tuple[TaskPlan, str, Path, bool]] = []
-        if not plan.state.shared:
-            wanted.append((owner, owner.env[wire.ENV_CHECKPOINT_DIR], self._home / "checkpoints", True))
-        for task in plan.tasks:
-            folder = task.env[wire.ENV_RUN_DIR]
-            if task.name == owner.name:
-                wanted.append((task, posixpath.join(folder, "model"), self._home / "model", False))
-            board = posixpath.join(folder, "tensorboard")
-            seen = any(w[0].host_index == task.host_index and w[1] == board for w in wanted)
-            if (task.name == owner.name or task.role is Role.EVALUATOR) and not seen:
-                wanted.append((task, board, self._home / "tensorboard", False))
-
-        def host_pulls(index: int) -> list[str]:
-            # one host's pulls one after another (they share its connection); hosts in parallel
-            lines = []
-            host = self._hosts[index]
-            for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
-                try:
-                    got = ship.pull(
-                        self._connection(index),
-                        host,
-                        remote,
-                        local,
-                        mirror=mirror,
-                        timeout_s=self._io_timeout_s,
-                    )
-                except LaunchError as exc:
-                    lines.append(f"could not bring {remote} home from {task.name}: {exc}")
-                    continue
-                if got.files:
-                    lines.append(f"{local.name}/ from {task.name} ({host.label}): {got.describe()}")
-            return lines
-
-        hosts = sorted({w[0].host_index for w in wanted})
-        out: list[str] = []
-        for index, result in zip(hosts, on_all(hosts, host_pulls), strict=True):
-            out += [f"{self._hosts[index].label}: {result}"] if isinstance(result, BaseException) else result
-        return out
-
     # --- per attempt ---
 
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
         try:
-            handle = self._open(task, attempt, token, log_path)
+            handle = self._open(task, attempt, secret, log_path)
             handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
         except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
             self._suspect.add(task.host_index)
             raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
         return handle
 
-    def start_all(self, tasks: list[TaskPlan], attempt: int, token: str, log_paths: list[Path]) -> list[Any]:
-        def one(i: int) -> Any:
-            return self.start(tasks[i], attempt, token, log_paths[i])
+    def start_all(
+        self, tasks: list[TaskPlan], attempt: int, secret: str, log_paths: list[Path]
+    ) -> list[TaskHandle | LaunchError]:
+        def one(i: int) -> TaskHandle:
+            return self.start(tasks[i], attempt, secret, log_paths[i])
 
-        results = on_all(list(range(len(tasks))), one)
-        # start() turns every connection failure into a LaunchError; anything else is a bug of ours.
-        for r in results:
+        out: list[TaskHandle | LaunchError] = []
+        for r in on_all(list(range(len(tasks))), one):
+            # start() turns every connection failure into a LaunchError; anything else is a bug of ours.
             if isinstance(r, BaseException) and not isinstance(r, LaunchError):
                 raise r
-        return results
+            out.append(r)
+        return out
 
     def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
         host = self._hosts[task.host_index]
         conn = self._connection(task.host_index)
         ctx = self._contexts[task.host_index]
-        folder = remote_run_folder(ctx, self._run_id)
+        folder = posixpath.join(ctx.workdir, "runs", self._run_id)
         env = task.launch_env(attempt=attempt, token=token)
         env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index, token)
         cache = posixpath.join(ctx.workdir, "cache")
@@ -466,7 +374,7 @@ class SshLauncher(Launcher):
             raise LaunchError(
                 f"cannot start {task.name} on {host.label}: {exc or type(exc).__name__}"
             ) from None
-        return SshTaskHandle(task, attempt, log_path, host, channel)
+        return SshTaskHandle(task, attempt, log_path, host, channel, self._suspect.add)
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
@@ -483,7 +391,7 @@ class SshLauncher(Launcher):
             self._conns[index] = conn
             self._suspect.discard(index)
             ctx = self._contexts[index]
-            self._contexts[index] = HostContext(ctx.workdir, self._coordinator_url(index))
+            self._contexts[index] = _HostContext(ctx.workdir, self._coordinator_url(index))
             old = self._relays.pop(index, None)  # it went with the old connection
             if old is not None:
                 old.close()
@@ -501,9 +409,12 @@ class SshLauncher(Launcher):
             if relay is not None and relay.alive:
                 return relay.url
             ctx = self._contexts[index]
-            script = posixpath.join(ctx.workdir, "cache", runtime_entry(self._files, "relay.py").sha256)
+            cache = posixpath.join(ctx.workdir, "cache")
+            script = posixpath.join(cache, runtime_entry(self._files, "relay.py").sha256)
             health = self._spec.health
             config = {
+                # the relay runs alone from the cache: its HTTP module is found there by checksum
+                "http_module": posixpath.join(cache, runtime_entry(self._files, "http1.py").sha256),
                 "upstream": ctx.coordinator_url,
                 "token": token,
                 "interval_s": health.heartbeat_interval_s,
@@ -515,36 +426,8 @@ class SshLauncher(Launcher):
             self._relays[index] = relay
             return relay.url
 
-    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
-        mine = [h for h in handles if isinstance(h, SshTaskHandle)]
-        live = [h for h in mine if not h.ended]
-        for h in live:
-            h.send("TERM")
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
-            if all(h.ended for h in live):
-                break
-            time.sleep(0.05)
-        late = [h for h in live if not h.ended]
-        for h in late:
-            h.send("KILL")
-        deadline = time.monotonic() + _KILL_WAIT_S
-        while time.monotonic() < deadline and not all(h.ended for h in late):
-            time.sleep(0.05)
-        for h in mine:
-            h.close()
-        unconfirmed = [h for h in mine if h.poll() is None]
-        for h in unconfirmed:
-            self._suspect.add(h.task.host_index)
-        if unconfirmed:
-            names = ", ".join(f"{h.task.name} on {h.host.label}" for h in unconfirmed)
-            raise LaunchError(
-                f"{names}: exit not confirmed (connection lost); such a task stops by itself once its "
-                "SSH connection or the coordinator is gone, and a new attempt there stops any leftover first"
-            )
-
     def close(self) -> None:
-        self._stop_following()
+        self._states.stop_following()
         for relay in self._relays.values():
             relay.close()
         self._relays = {}
@@ -621,10 +504,20 @@ class _Relay:
         return cls(channel, port, host.label)
 
 
-def stop_leftovers(record: dict[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:
-    """`orchestrate down` when the coordinator is gone: stop, on every host, the recorded process
-    groups of this run's tasks (plan.json's) that still carry its run id. Per host: a line, and
-    whether the host could be asked."""
+class SshLeftovers(Leftovers):
+    """`orchestrate down` when the coordinator is gone: on every host, the recorded process groups
+    of this run's tasks (plan.json's) that still carry its run id (the shim's `--stop`)."""
+
+    def __init__(self, record: Mapping[str, Any], plan: Mapping[str, Any]):
+        self._record = record
+        self._tasks = list(plan.get("tasks", []))
+
+    def stop(self, grace_s: float) -> list[tuple[str, bool]]:
+        return stop_leftovers(self._record, self._tasks)
+
+
+def stop_leftovers(record: Mapping[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """Per host: a line, and whether the host could be asked."""
     ssh = SshSpec(**record["ssh"])
     run_id = record["run_id"]
     hosts = []

@@ -70,3 +70,28 @@ def role_policies(spec: ClusterSpec) -> dict[Role, RolePolicy]:
             at_end=given.at_end or default.at_end,
         )
     return out
+
+
+@dataclass(frozen=True)
+class TaskSlot:
+    """A task's place in the cluster, before ports are known."""
+
+    role: Role
+    index: int
+    host_index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.role.value}-{self.index}"
+
+
+def task_slots(spec: ClusterSpec) -> list[TaskSlot]:
+    """Every task of the spec, numbered per role in host order, listed chief, worker, ps, evaluator."""
+    counters = {role: 0 for role in Role}
+    slots = []
+    for role in Role:
+        for h, host in enumerate(spec.hosts):
+            for _ in range(host.tasks.get(role, 0)):
+                slots.append(TaskSlot(role, counters[role], h))
+                counters[role] += 1
+    return slots

@@ -1,12 +1,20 @@
-"""Supervision layer: what went wrong (Failure), which failure is the root cause, and whether to
-restart the whole job (policy). The supervisor executes; this module only decides.
+"""Supervision layer: what went wrong (Failure), which failure is the root cause, and what to do
+about every failure (policy). The supervisor executes; this module only decides.
+
+`decide` takes the failures one supervisor iteration found and a frozen snapshot of the run (its
+budget, its history, each task's role policy and own restarts), and answers each failure with a
+Decision: restart that task alone, ignore it, or — for the rest, through their root cause —
+restart the whole job or fail it (Ray Train v2's `make_decision(poll_status)` is the model).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+from orchestrator.spec.model import OnFailure
+from worker import wire
 from worker.wire import TaskError
 
 # A peer that vanished makes every other MWMS task raise one of these a moment later: they are
@@ -18,9 +26,6 @@ PEER_LOSS_ERRORS = (
     "CancelledError",
     "InternalError",
 )
-
-
-PREEMPTED_EXIT_CODE = 42
 
 
 class FailureKind(str, enum.Enum):
@@ -35,7 +40,7 @@ class FailureKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Failure:
-    task: str | None
+    tasks: tuple[str, ...]  # the task that failed (several: a start-up deadline, a diverged start)
     kind: FailureKind
     attempt: int
     detail: str
@@ -51,14 +56,14 @@ class Failure:
     @property
     def is_preemption(self) -> bool:
         """TF's PreemptionCheckpointHandler saved a checkpoint and exited with 42 (SIGTERM, maintenance)."""
-        return self.kind is FailureKind.EXIT and self.exit_code == PREEMPTED_EXIT_CODE
+        return self.kind is FailureKind.EXIT and self.exit_code == wire.EXIT_PREEMPTED
 
     def describe(self) -> str:
-        who = f"{self.task} " if self.task else ""
+        who = f"{', '.join(self.tasks)} " if self.tasks else ""
         return f"{who}{self.detail}"
 
 
-def root_cause(failures: list[Failure]) -> Failure:
+def root_cause(failures: Sequence[Failure]) -> Failure:
     """The failure most likely to have caused the others seen in the same instant.
 
     Order: external deaths (a signal, a lost task, one stalled in its own code, a launch or start-up
@@ -80,39 +85,97 @@ def root_cause(failures: list[Failure]) -> Failure:
 
 
 class Action(str, enum.Enum):
-    RESTART = "restart"
-    FAIL = "fail"
+    RESTART_JOB = "restart_job"  # stop every task, start them all again from the last checkpoint
+    RESTART_TASK = "restart_task"  # stop that task, start it again alone; the others go on
+    IGNORE = "ignore"  # report it, go on
+    FAIL = "fail"  # stop every task; the run ends FAILED
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
+    failure: Failure
     reason: str
 
+    @property
+    def stops_job(self) -> bool:
+        return self.action in (Action.RESTART_JOB, Action.FAIL)
 
-def decide(
-    failure: Failure,
-    *,
-    restarts_used: int,
-    max_restarts: int,
-    first_attempt: bool = True,
-    history: tuple[Failure, ...] = (),
-) -> Decision:
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the policy knows of the run when it decides (frozen, taken once per iteration)."""
+
+    attempt: int
+    first_attempt: bool  # the run's first (not a --resume's)
+    restarts_used: int  # whole-job restarts so far (preemptions are not counted)
+    max_restarts: int
+    history: tuple[Failure, ...] = ()  # the root causes of the earlier attempts
+    on_failure: Mapping[str, OnFailure] = field(default_factory=dict)  # per task, its role's policy
+    task_restarts: Mapping[str, int] = field(default_factory=dict)  # per task, its restarts alone
+
+
+def decide(failures: Sequence[Failure], snap: Snapshot) -> list[Decision]:
+    """One decision per failure. A failure of a role whose policy restarts the task alone (while
+    its own budget lasts) or ignores it is answered so; the others stop the job: their root cause
+    decides between a whole-job restart and failing, listed first, the rest follow it."""
+    out: list[Decision] = []
+    job: list[Failure] = []
+    for f in failures:
+        task = f.tasks[0] if len(f.tasks) == 1 else None
+        rule = snap.on_failure.get(task, OnFailure.RESTART_JOB) if task else OnFailure.RESTART_JOB
+        used = snap.task_restarts.get(task, 0) if task else 0
+        if rule is OnFailure.IGNORE:
+            out.append(Decision(Action.IGNORE, f, f"{f.describe()} (ignored)"))
+        elif rule is OnFailure.RESTART_TASK and used < snap.max_restarts:
+            out.append(
+                Decision(
+                    Action.RESTART_TASK,
+                    f,
+                    f"{f.describe()}; restarting it alone (restart {used + 1} of {snap.max_restarts}; "
+                    "the others go on)",
+                )
+            )
+        elif rule is OnFailure.RESTART_TASK:
+            exhausted = (
+                f"{f.detail}; its own restart budget is exhausted ({used} of "
+                f"restart.max_restarts = {snap.max_restarts})"
+            )
+            job.append(Failure(f.tasks, f.kind, f.attempt, exhausted, f.exit_code, f.error, f.step, f.where))
+        else:
+            job.append(f)
+    if job:
+        root = root_cause(job)
+        first = job_decision(root, snap)
+        out.append(first)
+        out += [
+            Decision(first.action, f, f"{f.describe()} (after {root.describe()})")
+            for f in job
+            if f is not root
+        ]
+    return out
+
+
+def job_decision(failure: Failure, snap: Snapshot) -> Decision:
     """Whole-job restart (MultiWorkerMirroredStrategy has no elasticity) while the budget lasts.
 
     An exception in the job's code is permanent on the run's first attempt, or when it repeats at
     the step where an earlier attempt failed the same way: the same code on the same data fails
     the same way. One that first appears after a restart gets the benefit of the doubt. So does
     a launch failure after a restart (a host that was cut off may be back by the next attempt).
+    A preemption (exit 42: TF saved a checkpoint) restarts outside the budget.
     """
+    first_attempt = snap.first_attempt
     if failure.kind is FailureKind.LAUNCH and first_attempt:
-        return Decision(Action.FAIL, f"could not launch: {failure.describe()}")
+        return Decision(Action.FAIL, failure, f"could not launch: {failure.describe()}")
     if failure.kind is FailureKind.DIVERGED:
         # never silent, never trained on: a restart would meet the same folders again
-        return Decision(Action.FAIL, f"{failure.describe()}; not restarted")
+        return Decision(Action.FAIL, failure, f"{failure.describe()}; not restarted")
     if failure.is_preemption:
         return Decision(
-            Action.RESTART, f"{failure.describe()}; preempted, restarting (not counted as a restart)"
+            Action.RESTART_JOB,
+            failure,
+            f"{failure.describe()}; preempted, restarting (not counted as a restart)",
         )
     if failure.kind is FailureKind.EXCEPTION and not failure.is_peer_loss:
         repeated = any(
@@ -121,24 +184,27 @@ def decide(
             and failure.error is not None
             and f.error.type == failure.error.type
             and f.step == failure.step
-            for f in history
+            for f in snap.history
         )
         if first_attempt or repeated:
             why = "on the first attempt" if first_attempt else f"again at step {failure.step}"
             return Decision(
                 Action.FAIL,
+                failure,
                 f"{failure.describe()} — an error in the job's code {why}; "
                 "not restarted (it would fail again)",
             )
-    if restarts_used >= max_restarts:
+    used, budget = snap.restarts_used, snap.max_restarts
+    if used >= budget:
         return Decision(
             Action.FAIL,
-            f"{failure.describe()}; restart budget exhausted ({restarts_used} of restart.max_restarts = "
-            f"{max_restarts} used)",
+            failure,
+            f"{failure.describe()}; restart budget exhausted "
+            f"({used} of restart.max_restarts = {budget} used)",
         )
-    return Decision(Action.RESTART, f"{failure.describe()}; restart {restarts_used + 1} of {max_restarts}")
+    return Decision(Action.RESTART_JOB, failure, f"{failure.describe()}; restart {used + 1} of {budget}")
 
 
 def backoff_s(base_s: float, restarts_used: int, cap_s: float = 60.0) -> float:
     """Wait before restart number `restarts_used + 1`: base, 2×base, 4×base, … up to cap_s."""
-    return min(cap_s, base_s * (2**restarts_used))
+    return min(cap_s, base_s * 2.0**restarts_used)

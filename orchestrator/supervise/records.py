@@ -5,6 +5,7 @@ and how they read in status.json (DESIGN §5).
 from __future__ import annotations
 
 import signal
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ class TaskRecord:
     health: TaskHealth | None = None
     restarts: int = 0  # restarts of this task alone (role policy restart_task), over the whole run
     restart_at: float | None = None  # when this task alone is due to start again
+    stopping: Future[Any] | None = None  # its stop before that restart, running on its own thread
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,13 @@ class RunResult:
     ended_at: str
     ignored: tuple[Failure, ...] = ()  # failures of roles whose policy is `ignore` (the evaluator)
     task_restarts: tuple[Failure, ...] = ()  # failures answered by restarting that task alone
+    failures: tuple[Failure, ...] = ()  # the root cause of every failed attempt, in order
+    unconfirmed: tuple[str, ...] = ()  # tasks whose exit no stop could confirm (a host cut off)
+
+    @property
+    def failed_tasks(self) -> tuple[str, ...]:
+        """The tasks the run's first failure names (their logs tell why)."""
+        return self.root_cause.tasks if self.root_cause is not None else ()
 
 
 def task_status(rec: TaskRecord) -> dict[str, Any]:

@@ -1,29 +1,32 @@
 """Supervision layer: the control loop. `while not state.is_terminal: step()`.
 
-Each step reads one frozen view of the world (exit codes, heartbeats, the clock), moves task
-states, runs the detectors (process exit, heartbeat timeout, stall, startup deadline), and moves
-the run's state through `states.CLUSTER_TRANSITIONS`. Policies decide (policy.py); the launcher
-does the work. Time and sleep are injected so tests can step it deterministically.
+Each step polls the task group once into a frozen view (exit codes, heartbeats, the clock), moves
+task states, runs the detectors (process exit, heartbeat timeout, stall, startup deadline, a
+diverged start), hands the failures to the policy (policy.decide) and executes its decisions
+through the backend; the run's state moves through `states.CLUSTER_TRANSITIONS`. Stopping one
+task alone happens on a thread of its own, so it never holds up the detectors. Time and sleep are
+injected so tests can step it deterministically.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
-from orchestrator.health.store import HealthStore
-from orchestrator.launch.api import Launcher
+from orchestrator.health.store import HealthStore, TaskHealth
+from orchestrator.launch.api import Backend, TaskHandle, stop_all, stop_in_background, unconfirmed_reason
+from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
+from orchestrator.spec.model import AtEnd, ClusterSpec, Role, Strategy
 from orchestrator.supervise import policy
-from orchestrator.supervise.policy import Action, Failure, FailureKind
+from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
 from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
 from orchestrator.supervise.states import (
     CLUSTER_TRANSITIONS,
@@ -80,16 +83,25 @@ def poll_interval_s(tasks: int) -> float:
 
 @dataclass
 class _Stop:
-    outcome: ClusterState  # SUCCEEDED, FAILED (then the policy may restart), INTERRUPTED
+    outcome: ClusterState  # SUCCEEDED, FAILED (then the policy's decision), INTERRUPTED
     reason: str
-    failure: Failure | None = None
+    decision: Decision | None = None  # a failure's: restart the job, or fail it
+
+
+@dataclass(frozen=True)
+class _Poll:
+    """The task group as seen once per iteration: detectors and policy read this, not the tasks."""
+
+    now: float
+    exit_codes: Mapping[str, int | None]
+    health: Mapping[str, TaskHealth]
 
 
 class Supervisor:
     def __init__(
         self,
         plan: LaunchPlan,
-        launcher: Launcher,
+        backend: Backend,
         store: HealthStore,
         sink: EventSink,
         token: str,
@@ -100,11 +112,12 @@ class Supervisor:
         on_change: Callable[[Supervisor], None] | None = None,
         first_attempt: int = 0,
         restarts: int = 0,
-        replan: Callable[[], tuple[LaunchPlan, list[str]] | None] | None = None,
+        replan: Callable[[Mapping[str, Placement]], LaunchPlan] | None = None,
+        in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]] = stop_in_background,
     ):
         self.plan = plan
         self.config = config
-        self._launcher = launcher
+        self._backend = backend
         self._store = store
         self._sink = sink
         self._token = token
@@ -127,7 +140,9 @@ class Supervisor:
         self._stop: _Stop | None = None
         self._restart_at = 0.0
         self._interrupt: str | None = None
-        self._replan = replan  # between attempts: a new plan when a port was taken meanwhile
+        self._replan = replan  # between attempts: a new plan when the backend moved a task
+        self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
+        self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
         self._same_start = False  # every training task reported the same restored state
@@ -159,6 +174,8 @@ class Supervisor:
             self.ended_at or "",
             tuple(self.ignored),
             tuple(self.task_failures),
+            tuple(self.failures),
+            tuple(self.unconfirmed),
         )
 
     def step(self) -> tuple[ClusterState, ClusterState]:
@@ -177,24 +194,18 @@ class Supervisor:
             self._teardown()
         elif self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
             self.attempt += 1
-            self._refresh_plan()
             self._launch_all()
         if self._on_change is not None:
             self._on_change(self)
         return before, self.state
 
-    # --- states ------------------------------------------------------------------------------
+    def stop_now(self, grace_s: float) -> list[str]:
+        """Stop every task at once, whatever the state (the coordinator's last resort after a bug of
+        ours); the tasks whose exit could not be confirmed."""
+        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
+        return [h.task.name for h in stop_all(handles, grace_s)]
 
-    def _refresh_plan(self) -> None:
-        changed = self._replan() if self._replan is not None else None
-        if changed is None:
-            return
-        self.plan, notes = changed
-        for task in self.plan.tasks:
-            self.tasks[task.name].plan = task
-        for note in notes:
-            self._sink.event(kind="port", attempt=self.attempt, reason=note)
-            log.warning("%s", note)
+    # --- states ------------------------------------------------------------------------------
 
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)
@@ -203,17 +214,19 @@ class Supervisor:
         records = list(self.tasks.values())
         self._end_deadline = None
         for rec in records:
-            rec.exit_code, rec.health, rec.handle, rec.restart_at = None, None, None, None
+            rec.exit_code, rec.health, rec.handle, rec.restart_at, rec.stopping = None, None, None, None, None
         try:
-            notes = self._launcher.before_attempt(self.plan, self.attempt)
+            prepared = self._backend.before_attempt(self.plan, self.attempt)
         except LaunchError as exc:
-            failure = Failure(None, FailureKind.LAUNCH, self.attempt, f"before attempt {self.attempt}: {exc}")
-            self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
+            failure = Failure((), FailureKind.LAUNCH, self.attempt, f"before attempt {self.attempt}: {exc}")
+            self._fail(failure)
             return
-        for note in notes:
+        if prepared.moved and self._replan is not None:
+            self._move_tasks(prepared.moved)
+        for note in prepared.notes:
             self._sink.event(kind="state", attempt=self.attempt, reason=note)
             log.info("%s", note)
-        results = self._launcher.start_all(
+        results = self._backend.start_all(
             [r.plan for r in records],
             self.attempt,
             self._token,
@@ -223,54 +236,79 @@ class Supervisor:
         for rec, result in zip(records, results, strict=True):
             if isinstance(result, LaunchError):
                 self._move_task(rec, TaskState.FAILED, str(result))
-                failed = failed or Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(result))
+                failed = failed or Failure((rec.plan.name,), FailureKind.LAUNCH, self.attempt, str(result))
                 continue
             rec.handle = result
             rec.launched_at = self._clock()
-            where = f" on {rec.plan.host}" if self.plan.backend is not Backend.LOCAL else ""
+            where = f" on {result.where}" if result.where else ""
             self._move_task(rec, TaskState.STARTING, f"pid {result.process.pid}{where}")
         if failed is not None:  # the tasks that did start are stopped by the teardown
-            self._begin_stop(_Stop(ClusterState.FAILED, failed.describe(), failed))
+            self._fail(failed)
+
+    def _move_tasks(self, moved: Mapping[str, Placement]) -> None:
+        """The backend placed some tasks anew (a port taken meanwhile): the plan is made again."""
+        assert self._replan is not None
+        old = self.plan
+        self.plan = self._replan(moved)
+        for task in self.plan.tasks:
+            self.tasks[task.name].plan = task
+        for name, place in moved.items():
+            note = f"port {old.task(name).port} of {name} is in use by another program; moved to {place.port}"
+            self._sink.event(kind="port", attempt=self.attempt, reason=note)
+            log.warning("%s", note)
+
+    def _poll(self) -> _Poll:
+        exit_codes, now = {}, self._clock()
+        for name, rec in self.tasks.items():
+            if rec.handle is not None and not rec.state.is_terminal:
+                exit_codes[name] = rec.handle.poll()
+        return _Poll(now, exit_codes, self._store.snapshot())
+
+    def _snapshot(self) -> policy.Snapshot:
+        return policy.Snapshot(
+            attempt=self.attempt,
+            first_attempt=self.attempt == self._first_attempt,
+            restarts_used=self.restarts,
+            max_restarts=self.config.max_restarts,
+            history=tuple(self.failures),
+            on_failure={name: rec.policy.on_failure for name, rec in self.tasks.items()},
+            task_restarts={name: rec.restarts for name, rec in self.tasks.items()},
+        )
 
     def _observe(self) -> None:
-        now = self._clock()
-        health = self._store.snapshot()
+        poll = self._poll()
+        now = poll.now
         failures: list[Failure] = []
         for rec in self.tasks.values():
-            if rec.restart_at is not None and now >= rec.restart_at:
-                failure = self._restart_task(rec)
-                if failure is not None:
-                    failures.append(failure)
+            if rec.restart_at is not None:
+                if now >= rec.restart_at and (rec.stopping is None or rec.stopping.done()):
+                    failure = self._restart_task(rec)
+                    if failure is not None:
+                        failures.append(failure)
                 continue
             if rec.handle is None or rec.state.is_terminal:
                 continue
-            rec.health = health.get(rec.plan.name)
-            failure = self._check_task(rec, now)
-            if failure is None:
-                continue
-            on_failure = rec.policy.on_failure
-            if on_failure is OnFailure.RESTART_TASK and rec.restarts >= self.config.max_restarts:
-                detail = (
-                    f"{failure.detail}; its own restart budget is exhausted ({rec.restarts} of "
-                    f"restart.max_restarts = {self.config.max_restarts})"
-                )
-                failures.append(dataclasses.replace(failure, detail=detail))
-            elif on_failure is OnFailure.RESTART_TASK:
-                self._schedule_task_restart(rec, failure)
-            elif on_failure is OnFailure.IGNORE:
-                self.ignored.append(failure)
-                self._sink.event(kind="warning", task=rec.plan.name, reason=f"{failure.describe()} (ignored)")
-            else:
+            rec.health = poll.health.get(rec.plan.name)
+            failure = self._check_task(rec, now, poll.exit_codes[rec.plan.name])
+            if failure is not None:
                 failures.append(failure)
         if not self._same_start:
             diverged = self._diverged_start()
             if diverged is not None:
                 failures.insert(0, diverged)
-        if failures:
-            first = policy.root_cause(failures)
-            if first.is_peer_loss:
-                first = self._frozen_peer(now) or first
-            self._begin_stop(_Stop(ClusterState.FAILED, first.describe(), first))
+        decisions = policy.decide(failures, self._snapshot()) if failures else []
+        for decision in decisions:
+            if decision.action is Action.RESTART_TASK:
+                self._schedule_task_restart(self.tasks[decision.failure.tasks[0]], decision)
+            elif decision.action is Action.IGNORE:
+                self.ignored.append(decision.failure)
+                self._sink.event(kind="warning", task=decision.failure.tasks[0], reason=decision.reason)
+        stop = next((d for d in decisions if d.stops_job), None)
+        if stop is not None:
+            if stop.failure.is_peer_loss:  # the survivors' error: name the frozen peer if there is one
+                frozen = self._frozen_peer(now)
+                stop = policy.job_decision(frozen, self._snapshot()) if frozen is not None else stop
+            self._begin_stop(_Stop(ClusterState.FAILED, stop.failure.describe(), stop))
             return
         in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
         deciders = [r for r in self.tasks.values() if r.policy.decides]
@@ -278,10 +316,14 @@ class Supervisor:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
                 self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
             elif now - self._launched_at() > self.config.startup_timeout_s:
-                failure = self._startup_failure(in_cluster)
-                self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), failure))
+                self._fail(self._startup_failure(in_cluster))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
+
+    def _fail(self, failure: Failure) -> None:
+        """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
+        decision = next(d for d in policy.decide([failure], self._snapshot()) if d.stops_job)
+        self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), decision))
 
     def _diverged_start(self) -> Failure | None:
         """The training tasks of a synchronous job must start an attempt from one state, the owner's
@@ -315,7 +357,7 @@ class Supervisor:
             "average the gradients of different models, so the job stops here; their hosts' "
             "checkpoint folders differ"
         )
-        return Failure(", ".join(odd), FailureKind.DIVERGED, self.attempt, detail)
+        return Failure(tuple(odd), FailureKind.DIVERGED, self.attempt, detail)
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
@@ -343,38 +385,34 @@ class Supervisor:
             done += f"; {names} still running after health.final_wait_s = {self.config.final_wait_s:g}"
         self._begin_stop(_Stop(ClusterState.SUCCEEDED, done))
 
-    def _schedule_task_restart(self, rec: TaskRecord, failure: Failure) -> None:
-        """Stop what is left of the task (a frozen one still runs), then restart it after the backoff."""
+    def _schedule_task_restart(self, rec: TaskRecord, decision: Decision) -> None:
+        """Stop what is left of the task (a frozen one still runs) on a thread of its own, then
+        restart it once that is done and the backoff has passed."""
         assert rec.handle is not None
-        try:
-            self._launcher.stop([rec.handle], self.config.failure_grace_s, self.hurry)
-        except LaunchError as exc:
-            self._sink.event(kind="error", task=rec.plan.name, reason=str(exc))
+        rec.stopping = self._in_background([rec.handle], self.config.failure_grace_s, self.hurry)
         wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
         rec.restart_at = self._clock() + wait_s
-        self.task_failures.append(failure)
+        self.task_failures.append(decision.failure)
         self._sink.event(
             kind="task_restart",
             task=rec.plan.name,
             attempt=self.attempt,
-            reason=(
-                f"{failure.describe()}; restarting it alone in {wait_s:g} s "
-                f"(restart {rec.restarts + 1} of {self.config.max_restarts}; the others go on)"
-            ),
+            reason=f"{decision.reason}, in {wait_s:g} s",
         )
 
     def _restart_task(self, rec: TaskRecord) -> Failure | None:
-        rec.restart_at = None
+        self._note_unconfirmed(rec.stopping)
+        rec.restart_at, rec.stopping = None, None
         rec.restarts += 1
         rec.exit_code, rec.health = None, None
         self._store.reset_task(rec.plan.name)
         try:
-            rec.handle = self._launcher.start(
+            rec.handle = self._backend.start(
                 rec.plan, self.attempt, self._token, self._sink.log_path(rec.plan.log_name)
             )
         except LaunchError as exc:
             self._move_task(rec, TaskState.FAILED, str(exc))
-            return Failure(rec.plan.name, FailureKind.LAUNCH, self.attempt, str(exc))
+            return Failure((rec.plan.name,), FailureKind.LAUNCH, self.attempt, str(exc))
         rec.launched_at = self._clock()
         self._move_task(
             rec,
@@ -384,11 +422,30 @@ class Supervisor:
         )
         return None
 
-    def _check_task(self, rec: TaskRecord, now: float) -> Failure | None:
-        """Move one live task's state from what we see; return its failure, if it failed."""
+    def _note_unconfirmed(self, stopping: Future[Any] | None) -> None:
+        """A stop that ran on its own thread: what it could not confirm goes in the record."""
+        if stopping is None:
+            return
+        try:
+            left = stopping.result(timeout=0)
+        except Exception as exc:  # noqa: BLE001 - a stop that failed is said, never fatal
+            self._sink.event(kind="error", reason=f"stopping a task: {exc}")
+            return
+        self._unconfirmed(left)
+
+    def _unconfirmed(self, left: list[TaskHandle]) -> None:
+        if not left:
+            return
+        self.unconfirmed += [h.task.name for h in left]
+        self._sink.event(
+            kind="unconfirmed", tasks=[h.task.name for h in left], reason=unconfirmed_reason(left)
+        )
+
+    def _check_task(self, rec: TaskRecord, now: float, code: int | None) -> Failure | None:
+        """Move one live task's state from what was polled; return its failure, if it failed."""
         assert rec.handle is not None and rec.launched_at is not None
         h = rec.health
-        code = rec.handle.poll()
+        me = (rec.plan.name,)
         if code is not None:
             rec.exit_code = code
             if code == 0:
@@ -403,7 +460,7 @@ class Supervisor:
                 kind = FailureKind.EXIT
             self._move_task(rec, TaskState.FAILED, detail)
             step = h.step if h is not None else None
-            return Failure(rec.plan.name, kind, self.attempt, detail, exit_code=code, error=error, step=step)
+            return Failure(me, kind, self.attempt, detail, exit_code=code, error=error, step=step)
         if rec.state is TaskState.STARTING and h is not None and h.ready_at is not None:
             self._move_task(rec, TaskState.RUNNING, "strategy up")
         last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else rec.launched_at
@@ -415,7 +472,7 @@ class Supervisor:
             limit = self.config.heartbeat_timeout_s
             detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {limit:g})"
             self._move_task(rec, TaskState.LOST, detail)
-            return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
+            return Failure(me, FailureKind.LOST, self.attempt, detail)
         if (
             rec.state is TaskState.RUNNING
             and rec.plan.in_cluster  # the evaluator's step is the last checkpoint's: it waits on the chief
@@ -431,9 +488,7 @@ class Supervisor:
                 f"(health.stall_timeout_s = {self.config.stall_timeout_s:g})"
             )
             self._move_task(rec, TaskState.FAILED, detail)
-            return Failure(
-                rec.plan.name, FailureKind.STALLED, self.attempt, detail, step=h.step, where=h.user_frame
-            )
+            return Failure(me, FailureKind.STALLED, self.attempt, detail, step=h.step, where=h.user_frame)
         return None
 
     def _frozen_peer(self, now: float) -> Failure | None:
@@ -449,7 +504,7 @@ class Supervisor:
                     f"went silent {now - h.last_heartbeat_at:.1f} s ago and its peers lost contact with it"
                 )
                 self._move_task(rec, TaskState.LOST, detail)
-                return Failure(rec.plan.name, FailureKind.LOST, self.attempt, detail)
+                return Failure((rec.plan.name,), FailureKind.LOST, self.attempt, detail)
         return None
 
     def _startup_failure(self, deciders: list[TaskRecord]) -> Failure:
@@ -457,7 +512,6 @@ class Supervisor:
         # A task that never began creating its strategy is the one the others wait for.
         never = [r for r in late if r.health is None or r.health.connecting_at is None]
         culprits = never or late
-        names = ", ".join(r.plan.name for r in culprits)
         waiting = [r.plan.name for r in late if r not in culprits]
         head = f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s"
         if never:
@@ -465,53 +519,49 @@ class Supervisor:
             detail = f"{head} (never created its distribution strategy{waited})"
         else:
             detail = f"{head} (its cluster never connected)"
-        return Failure(names, FailureKind.STARTUP_TIMEOUT, self.attempt, detail)
+        return Failure(
+            tuple(r.plan.name for r in culprits), FailureKind.STARTUP_TIMEOUT, self.attempt, detail
+        )
 
     def _begin_stop(self, stop: _Stop) -> None:
         self._stop = stop
-        if stop.failure is not None:
-            self.failures.append(stop.failure)
+        if stop.decision is not None:
+            self.failures.append(stop.decision.failure)
             if self.root_cause is None:
-                self.root_cause = stop.failure
+                self.root_cause = stop.decision.failure
         self._move(ClusterState.STOPPING, stop.reason)
 
     def _teardown(self) -> None:
         assert self._stop is not None
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
-        try:
-            grace_s = self.config.stop_grace_s
-            if self._stop.outcome is ClusterState.FAILED:
-                grace_s = min(grace_s, self.config.failure_grace_s)
-            self._launcher.stop(handles, grace_s, self.hurry)
-        except LaunchError as exc:
-            self._sink.event(kind="error", reason=str(exc))
+        grace_s = self.config.stop_grace_s
+        if self._stop.outcome is ClusterState.FAILED:
+            grace_s = min(grace_s, self.config.failure_grace_s)
+        for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
+            if rec.stopping is not None:
+                rec.stopping.exception()  # done within its own grace
+                self._note_unconfirmed(rec.stopping)
+            rec.restart_at, rec.stopping = None, None
+        self._unconfirmed(stop_all(handles, grace_s, self.hurry))
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
-            rec.restart_at = None  # a task waiting for its own restart is part of the stop, too
             rec.health = health.get(rec.plan.name, rec.health)
             if rec.handle is not None and not rec.state.is_terminal:
                 rec.exit_code = rec.handle.poll()
                 self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
         stop, self._stop = self._stop, None
-        if stop.outcome is ClusterState.FAILED and stop.failure is not None:
+        if stop.outcome is ClusterState.FAILED and stop.decision is not None:
             if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
-            decision = policy.decide(
-                stop.failure,
-                restarts_used=self.restarts,
-                max_restarts=self.config.max_restarts,
-                first_attempt=self.attempt == self._first_attempt,
-                history=tuple(self.failures[:-1]),
-            )
-            if decision.action is Action.RESTART:
+            if stop.decision.action is Action.RESTART_JOB:
                 wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)
-                if not stop.failure.is_preemption:
+                if not stop.decision.failure.is_preemption:
                     self.restarts += 1
                 self._restart_at = self._clock() + wait_s
-                self._move(ClusterState.RESTARTING, f"{decision.reason}, in {wait_s:g} s")
+                self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {wait_s:g} s")
                 return
-            self._finish(ClusterState.FAILED, decision.reason)
+            self._finish(ClusterState.FAILED, stop.decision.reason)
             return
         self._finish(stop.outcome, stop.reason)
 

@@ -67,29 +67,6 @@ def test_stalled_task_is_detected_named_and_the_job_restarted(job_factory):
     assert run_processes(job.run_id) == []
 
 
-def test_restart_budget_exhausted_fails_and_says_so(job_factory):
-    job = job_factory(
-        plain(
-            """
-    time.sleep(0.5)
-    if task == "worker-0":
-        os.kill(os.getpid(), 9)
-    time.sleep(30)
-    """
-        ),
-        "restart: {max_restarts: 2, backoff_s: 0.2}\n",
-    )
-    out = job.up(timeout_s=120)
-    assert out.returncode == 1, out.stdout
-    assert "restart budget exhausted (2 of restart.max_restarts = 2 used)" in out.stdout
-    assert "worker-0 was killed by SIGKILL" in out.stdout
-    st = status(job)
-    assert st["state"] == "FAILED" and st["restarts"] == 2 and st["attempt"] == 2
-    log = (job.run_dir / "logs" / "worker-1.log").read_text()
-    assert all(f"attempt {a} started" in log for a in range(3))
-    assert run_processes(job.run_id) == []
-
-
 def test_sigstop_is_detected_by_heartbeat_timeout_then_restarted(job_factory):
     job = job_factory(
         plain(

@@ -1,31 +1,29 @@
-"""Plan layer: make_plan (pure: spec, ports and run context in, plan out) and reserve_ports (impure)."""
+"""Plan layer: make_plan, a pure function of the spec and the backend's placements
+(launch/placement.py places the tasks; test_placement.py tests that)."""
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import json
 import os
-import random
-import socket
-import textwrap
-import threading
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.errors import LaunchError
-from orchestrator.plan import HostContext, LaunchPlan, RunContext, make_plan, task_slots
-from orchestrator.ports import reserve_ports
+from orchestrator.launch.placement import Placement, local_placements, ssh_placements, ssh_preview
+from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec import ClusterSpec, Role, parse_spec
+from orchestrator.spec.model import Backend
+from orchestrator.spec.roles import task_slots
 
-RUN = RunContext(
-    run_id="demo-20250101-000000",
-    run_dir=Path("/runs/demo-20250101-000000"),
-    spec_dir=Path("/specs"),
-    coordinator_url="http://127.0.0.1:9999",
-    python="/usr/bin/python3.11",
-)
+RUN_ID = "demo-20250101-000000"
+RUN_DIR = Path("/runs/demo-20250101-000000")  # never created: planning touches no file
+SPEC_DIR = Path("/specs")
+COORDINATOR_URL = "http://127.0.0.1:9999"
+PYTHON = "/usr/bin/python3.11"
 
 
 def spec_of(
@@ -50,11 +48,28 @@ def ports_for(spec: ClusterSpec, base: int = 20000) -> dict[str, int]:
     return {s.name: base + i for i, s in enumerate(task_slots(spec))}
 
 
-def plan_of(spec: ClusterSpec, run: RunContext = RUN, base: int = 20000) -> LaunchPlan:
-    return make_plan(spec, ports=ports_for(spec, base), run=run)
+def local_places(spec: ClusterSpec, ports: Mapping[str, int] | None = None) -> dict[str, Placement]:
+    return local_placements(
+        spec,
+        ports if ports is not None else ports_for(spec),
+        run_dir=RUN_DIR,
+        spec_dir=SPEC_DIR,
+        coordinator_url=COORDINATOR_URL,
+        python=PYTHON,
+    )
 
 
-def tf_config(plan: LaunchPlan, name: str) -> dict:
+def places_of(spec: ClusterSpec) -> dict[str, Placement]:
+    """The spec's backend's placements: local ports 20000 + i in task order; ssh hosts' folders as
+    written (before connecting) and their ports from base_port."""
+    return local_places(spec) if spec.backend is Backend.LOCAL else ssh_preview(spec, RUN_ID)
+
+
+def plan_of(spec: ClusterSpec) -> LaunchPlan:
+    return make_plan(spec, RUN_ID, places_of(spec))
+
+
+def tf_config(plan: LaunchPlan, name: str) -> dict[str, Any]:
     return json.loads(plan.task(name).env["TF_CONFIG"])
 
 
@@ -488,181 +503,6 @@ def test_to_json_round_trips(tmp_path: Path) -> None:
         assert t["tf_config"] == json.loads(task.env["TF_CONFIG"])
         assert t["in_cluster"] is task.in_cluster and t["port"] == task.port
     assert again["tasks"][-1]["tf_config"]["task"] == {"type": "evaluator", "index": 0}
-
-
-# ---------------------------------------------------------------- port reservation
-
-
-def ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        return 32768
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
-def test_concurrent_reservations_never_share_a_port(tmp_path: Path) -> None:
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 3}")
-    locks = tmp_path / "locks"
-    # the same seed: the second reservation tries exactly the ports the first one took
-    with (
-        reserve_ports(spec, lock_dir=locks, rng=random.Random(7)) as a,
-        reserve_ports(spec, lock_dir=locks, rng=random.Random(7)) as b,
-    ):
-        assert set(a.ports) == set(b.ports) == {s.name for s in task_slots(spec)}
-        assert len(set(a.ports.values())) == 4 and len(set(b.ports.values())) == 4
-        assert not set(a.ports.values()) & set(b.ports.values())
-
-
-def test_reservations_from_threads_never_share_a_port(tmp_path: Path) -> None:
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 4}")
-    locks = tmp_path / "locks"
-    start = threading.Barrier(8)
-    held, errors = [], []
-
-    def reserve() -> None:
-        try:
-            start.wait(timeout=10)
-            held.append(reserve_ports(spec, lock_dir=locks, rng=random.Random(1)))
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reserve) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    try:
-        assert not errors and len(held) == 8
-        ports = [p for r in held for p in r.ports.values()]
-        assert len(ports) == len(set(ports)) == 32
-    finally:
-        for r in held:
-            r.release()
-
-
-def test_ports_are_below_the_ephemeral_range(tmp_path: Path) -> None:
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 10}")
-    low = ephemeral_low()
-    for seed in range(5):
-        with reserve_ports(spec, lock_dir=tmp_path / "locks", rng=random.Random(seed)) as r:
-            assert all(1024 <= p < low for p in r.ports.values()), r.ports
-
-
-@pytest.mark.parametrize("listen_on", ["0.0.0.0", "127.0.0.1"])
-def test_busy_base_port_raises_launch_error(tmp_path: Path, listen_on: str) -> None:
-    with socket.socket() as listener:
-        listener.bind((listen_on, 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        spec = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
-        with pytest.raises(LaunchError) as info:
-            reserve_ports(spec, lock_dir=tmp_path / "locks")
-    assert "base_port" in str(info.value) and str(port) in str(info.value)
-    assert info.value.exit_code == 3
-
-
-def test_failed_reservation_releases_what_it_took(tmp_path: Path) -> None:
-    locks = tmp_path / "locks"
-    with socket.socket() as listener:
-        listener.bind(("0.0.0.0", 0))
-        listener.listen()
-        busy = listener.getsockname()[1]
-        hosts = f"""
-            - address: 10.0.0.1
-              tasks: {{worker: 3}}
-            - address: 10.0.0.2
-              tasks: {{worker: 1}}
-              base_port: {busy}
-        """
-        spec = spec_of(tmp_path, hosts)
-        with pytest.raises(LaunchError, match=r"hosts\[1\]\.base_port"):
-            reserve_ports(spec, lock_dir=locks, rng=random.Random(5))
-    lock_files = list(locks.glob("*.lock"))
-    assert len(lock_files) >= 3  # the first host's ports were claimed before the failure …
-    for path in lock_files:  # … and every one of them was let go
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
-
-
-def test_base_port_held_by_another_reservation(tmp_path: Path) -> None:
-    locks = tmp_path / "locks"
-    port = free_port()
-    spec = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
-    with reserve_ports(spec, lock_dir=locks) as first:
-        assert first.ports == {"worker-0": port}
-        with pytest.raises(LaunchError, match="base_port"):
-            reserve_ports(spec, lock_dir=locks)
-
-
-def test_release_lets_the_same_port_be_reserved_again(tmp_path: Path) -> None:
-    locks = tmp_path / "locks"
-    free = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
-    first = reserve_ports(free, lock_dir=locks)
-    port = first.ports["worker-0"]
-    fixed = spec_of(tmp_path, f"- address: 127.0.0.1\n  tasks: {{worker: 1}}\n  base_port: {port}")
-    with pytest.raises(LaunchError):
-        reserve_ports(fixed, lock_dir=locks)  # still held
-    first.release()
-    first.release()  # idempotent
-    with reserve_ports(fixed, lock_dir=locks) as again:
-        assert again.ports == {"worker-0": port}
-    with reserve_ports(fixed, lock_dir=locks) as third:  # the context manager released it too
-        assert third.ports == {"worker-0": port}
-
-
-def test_lock_dir_is_created_shared(tmp_path: Path) -> None:
-    locks = tmp_path / "a" / "locks"
-    locks.parent.mkdir()
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
-    with reserve_ports(spec, lock_dir=locks):
-        assert locks.is_dir()
-        assert locks.stat().st_mode & 0o7777 == 0o1777
-
-
-def test_ssh_backend_ports_are_per_host_and_unlocked(tmp_path: Path) -> None:
-    hosts = """
-        - address: 10.0.0.1
-          tasks: {worker: 2}
-          base_port: 31000
-        - address: 10.0.0.2
-          tasks: {worker: 1, chief: 1}
-    """
-    spec = spec_of(tmp_path, hosts, backend="ssh")
-    locks = tmp_path / "locks"
-    with reserve_ports(spec, lock_dir=locks) as r:
-        # worker-0/1 on host 0 from its base_port; host 1 (chief-0, worker-2) from the default base
-        assert r.ports == {"worker-0": 31000, "worker-1": 31001, "chief-0": 23456, "worker-2": 23457}
-    assert not locks.exists()  # nothing to lock on this machine for remote hosts
-
-
-def test_renew_busy_moves_only_a_port_another_program_took(tmp_path: Path) -> None:
-    import socket
-
-    from orchestrator.ports import reserve_ports
-
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
-    with reserve_ports(spec, lock_dir=tmp_path / "locks") as reservation:
-        assert reservation.renew_busy() == {}
-        before = dict(reservation.ports)
-        squatter = socket.socket()
-        squatter.bind(("0.0.0.0", before["worker-1"]))
-        squatter.listen()
-        try:
-            moved = reservation.renew_busy()
-        finally:
-            squatter.close()
-        assert list(moved) == ["worker-1"] and moved["worker-1"][0] == before["worker-1"]
-        assert reservation.ports["worker-0"] == before["worker-0"]
-        assert reservation.ports["worker-1"] == moved["worker-1"][1] != before["worker-1"]
 
 
 # ---------------------------------------------------------------- commands and policy per strategy

@@ -3,6 +3,7 @@ file alone — between real tasks' reporters and the coordinator's real heartbea
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import subprocess
@@ -17,7 +18,8 @@ from orchestrator.health.store import HealthStore
 from worker import wire
 from worker.reporter import Reporter, ReporterConfig
 
-RELAY = Path(__file__).resolve().parents[2] / "worker" / "relay.py"
+WORKER = Path(__file__).resolve().parents[2] / "worker"
+RELAY = WORKER / "relay.py"
 TOKEN = "right-token"
 TASKS = ["worker-0", "worker-1", "worker-2"]
 
@@ -35,14 +37,22 @@ def coordinator():
 
 
 class RelayProcess:
-    def __init__(self, upstream: str, interval_s: float = 0.2, give_up_s: float = 30.0):
+    def __init__(
+        self,
+        upstream: str,
+        interval_s: float = 0.2,
+        give_up_s: float = 30.0,
+        script: Path = RELAY,
+        **extra: str,
+    ):
         self.proc = subprocess.Popen(
-            [sys.executable, "-S", str(RELAY)],
+            [sys.executable, "-S", str(script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         config = {"upstream": upstream, "token": TOKEN, "interval_s": interval_s, "give_up_s": give_up_s}
+        config.update(extra)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write((json.dumps(config) + "\n").encode())
         self.proc.stdin.flush()
@@ -199,3 +209,37 @@ def test_tasks_align_with_the_relay_one_request_per_interval(coordinator):
         relay.close()
     assert beats >= 0.8 * 20 * len(TASKS)  # every task still reports once an interval
     assert requests <= 1.3 * 20, requests  # one batch an interval (unaligned: two; direct: one per task)
+
+
+def test_relay_runs_alone_from_the_hosts_cache(coordinator, tmp_path):
+    # as on a lab host: relay.py and http1.py each named by its SHA-256 in one folder, the
+    # protocol module found through the config's `http_module`
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cached = {}
+    for name in ("relay.py", "http1.py"):
+        data = (WORKER / name).read_bytes()
+        cached[name] = cache / hashlib.sha256(data).hexdigest()
+        cached[name].write_bytes(data)
+    srv, store, _ = coordinator
+    relay = RelayProcess(srv.url, script=cached["relay.py"], http_module=str(cached["http1.py"]))
+    try:
+        assert post(relay.url, "worker-0", 1, flush=True, step=7) == 200
+        assert store.snapshot()["worker-0"].step == 7
+    finally:
+        relay.close()
+    assert sorted(cache.iterdir()) == sorted(cached.values())  # no bytecode left in the cache
+
+
+def test_a_relay_without_its_http_module_says_so(tmp_path):
+    missing = tmp_path / "cache" / ("0" * 64)
+    config = {"upstream": "http://127.0.0.1:1", "token": TOKEN, "interval_s": 1, "give_up_s": 1}
+    proc = subprocess.run(
+        [sys.executable, "-S", str(RELAY)],
+        input=json.dumps({**config, "http_module": str(missing)}) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "cannot load the HTTP module" in proc.stderr and str(missing) in proc.stderr

@@ -1,9 +1,11 @@
-"""The supervisor stepped one iteration at a time, with a fake launcher and a fake clock."""
+"""The supervisor stepped one iteration at a time, with a fake backend and a fake clock: every rule
+that is policy (restarts, budgets, deadlines, per-role answers) is proven here, without processes."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +13,23 @@ import pytest
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
-from orchestrator.plan import RunContext, TaskPlan, make_plan
+from orchestrator.launch.api import (
+    Backend,
+    Heartbeats,
+    Prepared,
+    ProcessInfo,
+    Sig,
+    TaskHandle,
+    stop_all,
+    stop_in_background,
+)
+from orchestrator.launch.placement import Placement, local_placements
+from orchestrator.plan import LaunchPlan, TaskPlan, make_plan
 from orchestrator.spec.load import parse_spec
 from orchestrator.supervise.policy import FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.supervisor import Supervisor, SupervisorConfig
+from worker import wire
 from worker.wire import Heartbeat, TaskError
 
 
@@ -32,10 +45,13 @@ class FakeClock:
 
 
 class FakeHandle(TaskHandle):
-    def __init__(self, task: TaskPlan, attempt: int, pid: int):
+    def __init__(self, task: TaskPlan, attempt: int, pid: int, backend: FakeBackend):
         super().__init__(task, attempt, Path("/dev/null"))
         self.code: int | None = None
+        self.ignores_term = False  # a task stuck where SIGTERM cannot reach it: only KILL ends it
+        self.cut_off = False  # its host is unreachable: no signal arrives, no exit is ever learned
         self._proc = ProcessInfo(pid, pid, 0.0)
+        self._backend = backend
 
     @property
     def process(self) -> ProcessInfo:
@@ -44,30 +60,62 @@ class FakeHandle(TaskHandle):
     def poll(self) -> int | None:
         return self.code
 
+    def signal(self, sig: Sig) -> None:
+        self._backend.signals.append((self.task.name, sig))
+        if self.cut_off or self.code is not None:
+            return
+        if sig is Sig.KILL:
+            self.code = -9
+        elif not self.ignores_term:
+            self.code = -15
 
-class FakeLauncher(Launcher):
+    @property
+    def exited(self) -> bool:
+        return self.code is not None
+
+    @property
+    def reachable(self) -> bool:
+        return not self.cut_off
+
+    def release(self) -> None:
+        self._backend.released.append(self.task.name)
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
     def __init__(self, fail_start: set[str] | None = None) -> None:
         self.handles: dict[str, FakeHandle] = {}
         self.started: list[tuple[str, int]] = []
-        self.stopped: list[list[str]] = []
+        self.signals: list[tuple[str, Sig]] = []
+        self.released: list[str] = []
         self.fail_start = fail_start or set()
         self._pid = 100
 
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+    def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+        raise AssertionError("the supervisor never opens its backend")
+
+    def record(self) -> dict[str, Any]:
+        return {"backend": self.name}
+
+    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
         if task.name in self.fail_start:
             raise LaunchError(f"cannot start {task.name}")
         self._pid += 1
-        h = FakeHandle(task, attempt, self._pid)
+        h = FakeHandle(task, attempt, self._pid, self)
         self.handles[task.name] = h
         self.started.append((task.name, attempt))
         return h
 
-    def stop(self, handles: list[TaskHandle], grace_s: float, hurry: threading.Event | None = None) -> None:
-        self.stopped.append([h.task.name for h in handles])
-        for h in handles:
-            assert isinstance(h, FakeHandle)
-            if h.code is None:
-                h.code = -15
+    def termed(self) -> list[str]:
+        return [name for name, sig in self.signals if sig is Sig.TERM]
+
+
+def at_once(handles: list[TaskHandle], grace_s: float, hurry: threading.Event) -> Future[Any]:
+    """Stop one task on the caller's thread (the supervisor uses a thread of its own)."""
+    done: Future[Any] = Future()
+    done.set_result(stop_all(handles, grace_s, hurry))
+    return done
 
 
 class Sink:
@@ -91,14 +139,20 @@ job:
 """
 
 
-def make(tmp_path: Path, workers: int = 2, launcher: FakeLauncher | None = None, **cfg: Any):
+def plan_of(tmp_path: Path, text: str, ports: dict[str, int]) -> LaunchPlan:
     (tmp_path / "job.py").write_text("")
-    spec = parse_spec(SPEC.format(workers=workers), file="s.yaml", base_dir=tmp_path)
-    ports = {f"worker-{i}": 20000 + i for i in range(workers)}
-    plan = make_plan(spec, ports=ports, run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"))
+    spec = parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    places = local_placements(
+        spec, ports, run_dir=tmp_path, spec_dir=tmp_path, coordinator_url="http://x:1", python="python"
+    )
+    return make_plan(spec, "t-1", places)
+
+
+def make(tmp_path: Path, workers: int = 2, launcher: FakeBackend | None = None, **cfg: Any):
+    plan = plan_of(tmp_path, SPEC.format(workers=workers), {f"worker-{i}": 20000 + i for i in range(workers)})
     clock = FakeClock()
     store = HealthStore(clock)
-    launcher = launcher or FakeLauncher()
+    launcher = launcher or FakeBackend()
     config = SupervisorConfig(
         **{
             "heartbeat_timeout_s": 10,
@@ -111,7 +165,9 @@ def make(tmp_path: Path, workers: int = 2, launcher: FakeLauncher | None = None,
         }
     )
     sink = Sink()
-    sup = Supervisor(plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None)
+    sup = Supervisor(
+        plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None, in_background=at_once
+    )
     return sup, launcher, store, clock, sink
 
 
@@ -125,7 +181,8 @@ def beat(store: HealthStore, task: str, attempt: int = 0, **kw: Any) -> None:
 
 
 def start_running(sup, launcher, store, clock, attempt: int = 0) -> None:
-    assert sup.step() == (sup.state, ClusterState.LAUNCHING) or sup.state is ClusterState.LAUNCHING
+    before = sup.state  # PENDING, or RESTARTING with its backoff over
+    assert sup.step() == (before, ClusterState.LAUNCHING)
     for name in sup.tasks:
         beat(store, name, attempt, ready=True)
     clock.advance(0.1)
@@ -145,7 +202,7 @@ def test_success_path(tmp_path):
     launcher.handles["worker-1"].code = 0
     assert sup.step() == (ClusterState.RUNNING, ClusterState.STOPPING)
     assert sup.step() == (ClusterState.STOPPING, ClusterState.SUCCEEDED)
-    assert launcher.stopped  # teardown always runs: helpers the tasks left behind go too
+    assert sorted(launcher.released) == ["worker-0", "worker-1"]  # teardown always runs over every task
     assert sup.status()["state"] == "SUCCEEDED"
     assert [e["new"] for e in sink.events if e["kind"] == "run"] == [
         "LAUNCHING",
@@ -171,7 +228,7 @@ def test_exception_is_root_cause_and_not_restarted(tmp_path):
     assert sup.state is ClusterState.STOPPING
     sup.step()
     assert sup.state is ClusterState.FAILED
-    assert sup.root_cause.task == "worker-1" and sup.root_cause.kind is FailureKind.EXCEPTION
+    assert sup.root_cause.tasks == ("worker-1",) and sup.root_cause.kind is FailureKind.EXCEPTION
     assert "not restarted" in sup.reason
     assert sup.restarts == 0
 
@@ -184,7 +241,7 @@ def test_kill_restarts_whole_job_with_new_attempt(tmp_path):
     assert sup.state is ClusterState.STOPPING
     sup.step()
     assert sup.state is ClusterState.RESTARTING
-    assert launcher.stopped[-1] == ["worker-0", "worker-1"]  # never restart one MWMS task alone
+    assert launcher.termed() == ["worker-1"]  # never restart one MWMS task alone: the survivor is stopped
     sup.step()
     assert sup.state is ClusterState.RESTARTING  # backoff not yet elapsed
     clock.advance(1.01)
@@ -197,17 +254,76 @@ def test_kill_restarts_whole_job_with_new_attempt(tmp_path):
 
 
 def test_restart_budget_exhausted(tmp_path):
-    sup, launcher, store, clock, _ = make(tmp_path, max_restarts=1)
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=2)
+    for attempt in range(3):
+        start_running(sup, launcher, store, clock, attempt=attempt)
+        assert {("worker-0", attempt), ("worker-1", attempt)} <= set(launcher.started)  # every task, again
+        launcher.handles["worker-0"].code = -9
+        sup.step(), sup.step()
+        clock.advance(5)
+    assert sup.state is ClusterState.FAILED
+    assert sup.reason == (
+        "worker-0 was killed by SIGKILL (exit code -9); restart budget exhausted "
+        "(2 of restart.max_restarts = 2 used)"
+    )
+    assert (sup.restarts, sup.attempt) == (2, 2)
+    assert sup.status()["state"] == "FAILED" and sup.status()["restarts"] == 2
+
+
+def test_preemption_restarts_outside_the_budget(tmp_path):
+    # exit 42: TF's PreemptionCheckpointHandler saved a checkpoint (SIGTERM, maintenance, Slurm)
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=0)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-0"].code = wire.EXIT_PREEMPTED
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.RESTARTING, sup.reason
+    assert "preempted" in sup.reason and "not counted" in sup.reason
+    assert sup.restarts == 0  # the budget of 0 is untouched
+    clock.advance(1.01)
+    start_running(sup, launcher, store, clock, attempt=1)
+    launcher.handles["worker-0"].code = -9  # a real failure now meets the empty budget
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.FAILED and "restart budget exhausted (0 of" in sup.reason
+
+
+def test_the_result_carries_every_failed_attempt_and_task_as_data(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=1)
     start_running(sup, launcher, store, clock)
     launcher.handles["worker-1"].code = -9
     sup.step(), sup.step()
-    assert sup.state is ClusterState.RESTARTING
     clock.advance(5)
     start_running(sup, launcher, store, clock, attempt=1)
-    launcher.handles["worker-1"].code = -9
+    launcher.handles["worker-0"].code = -9
+    sup.step(), sup.step()
+    result = sup.result()
+    assert result.state is ClusterState.FAILED
+    assert [(f.tasks, f.attempt) for f in result.failures] == [(("worker-1",), 0), (("worker-0",), 1)]
+    assert result.failed_tasks == ("worker-1",)  # the first failure: its logs tell why
+
+
+def test_a_startup_deadline_names_every_late_task_as_data(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, workers=3, max_restarts=0)
+    sup.step()
+    for _ in range(7):
+        beat(store, "worker-0", connecting=True)
+        beat(store, "worker-1")  # alive, never created their strategy
+        beat(store, "worker-2")
+        clock.advance(9)
+        sup.step()
+    assert sup.root_cause.tasks == ("worker-1", "worker-2")
+    assert sup.root_cause.describe().startswith("worker-1, worker-2 not up within")
+
+
+def test_a_task_whose_exit_cannot_be_confirmed_is_recorded_as_data(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=0)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-1"].cut_off = True  # its host is gone: no signal, no exit
+    launcher.handles["worker-0"].code = -9
     sup.step(), sup.step()
     assert sup.state is ClusterState.FAILED
-    assert "restart budget exhausted" in sup.reason and "max_restarts = 1" in sup.reason
+    assert sup.result().unconfirmed == ("worker-1",)
+    event = next(e for e in sink.events if e["kind"] == "unconfirmed")
+    assert event["tasks"] == ["worker-1"] and "exit not confirmed" in event["reason"]
 
 
 def test_heartbeat_timeout_marks_lost(tmp_path):
@@ -220,7 +336,7 @@ def test_heartbeat_timeout_marks_lost(tmp_path):
     clock.advance(1.5)  # worker-1 silent for 10.6 s > 10 s
     sup.step()
     assert sup.tasks["worker-1"].state is TaskState.LOST
-    assert sup.root_cause.kind is FailureKind.LOST and sup.root_cause.task == "worker-1"
+    assert sup.root_cause.kind is FailureKind.LOST and sup.root_cause.tasks == ("worker-1",)
     sup.step()
     assert sup.state is ClusterState.FAILED
 
@@ -247,17 +363,17 @@ def test_startup_deadline_names_the_task_that_never_connected(tmp_path):
         sup.step()
     assert sup.state is ClusterState.STOPPING
     cause = sup.root_cause
-    assert cause.kind is FailureKind.STARTUP_TIMEOUT and cause.task == "worker-1"
+    assert cause.kind is FailureKind.STARTUP_TIMEOUT and cause.tasks == ("worker-1",)
     assert "worker-0 waited for it" in cause.detail
 
 
 def test_launch_error_stops_started_tasks(tmp_path):
-    sup, launcher, store, clock, _ = make(tmp_path, launcher=FakeLauncher(fail_start={"worker-1"}))
+    sup, launcher, store, clock, _ = make(tmp_path, launcher=FakeBackend(fail_start={"worker-1"}))
     sup.step()
     assert sup.state is ClusterState.STOPPING
     sup.step()
     assert sup.state is ClusterState.FAILED
-    assert launcher.stopped == [["worker-0"]]
+    assert launcher.termed() == ["worker-0"] and launcher.released == ["worker-0"]
     assert sup.root_cause.kind is FailureKind.LAUNCH
 
 
@@ -287,7 +403,7 @@ def test_run_loop_terminates(tmp_path, code):
 
     sup._sleep = sleep
     result = sup.run()
-    assert result.state is ClusterState.FAILED and result.root_cause.task == "worker-0"
+    assert result.state is ClusterState.FAILED and result.root_cause.tasks == ("worker-0",)
 
 
 def test_task_waiting_inside_its_strategy_is_not_lost_before_startup_deadline(tmp_path):
@@ -306,29 +422,35 @@ def test_task_waiting_inside_its_strategy_is_not_lost_before_startup_deadline(tm
 
 
 def test_port_taken_between_attempts_gets_a_new_plan_before_relaunch(tmp_path):
-    sup, launcher, store, clock, sink = make(tmp_path)
-    moved_plan = make_plan(
-        parse_spec(SPEC.format(workers=2), file="s.yaml", base_dir=tmp_path),
-        ports={"worker-0": 20000, "worker-1": 20555},
-        run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"),
-    )
+    moved_plan = plan_of(tmp_path, SPEC.format(workers=2), {"worker-0": 20000, "worker-1": 20555})
     calls = []
 
-    def replan():
-        calls.append(sup.attempt)
-        return moved_plan, ["port 20001 of worker-1 is in use by another program; moved to 20555"]
+    class Moving(FakeBackend):
+        def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
+            if attempt == 0:
+                return Prepared()
+            return Prepared(moved={"worker-1": Placement("127.0.0.1", 20555, "", ("python",), "", "")})
 
+    def replan(moved):
+        calls.append((sup.attempt, {name: p.port for name, p in moved.items()}))
+        return moved_plan
+
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=Moving())
     sup._replan = replan
     start_running(sup, launcher, store, clock)
-    assert calls == []  # never before the first attempt
+    assert calls == []  # nothing moved before the first attempt
     launcher.handles["worker-0"].code = -9
     sup.step(), sup.step()
     clock.advance(5)
     sup.step()
-    assert calls == [1]
+    assert calls == [(1, {"worker-1": 20555})]
     assert launcher.handles["worker-1"].task.port == 20555  # relaunched with the new plan
     assert "20555" in launcher.handles["worker-0"].task.env["TF_CONFIG"]  # and every peer knows it
-    assert any(e["kind"] == "port" and "moved to 20555" in e["reason"] for e in sink.events)
+    assert any(
+        e["kind"] == "port"
+        and e["reason"] == "port 20001 of worker-1 is in use by another program; moved to 20555"
+        for e in sink.events
+    )
 
 
 def test_exception_after_a_restart_is_retried_once_then_permanent_at_the_same_step(tmp_path):
@@ -358,7 +480,7 @@ def test_survivors_peer_loss_blames_the_silent_frozen_peer(tmp_path):
     beat(store, "worker-0", step=9, error=peer_loss)
     launcher.handles["worker-0"].code = 1
     sup.step()
-    assert sup.root_cause.task == "worker-1" and sup.root_cause.kind is FailureKind.LOST
+    assert sup.root_cause.tasks == ("worker-1",) and sup.root_cause.kind is FailureKind.LOST
     assert sup.tasks["worker-1"].state is TaskState.LOST
 
 
@@ -370,7 +492,7 @@ def test_of_two_stalled_tasks_the_one_busy_in_its_own_code_is_the_cause(tmp_path
         beat(store, "worker-1", step=7, user_frame="train.py:23 in wait")
         clock.advance(8)
         sup.step()
-    assert sup.root_cause.task == "worker-1"
+    assert sup.root_cause.tasks == ("worker-1",)
     assert "busy in train.py:23 in wait" in sup.root_cause.detail
 
 
@@ -391,11 +513,8 @@ PS_TASKS = ("chief-0", "worker-0", "worker-1", "ps-0", "evaluator-0")
 
 
 def make_ps(tmp_path: Path, **cfg: Any):
-    (tmp_path / "job.py").write_text("")
-    spec = parse_spec(PS_SPEC, file="s.yaml", base_dir=tmp_path)
-    ports = {name: 20000 + i for i, name in enumerate(PS_TASKS)}
-    plan = make_plan(spec, ports=ports, run=RunContext("t-1", tmp_path, tmp_path, "http://x:1", "python"))
-    clock, launcher, sink = FakeClock(), FakeLauncher(), Sink()
+    plan = plan_of(tmp_path, PS_SPEC, {name: 20000 + i for i, name in enumerate(PS_TASKS)})
+    clock, launcher, sink = FakeClock(), FakeBackend(), Sink()
     store = HealthStore(clock)
     config = SupervisorConfig(
         **{
@@ -407,7 +526,9 @@ def make_ps(tmp_path: Path, **cfg: Any):
             **cfg,
         }
     )
-    sup = Supervisor(plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None)
+    sup = Supervisor(
+        plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None, in_background=at_once
+    )
     return sup, launcher, store, clock, sink
 
 
@@ -426,7 +547,7 @@ def test_ps_worker_failure_restarts_that_worker_alone(tmp_path: Path) -> None:
     sup.step()
     assert sup.state is ClusterState.RUNNING  # the job goes on
     assert sup.tasks["worker-1"].state is TaskState.FAILED
-    assert launcher.stopped == [["worker-1"]]  # only what is left of it
+    assert launcher.released == ["worker-1"] and launcher.termed() == []  # only it (already dead)
     assert any(e.get("kind") == "task_restart" and e["task"] == "worker-1" for e in sink.events)
     sup.step()
     assert ("worker-1", 0) in launcher.started and launcher.started.count(("worker-1", 0)) == 1  # not yet
@@ -438,6 +559,50 @@ def test_ps_worker_failure_restarts_that_worker_alone(tmp_path: Path) -> None:
         and "restarted alone" in sup.tasks["worker-1"].reason
     )
     assert sup.restarts == 0 and sup.attempt == 0  # no whole-job restart
+
+
+def test_stopping_one_task_never_holds_up_the_other_detectors(tmp_path: Path) -> None:
+    # worker-1 froze (only SIGKILL ends it): its stop takes the whole grace period, on its own
+    # thread; meanwhile the supervisor keeps stepping and sees ps-0 die.
+    sup, launcher, store, clock, sink = make_ps(tmp_path, failure_grace_s=1.5)
+    sup._in_background = stop_in_background  # the real one: a thread
+    ps_running(sup, store, clock)
+    frozen = launcher.handles["worker-1"]
+    frozen.ignores_term = True
+    clock.advance(11)  # worker-1 silent past heartbeat_timeout_s; the others beat on
+    for name in PS_TASKS:
+        if name != "worker-1":
+            beat(store, name)
+    sup.step()
+    stopping = sup.tasks["worker-1"].stopping
+    assert stopping is not None and not stopping.done()  # the step returned while it is stopped
+    launcher.handles["ps-0"].code = -9
+    sup.step()
+    assert sup.state is ClusterState.STOPPING and sup.reason.startswith("ps-0 ")
+    assert not stopping.done()
+    sup.step()  # the teardown waits for the stop in flight, then stops the rest
+    assert stopping.done() and frozen.code == -9
+    assert sup.state is ClusterState.RESTARTING
+
+
+def test_a_task_restarts_alone_only_once_its_stop_is_done(tmp_path: Path) -> None:
+    pending: list[Future[Any]] = []
+
+    def later(handles: list[TaskHandle], grace_s: float, hurry: threading.Event) -> Future[Any]:
+        pending.append(Future())
+        return pending[-1]
+
+    sup, launcher, store, clock, sink = make_ps(tmp_path)
+    sup._in_background = later
+    ps_running(sup, store, clock)
+    launcher.handles["worker-1"].code = -9
+    sup.step()
+    clock.advance(5)  # the backoff is over, but the stop is not done
+    sup.step()
+    assert launcher.started.count(("worker-1", 0)) == 1
+    pending[0].set_result([])
+    sup.step()
+    assert launcher.started.count(("worker-1", 0)) == 2
 
 
 def test_ps_worker_that_keeps_failing_exhausts_its_own_budget(tmp_path: Path) -> None:
@@ -471,7 +636,7 @@ def test_evaluator_failure_is_reported_and_ignored(tmp_path: Path) -> None:
     sup.step()
     assert sup.state is ClusterState.RUNNING
     assert sup.tasks["evaluator-0"].state is TaskState.FAILED
-    assert [f.task for f in sup.ignored] == ["evaluator-0"]
+    assert [f.tasks for f in sup.ignored] == [("evaluator-0",)]
     assert any(e.get("kind") == "warning" and "(ignored)" in e["reason"] for e in sink.events)
 
 
@@ -547,7 +712,7 @@ def test_tasks_restoring_different_states_fail_the_job_at_once_and_are_not_resta
     sup.step()
     assert sup.state is ClusterState.STOPPING
     cause = sup.root_cause
-    assert cause is not None and cause.kind is FailureKind.DIVERGED and cause.task == "worker-1"
+    assert cause is not None and cause.kind is FailureKind.DIVERGED and cause.tasks == ("worker-1",)
     # says which task restored what, and why it matters
     assert "worker-0 step 75 from /h0/checkpoints/ckpt-75" in cause.detail
     assert "worker-1 step 0 from no checkpoint (fresh weights)" in cause.detail
@@ -572,16 +737,16 @@ def test_tasks_restoring_the_same_state_train_on(tmp_path):
 
 
 def test_a_failure_to_ship_state_before_a_restart_is_a_launch_failure_of_that_attempt(tmp_path):
-    class Shipping(FakeLauncher):
+    class Shipping(FakeBackend):
         def __init__(self) -> None:
             super().__init__()
             self.attempts: list[int] = []
 
-        def before_attempt(self, plan: Any, attempt: int) -> list[str]:
+        def before_attempt(self, plan: Any, attempt: int) -> Prepared:
             self.attempts.append(attempt)
             if attempt == 1:
                 raise LaunchError("hosts[1] 10.0.0.2: no room for the checkpoint in /w/checkpoints")
-            return [f"attempt {attempt}: checkpoint copied"] if attempt else []
+            return Prepared(notes=[f"attempt {attempt}: checkpoint copied"] if attempt else [])
 
     launcher = Shipping()
     sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)

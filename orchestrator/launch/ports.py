@@ -1,4 +1,4 @@
-"""Plan layer, the one impure step: reserve a TF port for every task before planning.
+"""Launch layer, local backend: reserve a TF port for every task on this machine before planning.
 
 Ports come from below the kernel's ephemeral range (so no outgoing connection, ours included, can
 take one between reservation and TensorFlow's bind). Each chosen port is also locked with flock in
@@ -16,13 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.errors import LaunchError
-from orchestrator.plan import task_slots
-from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.spec.model import ClusterSpec
+from orchestrator.spec.roles import task_slots
 from worker.probe import port_free
 
 DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "orchestrate-ports"
 _LOW = 15000
-_SSH_DEFAULT_BASE = 23456  # remote hosts: free ports are checked there (`orchestrate check`)
 
 
 class PortReservation:
@@ -73,13 +72,6 @@ def reserve_ports(
     rng = rng or random.Random()
     slots = task_slots(spec)
     ports: dict[str, int] = {}
-    if spec.backend is not Backend.LOCAL:
-        for h, host in enumerate(spec.hosts):
-            base = host.base_port or _SSH_DEFAULT_BASE
-            for i, slot in enumerate(s for s in slots if s.host_index == h):
-                ports[slot.name] = base + i
-        return PortReservation(ports, {})
-
     _make_lock_dir(lock_dir)
     fds: dict[str, int] = {}
     try:
@@ -105,8 +97,8 @@ def reserve_ports(
 
 
 def port_is_free(port: int) -> bool:
-    """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does).
-    The same check the ssh backend runs on remote hosts."""
+    """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does);
+    the same check worker/probe.py runs on remote hosts."""
     return port_free(port)
 
 

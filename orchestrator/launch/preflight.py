@@ -23,8 +23,8 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, on_all, probe
-from orchestrator.plan import task_slots
 from orchestrator.spec.model import ClusterSpec
+from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.ssh")
 
@@ -106,6 +106,27 @@ def inspect(
     if peers:
         _check_peers(spec, reports, ports)
     return reports
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """`orchestrate check`'s findings: one table row per host, then warnings and problems."""
+
+    title: str
+    rows: list[dict[str, str]]
+    warnings: list[str]
+    problems: list[str]
+
+
+def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
+    """Everything `inspect` checks, the peer matrix included; connections closed after."""
+    reports = inspect(spec, ports, peers=True)
+    try:
+        return CheckReport(
+            f"{spec.name}: {len(reports)} host(s)", table_rows(reports), warnings(reports), problems(reports)
+        )
+    finally:
+        close(reports)
 
 
 def declared_shared(spec: ClusterSpec) -> dict[str, str]:

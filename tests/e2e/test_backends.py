@@ -1,0 +1,181 @@
+"""The backend contract (orchestrator/launch/api.py): the same cases against every backend — local
+subprocesses and real sshd hosts (tests/lab.py) — with real processes and real signals, no
+TensorFlow. What the supervisor and `orchestrate down` rely on: placements for every task, a
+backend record, exit codes, TERM → grace → KILL through `stop_all` with what could not be
+confirmed returned as data, and `reattach` finding a run's processes from its records alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator import launch
+from orchestrator.errors import LaunchError
+from orchestrator.health.server import HeartbeatServer
+from orchestrator.health.store import HealthStore
+from orchestrator.launch.api import Backend, Heartbeats, TaskHandle, stop_all
+from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.record import new_run_id
+from orchestrator.spec.load import load_spec
+from tests.conftest import run_processes, wait_until
+from tests.lab import make_lab, why_no_lab
+
+pytestmark = pytest.mark.e2e
+
+# worker-0 fails at once; worker-1 ends cleanly on SIGTERM; worker-2 ignores SIGTERM.
+SCRIPT = """
+    import os, signal, sys, time
+    import worker
+    task = os.environ["ORCHESTRATE_TASK"]
+    if task == "worker-0":
+        sys.exit(3)
+    if task == "worker-1":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("up", flush=True)
+    for i in range(1, 100000):
+        worker.report(step=i)
+        time.sleep(0.1)
+"""
+
+TASKS = ("worker-0", "worker-1", "worker-2")
+
+
+@dataclasses.dataclass
+class Opened:
+    backend: Backend
+    plan: LaunchPlan
+    record: dict[str, Any]
+    logs: Path
+    run_id: str
+
+    def start(self, name: str, attempt: int = 0, *, wait_up: bool = True) -> TaskHandle:
+        """Start a task; unless told not to, wait until its signal handling is in place."""
+        log = self.logs / f"{name}-{attempt}.log"
+        handle = self.backend.start(self.plan.task(name), attempt, "secret", log)
+        assert not wait_up or wait_until(lambda: b"\nup\n" in log.read_bytes(), 30), log.read_text()
+        return handle
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if why_no_lab() is not None:
+        yield None
+        return
+    lab = make_lab(tmp_path_factory.mktemp("lab"), 1)
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(scope="module", params=["local", "ssh"])
+def opened(
+    request: pytest.FixtureRequest, lab: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Opened]:
+    root = tmp_path_factory.mktemp(request.param)
+    (root / "job").mkdir()
+    (root / "job" / "job.py").write_text(textwrap.dedent(SCRIPT))
+    data: dict[str, Any] = {
+        "name": "contract",
+        "backend": request.param,
+        "job": {"script": "job/job.py"},
+        # the tasks' own guard (no coordinator for this long) stays out of the way
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 60},
+    }
+    if request.param == "ssh":
+        if lab is None:
+            pytest.skip(why_no_lab() or "")
+        data["hosts"] = [lab.host_spec(0, tasks={"worker": 3})]
+        data["ssh"] = lab.ssh_spec()
+    else:
+        data["hosts"] = [{"address": "127.0.0.1", "tasks": {"worker": 3}}]
+    (root / "spec.yaml").write_text(yaml.safe_dump(data))
+    spec = load_spec(root / "spec.yaml")
+    run_id, run_dir = new_run_id(spec.name), root / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    store = HealthStore(time.monotonic)
+    store.reset(0, TASKS)
+    server = HeartbeatServer(store, "secret").start()
+    backend = launch.open_backend(spec, run_id, run_dir, root)
+    try:
+        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url))
+        plan = make_plan(spec, run_id, placements)
+        yield Opened(backend, plan, backend.record(), run_dir / "logs", run_id)
+    finally:
+        for proc in run_processes(run_id):
+            proc.kill()
+        backend.close()
+        server.close()
+
+
+def test_open_places_every_task_and_the_record_names_the_backend(opened: Opened) -> None:
+    assert [t.name for t in opened.plan.tasks] == list(TASKS)
+    assert len({t.address for t in opened.plan.tasks}) == 3  # one TF address each
+    assert opened.record["backend"] == opened.backend.name
+    assert json.loads(json.dumps(opened.record)) == opened.record  # written as backend.json
+
+
+def test_an_exit_code_is_reported_and_the_exit_confirmed(opened: Opened) -> None:
+    handle = opened.start("worker-0", wait_up=False)
+    assert handle.process.pid > 0
+    assert wait_until(lambda: handle.poll() is not None, 30)
+    assert handle.poll() == 3
+    assert wait_until(lambda: handle.exited, 10)
+    assert stop_all([handle], grace_s=1.0) == []  # nothing left to stop
+
+
+def test_stop_all_terms_a_task_and_confirms_its_exit(opened: Opened) -> None:
+    handle = opened.start("worker-1")
+    assert handle.poll() is None and not handle.exited
+    started = time.monotonic()
+    assert stop_all([handle], grace_s=20.0) == []
+    assert time.monotonic() - started < 15  # it ended on TERM, not after the grace period
+    assert handle.exited and handle.poll() == 0
+    assert wait_until(lambda: run_processes(opened.run_id) == [], 5)
+
+
+def test_a_task_ignoring_term_is_killed_after_the_grace_period(opened: Opened) -> None:
+    handle = opened.start("worker-2")
+    started = time.monotonic()
+    assert stop_all([handle], grace_s=1.0) == []
+    assert time.monotonic() - started >= 1.0
+    assert handle.exited and handle.poll() == -9
+    assert wait_until(lambda: run_processes(opened.run_id) == [], 5)
+
+
+def test_a_program_that_cannot_start_is_a_launch_error(opened: Opened) -> None:
+    task = dataclasses.replace(opened.plan.task("worker-1"), argv=("/nonexistent/python", "-c", "pass"))
+    with pytest.raises(LaunchError, match="worker-1"):
+        opened.backend.start(task, 0, "secret", opened.logs / "missing.log")
+
+
+def test_reattach_stops_what_a_vanished_coordinator_left_from_the_records_alone(opened: Opened) -> None:
+    handles = [opened.start(name, attempt=1) for name in ("worker-1", "worker-2")]
+    assert wait_until(lambda: len(run_processes(opened.run_id)) == 2, 30)
+    status = {  # as status.json records the run's tasks
+        "run_id": opened.run_id,
+        "state": "RUNNING",
+        "tasks": [
+            {
+                "task": h.task.name,
+                "pid": h.process.pid,
+                "pgid": h.process.pgid,
+                "create_time": h.process.create_time,
+            }
+            for h in handles
+        ],
+    }
+    plan = json.loads(json.dumps(opened.plan.to_json()))
+    lines = launch.reattach(opened.record, status, plan).stop(grace_s=1.0)
+    assert lines and all(reached for _, reached in lines), lines
+    assert wait_until(lambda: run_processes(opened.run_id) == [], 15), run_processes(opened.run_id)
+    assert stop_all(handles, grace_s=1.0) == []  # their handles learn it too
