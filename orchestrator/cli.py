@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
+_BACKEND_HELP = "override the spec's `backend:` (the names `orchestrate schema` lists)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec."
@@ -51,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="validate, plan, launch and supervise a job until it ends")
     up.add_argument("spec", type=Path)
-    up.add_argument("--backend", choices=["local", "ssh"], help="override the spec's backend")
+    up.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
     up.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>/)")
     up.add_argument(
         "--resume",
@@ -67,20 +70,20 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print every task: host, role, port, command, env and TF_CONFIG")
     plan.add_argument("spec", type=Path)
-    plan.add_argument("--backend", choices=["local", "ssh"])
+    plan.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=cmd_plan)
 
     validate = sub.add_parser("validate", help="check a spec; errors name file:line and the key")
     validate.add_argument("spec", type=Path)
-    validate.add_argument("--backend", choices=["local", "ssh"])
+    validate.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
     validate.set_defaults(func=cmd_validate)
 
     check = sub.add_parser(
         "check", help="preflight every host: SSH, host keys, Python/TensorFlow versions, ports, disk, peers"
     )
     check.add_argument("spec", type=Path)
-    check.add_argument("--backend", choices=["local", "ssh"])
+    check.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
     check.set_defaults(func=cmd_check)
 
     status = sub.add_parser("status", help="show a run's state (default: the latest run under runs/)")
@@ -106,7 +109,15 @@ def _parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace) -> Any:
     from orchestrator.spec import Backend, load_spec
 
-    return load_spec(args.spec, backend=Backend(args.backend) if getattr(args, "backend", None) else None)
+    name = getattr(args, "backend", None)
+    if name is None:
+        return load_spec(args.spec)
+    try:
+        backend = Backend(name)
+    except ValueError:
+        names = ", ".join(b.value for b in Backend)
+        raise UsageError(f"--backend {name}: no such backend (one of: {names})") from None
+    return load_spec(args.spec, backend=backend)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

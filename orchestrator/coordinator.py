@@ -33,9 +33,10 @@ from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.record import RunRecord, new_run_dir, new_run_id, now_iso
 from orchestrator.spec.model import ClusterSpec
+from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import RunResult
 from orchestrator.supervise.states import ClusterState
-from orchestrator.supervise.supervisor import Supervisor, SupervisorConfig
+from orchestrator.supervise.supervisor import Supervisor
 from orchestrator.view import LiveView, PlainView
 
 log = logging.getLogger("orchestrator")
@@ -157,8 +158,9 @@ def _heartbeat_server(backend: Backend, store: HealthStore, token: str) -> Itera
     try:
         server = HeartbeatServer(store, token, host=host, port=port).start()
     except OSError as exc:
+        key = f" ({backend.listen_key})" if backend.listen_key else ""
         raise LaunchError(
-            f"cannot listen for heartbeats on {host}:{port} (ssh.coordinator_address): {exc.strerror or exc}"
+            f"cannot listen for heartbeats on {host}:{port}{key}: {exc.strerror or exc}"
         ) from None
     try:
         yield server

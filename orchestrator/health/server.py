@@ -5,8 +5,8 @@ Every request must carry the run's secret token; anything else is rejected befor
 An asyncio protocol on a thread of its own, with just the HTTP/1.1 a heartbeat needs (POST with
 Content-Length, keep-alive, pipelining; worker/http1.py, shared with the per-host relay): one
 connection per task costs a socket, not a thread (P6: the stdlib ThreadingHTTPServer spent 39% of a
-core on 1,000 tasks at 1 Hz, mostly parsing headers and switching threads). Tasks of the local
-backend post here one by one; on ssh hosts a relay posts its host's heartbeats as one batch.
+core on 1,000 tasks at 1 Hz, mostly parsing headers and switching threads). A task alone on its
+host posts here itself; on a host with several, a relay posts their heartbeats as one batch.
 """
 
 from __future__ import annotations

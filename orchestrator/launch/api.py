@@ -159,6 +159,7 @@ class Backend(abc.ABC):
     """Where the tasks of one run execute. One instance per run; see the module docstring."""
 
     name: ClassVar[str]
+    listen_key: ClassVar[str | None] = None  # the spec key that sets where heartbeats are heard
 
     def listen(self) -> tuple[str, int]:
         """Where the coordinator's heartbeat server listens: loopback unless the backend's tasks
@@ -211,4 +212,3 @@ class Leftovers(abc.ABC):
     @abc.abstractmethod
     def stop(self, grace_s: float) -> list[tuple[str, bool]]:
         """Stop whatever of the run still runs; per place, a line and whether it could be asked."""
-

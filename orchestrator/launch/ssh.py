@@ -175,6 +175,7 @@ class _HostContext:
 
 class SshBackend(Backend):
     name = BackendName.SSH.value
+    listen_key = "ssh.coordinator_address"
 
     def __init__(self, spec: ClusterSpec, run_id: str, home: Path):
         self._spec = spec

@@ -19,15 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
-from orchestrator.health.store import HealthStore, TaskHealth
+from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_all, stop_in_background, unconfirmed_reason
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import AtEnd, ClusterSpec, Role, Strategy
-from orchestrator.supervise import policy
+from orchestrator.spec.model import AtEnd, Strategy
+from orchestrator.supervise import detect, policy
+from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
-from orchestrator.supervise.records import RunResult, TaskRecord, describe_exit, task_status
+from orchestrator.supervise.records import RunResult, TaskRecord, task_status
 from orchestrator.supervise.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
@@ -45,42 +47,6 @@ class EventSink(Protocol):
     def log_path(self, log_name: str) -> Any: ...
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-    stall_timeout_s: float = 120.0
-    startup_timeout_s: float = 120.0
-    max_restarts: int = 3
-    backoff_s: float = 2.0
-    stop_grace_s: float = 30.0  # a stop asked for: time for the tasks' final checkpoint
-    final_wait_s: float = 120.0  # training done: time for tasks that end by themselves (evaluator)
-    failure_grace_s: float = 3.0  # a failure: the job's collectives are broken, no checkpoint can be agreed
-    poll_interval_s: float = 0.1
-
-    @classmethod
-    def from_spec(cls, spec: ClusterSpec, **overrides: Any) -> SupervisorConfig:
-        tasks = sum(spec.role_count(role) for role in Role)
-        return cls(
-            heartbeat_interval_s=spec.health.heartbeat_interval_s,
-            heartbeat_timeout_s=spec.health.heartbeat_timeout_s,
-            stall_timeout_s=spec.health.stall_timeout_s,
-            startup_timeout_s=spec.health.startup_timeout_s,
-            max_restarts=spec.restart.max_restarts,
-            backoff_s=spec.restart.backoff_s,
-            stop_grace_s=spec.health.stop_grace_s,
-            final_wait_s=spec.health.final_wait_s,
-            poll_interval_s=poll_interval_s(tasks),
-            **overrides,
-        )
-
-
-def poll_interval_s(tasks: int) -> float:
-    """A step looks at every task (~3 µs each here): 10 steps a second up to 500 tasks, then
-    fewer, so that supervising costs about the same share of a core at any size (P6)."""
-    return max(0.1, tasks / 5000)
-
-
 @dataclass
 class _Stop:
     outcome: ClusterState  # SUCCEEDED, FAILED (then the policy's decision), INTERRUPTED
@@ -90,11 +56,10 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _Poll:
-    """The task group as seen once per iteration: detectors and policy read this, not the tasks."""
+    """The task group as seen once per iteration: the detectors read this, not the tasks."""
 
     now: float
-    exit_codes: Mapping[str, int | None]
-    health: Mapping[str, TaskHealth]
+    tasks: Mapping[str, TaskView]  # the live ones
 
 
 class Supervisor:
@@ -258,11 +223,15 @@ class Supervisor:
             log.warning("%s", note)
 
     def _poll(self) -> _Poll:
-        exit_codes, now = {}, self._clock()
+        """The task group, once: every live task's exit code and latest heartbeat news."""
+        now, health, views = self._clock(), self._store.snapshot(), {}
         for name, rec in self.tasks.items():
-            if rec.handle is not None and not rec.state.is_terminal:
-                exit_codes[name] = rec.handle.poll()
-        return _Poll(now, exit_codes, self._store.snapshot())
+            rec.health = health.get(name, rec.health)
+            if rec.handle is not None and not rec.state.is_terminal and rec.restart_at is None:
+                assert rec.launched_at is not None
+                code, in_cluster = rec.handle.poll(), rec.plan.in_cluster
+                views[name] = TaskView(name, rec.state, in_cluster, rec.launched_at, code, rec.health)
+        return _Poll(now, views)
 
     def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
@@ -280,18 +249,15 @@ class Supervisor:
         now = poll.now
         failures: list[Failure] = []
         for rec in self.tasks.values():
-            if rec.restart_at is not None:
-                if now >= rec.restart_at and (rec.stopping is None or rec.stopping.done()):
-                    failure = self._restart_task(rec)
-                    if failure is not None:
-                        failures.append(failure)
-                continue
-            if rec.handle is None or rec.state.is_terminal:
-                continue
-            rec.health = poll.health.get(rec.plan.name)
-            failure = self._check_task(rec, now, poll.exit_codes[rec.plan.name])
-            if failure is not None:
-                failures.append(failure)
+            due = rec.restart_at is not None and now >= rec.restart_at
+            if due and (rec.stopping is None or rec.stopping.done()):
+                failure = self._restart_task(rec)
+                if failure is not None:
+                    failures.append(failure)
+        for view in poll.tasks.values():
+            if view.exit_code is not None:
+                self.tasks[view.name].exit_code = view.exit_code
+            failures += self._apply(detect.check_task(view, now, self.config, self.attempt))
         if not self._same_start:
             diverged = self._diverged_start()
             if diverged is not None:
@@ -306,8 +272,11 @@ class Supervisor:
         stop = next((d for d in decisions if d.stops_job), None)
         if stop is not None:
             if stop.failure.is_peer_loss:  # the survivors' error: name the frozen peer if there is one
-                frozen = self._frozen_peer(now)
-                stop = policy.job_decision(frozen, self._snapshot()) if frozen is not None else stop
+                still = [v for v in poll.tasks.values() if not self.tasks[v.name].state.is_terminal]
+                frozen = detect.frozen_peer(still, now, self.config, self.attempt)
+                if frozen is not None and frozen.failure is not None:
+                    self._apply([frozen])
+                    stop = policy.job_decision(frozen.failure, self._snapshot())
             self._begin_stop(_Stop(ClusterState.FAILED, stop.failure.describe(), stop))
             return
         in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
@@ -316,48 +285,38 @@ class Supervisor:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
                 self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
             elif now - self._launched_at() > self.config.startup_timeout_s:
-                self._fail(self._startup_failure(in_cluster))
+                late = [poll.tasks[r.plan.name] for r in in_cluster if r.state is TaskState.STARTING]
+                self._fail(detect.startup_failure(late, self.config, self.attempt))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
+
+    def _apply(self, verdicts: list[detect.Verdict]) -> list[Failure]:
+        """Move the tasks as the detectors saw them; their failures."""
+        out = []
+        for v in verdicts:
+            self._move_task(self.tasks[v.task], v.state, v.reason)
+            if v.failure is not None:
+                out.append(v.failure)
+        return out
+
+    def _diverged_start(self) -> Failure | None:
+        state = self.plan.state
+        if state is None or self.plan.strategy is Strategy.PARAMETER_SERVER:
+            self._same_start = True
+            return None
+        readers = [n for n in state.readers if self.tasks[n].plan.in_cluster]
+        restored = {}
+        for name in readers:
+            h = self.tasks[name].health
+            if h is not None and h.restored is not None:
+                restored[name] = h.restored
+        self._same_start, failure = detect.diverged_start(state, readers, restored, self.attempt)
+        return failure
 
     def _fail(self, failure: Failure) -> None:
         """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
         decision = next(d for d in policy.decide([failure], self._snapshot()) if d.stops_job)
         self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), decision))
-
-    def _diverged_start(self) -> Failure | None:
-        """The training tasks of a synchronous job must start an attempt from one state, the owner's
-        (its checkpoint is the truth). Compared as their restore reports arrive; settled once
-        every one has reported the same."""
-        state = self.plan.state
-        if state is None or self.plan.strategy is Strategy.PARAMETER_SERVER:
-            self._same_start = True
-            return None
-        names = [n for n in state.readers if self.tasks[n].plan.in_cluster]
-        starts = {}
-        for name in names:
-            h = self.tasks[name].health
-            if h is not None and h.restored is not None:
-                starts[name] = h.restored
-        if len({(r.step, r.fingerprint) for r in starts.values()}) < 2:
-            self._same_start = len(starts) == len(names)
-            return None
-        truth = starts.get(state.owner)
-        odd = [
-            n
-            for n, r in starts.items()
-            if truth is None or (r.step, r.fingerprint) != (truth.step, truth.fingerprint)
-        ]
-        table = "; ".join(
-            f"{n} step {r.step} from {r.source or 'no checkpoint (fresh weights)'} (state {r.fingerprint})"
-            for n, r in starts.items()
-        )
-        detail = (
-            f"restored a different state than {state.owner}: {table}. Trained together they would "
-            "average the gradients of different models, so the job stops here; their hosts' "
-            "checkpoint folders differ"
-        )
-        return Failure(tuple(odd), FailureKind.DIVERGED, self.attempt, detail)
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
@@ -439,88 +398,6 @@ class Supervisor:
         self.unconfirmed += [h.task.name for h in left]
         self._sink.event(
             kind="unconfirmed", tasks=[h.task.name for h in left], reason=unconfirmed_reason(left)
-        )
-
-    def _check_task(self, rec: TaskRecord, now: float, code: int | None) -> Failure | None:
-        """Move one live task's state from what was polled; return its failure, if it failed."""
-        assert rec.handle is not None and rec.launched_at is not None
-        h = rec.health
-        me = (rec.plan.name,)
-        if code is not None:
-            rec.exit_code = code
-            if code == 0:
-                self._move_task(rec, TaskState.SUCCEEDED, "exit code 0")
-                return None
-            error = h.error if h is not None else None
-            if error is not None and error.type != "SystemExit":
-                detail = f"raised {error.type}: {error.message}"
-                kind = FailureKind.EXCEPTION
-            else:
-                detail = describe_exit(code)
-                kind = FailureKind.EXIT
-            self._move_task(rec, TaskState.FAILED, detail)
-            step = h.step if h is not None else None
-            return Failure(me, kind, self.attempt, detail, exit_code=code, error=error, step=step)
-        if rec.state is TaskState.STARTING and h is not None and h.ready_at is not None:
-            self._move_task(rec, TaskState.RUNNING, "strategy up")
-        last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else rec.launched_at
-        silent_s = now - last
-        # A MultiWorkerMirroredStrategy constructor holds the GIL while it waits for its peers, so a
-        # task waiting there sends no heartbeat: the startup deadline, not this detector, covers it.
-        in_strategy = rec.state is TaskState.STARTING and h is not None and h.connecting_at is not None
-        if silent_s > self.config.heartbeat_timeout_s and not in_strategy:
-            limit = self.config.heartbeat_timeout_s
-            detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {limit:g})"
-            self._move_task(rec, TaskState.LOST, detail)
-            return Failure(me, FailureKind.LOST, self.attempt, detail)
-        if (
-            rec.state is TaskState.RUNNING
-            and rec.plan.in_cluster  # the evaluator's step is the last checkpoint's: it waits on the chief
-            and h is not None
-            and h.step is not None
-            and h.step_changed_at is not None
-            and not h.done
-            and now - h.step_changed_at > self.config.stall_timeout_s
-        ):
-            where = f", busy in {h.user_frame}" if h.user_frame else ", waiting inside TensorFlow"
-            detail = (
-                f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive{where} "
-                f"(health.stall_timeout_s = {self.config.stall_timeout_s:g})"
-            )
-            self._move_task(rec, TaskState.FAILED, detail)
-            return Failure(me, FailureKind.STALLED, self.attempt, detail, step=h.step, where=h.user_frame)
-        return None
-
-    def _frozen_peer(self, now: float) -> Failure | None:
-        """When the survivors report losing a peer, the peer may be alive but frozen (SIGSTOP, a host
-        cut off): still running, yet silent for several heartbeats. Name it, not the survivor."""
-        quiet_s = max(2.5 * self.config.heartbeat_interval_s, 1.5)
-        for rec in self.tasks.values():
-            h = rec.health
-            if rec.state.is_terminal or h is None or h.last_heartbeat_at is None:
-                continue
-            if now - h.last_heartbeat_at > quiet_s:
-                detail = (
-                    f"went silent {now - h.last_heartbeat_at:.1f} s ago and its peers lost contact with it"
-                )
-                self._move_task(rec, TaskState.LOST, detail)
-                return Failure((rec.plan.name,), FailureKind.LOST, self.attempt, detail)
-        return None
-
-    def _startup_failure(self, deciders: list[TaskRecord]) -> Failure:
-        late = [r for r in deciders if r.state is TaskState.STARTING]
-        # A task that never began creating its strategy is the one the others wait for.
-        never = [r for r in late if r.health is None or r.health.connecting_at is None]
-        culprits = never or late
-        waiting = [r.plan.name for r in late if r not in culprits]
-        head = f"not up within health.startup_timeout_s = {self.config.startup_timeout_s:g} s"
-        if never:
-            waited = f"; {', '.join(waiting)} waited for it" if waiting else ""
-            detail = f"{head} (never created its distribution strategy{waited})"
-        else:
-            detail = f"{head} (its cluster never connected)"
-        return Failure(
-            tuple(r.plan.name for r in culprits), FailureKind.STARTUP_TIMEOUT, self.attempt, detail
         )
 
     def _begin_stop(self, stop: _Stop) -> None:

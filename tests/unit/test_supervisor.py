@@ -26,9 +26,10 @@ from orchestrator.launch.api import (
 from orchestrator.launch.placement import Placement, local_placements
 from orchestrator.plan import LaunchPlan, TaskPlan, make_plan
 from orchestrator.spec.load import parse_spec
+from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.policy import FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
-from orchestrator.supervise.supervisor import Supervisor, SupervisorConfig
+from orchestrator.supervise.supervisor import Supervisor
 from worker import wire
 from worker.wire import Heartbeat, TaskError
 

@@ -1,0 +1,154 @@
+"""Supervision layer: the detectors — pure functions of the task group as polled once per
+supervisor iteration and the clock. Each says what it sees (a task's new state with its reason,
+and the failure when it is one); the supervisor applies it, the policy decides what to do.
+
+- process exit (0: done; non-zero: an exception the task reported, or a plain exit/signal);
+- heartbeat timeout (a frozen process, a host cut off) — not while the task waits for its peers
+  inside a MultiWorkerMirroredStrategy constructor, which holds the GIL: the startup deadline
+  covers that;
+- stall: alive, step not advancing (the evaluator waits on the chief's checkpoints: never);
+- the startup deadline, naming the task the others wait for;
+- a frozen peer, when the survivors report losing one;
+- a diverged start: the training tasks of one attempt restored different states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from orchestrator.health.store import TaskHealth
+from orchestrator.plan import StatePlan
+from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.supervise.records import describe_exit
+from orchestrator.supervise.states import TaskState
+from worker.wire import Restored
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """One live task as polled this iteration."""
+
+    name: str
+    state: TaskState
+    in_cluster: bool  # False for the evaluator
+    launched_at: float
+    exit_code: int | None
+    health: TaskHealth | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a detector saw of one task: its new state, why, and the failure if it is one."""
+
+    task: str
+    state: TaskState
+    reason: str
+    failure: Failure | None = None
+
+
+def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: int) -> list[Verdict]:
+    """Every state change of one live task this iteration (at most: up, then failed or lost)."""
+    h, me = task.health, (task.name,)
+    code = task.exit_code
+    if code is not None:
+        if code == 0:
+            return [Verdict(task.name, TaskState.SUCCEEDED, "exit code 0")]
+        error = h.error if h is not None else None
+        if error is not None and error.type != "SystemExit":
+            detail, kind = f"raised {error.type}: {error.message}", FailureKind.EXCEPTION
+        else:
+            detail, kind = describe_exit(code), FailureKind.EXIT
+        step = h.step if h is not None else None
+        failure = Failure(me, kind, attempt, detail, exit_code=code, error=error, step=step)
+        return [Verdict(task.name, TaskState.FAILED, detail, failure)]
+    out, state = [], task.state
+    if state is TaskState.STARTING and h is not None and h.ready_at is not None:
+        out.append(Verdict(task.name, TaskState.RUNNING, "strategy up"))
+        state = TaskState.RUNNING
+    last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else task.launched_at
+    silent_s = now - last
+    in_strategy = state is TaskState.STARTING and h is not None and h.connecting_at is not None
+    if silent_s > config.heartbeat_timeout_s and not in_strategy:
+        limit = config.heartbeat_timeout_s
+        detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {limit:g})"
+        return [
+            *out,
+            Verdict(task.name, TaskState.LOST, detail, Failure(me, FailureKind.LOST, attempt, detail)),
+        ]
+    if (
+        state is TaskState.RUNNING
+        and task.in_cluster  # the evaluator's step is the last checkpoint's: it waits on the chief
+        and h is not None
+        and h.step is not None
+        and h.step_changed_at is not None
+        and not h.done
+        and now - h.step_changed_at > config.stall_timeout_s
+    ):
+        where = f", busy in {h.user_frame}" if h.user_frame else ", waiting inside TensorFlow"
+        detail = (
+            f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive{where} "
+            f"(health.stall_timeout_s = {config.stall_timeout_s:g})"
+        )
+        failure = Failure(me, FailureKind.STALLED, attempt, detail, step=h.step, where=h.user_frame)
+        return [*out, Verdict(task.name, TaskState.FAILED, detail, failure)]
+    return out
+
+
+def frozen_peer(
+    tasks: Iterable[TaskView], now: float, config: SupervisorConfig, attempt: int
+) -> Verdict | None:
+    """When the survivors report losing a peer, the peer may be alive but frozen (SIGSTOP, a host
+    cut off): still running, yet silent for several heartbeats. Name it, not the survivor."""
+    quiet_s = max(2.5 * config.heartbeat_interval_s, 1.5)
+    for task in tasks:
+        h = task.health
+        if task.state.is_terminal or h is None or h.last_heartbeat_at is None:
+            continue
+        if now - h.last_heartbeat_at > quiet_s:
+            detail = f"went silent {now - h.last_heartbeat_at:.1f} s ago and its peers lost contact with it"
+            failure = Failure((task.name,), FailureKind.LOST, attempt, detail)
+            return Verdict(task.name, TaskState.LOST, detail, failure)
+    return None
+
+
+def startup_failure(late: Sequence[TaskView], config: SupervisorConfig, attempt: int) -> Failure:
+    """The training tasks still starting at the deadline: a task that never began creating its
+    strategy is the one the others wait for."""
+    never = [t for t in late if t.health is None or t.health.connecting_at is None]
+    culprits = never or list(late)
+    waiting = [t.name for t in late if t not in culprits]
+    head = f"not up within health.startup_timeout_s = {config.startup_timeout_s:g} s"
+    if never:
+        waited = f"; {', '.join(waiting)} waited for it" if waiting else ""
+        detail = f"{head} (never created its distribution strategy{waited})"
+    else:
+        detail = f"{head} (its cluster never connected)"
+    return Failure(tuple(t.name for t in culprits), FailureKind.STARTUP_TIMEOUT, attempt, detail)
+
+
+def diverged_start(
+    state: StatePlan, readers: Sequence[str], restored: Mapping[str, Restored], attempt: int
+) -> tuple[bool, Failure | None]:
+    """The training tasks of a synchronous job must start an attempt from one state, the owner's
+    (its checkpoint is the truth). Compared as their restore reports arrive (`restored`, of the
+    `readers` that reported): (settled — every one reported the same —, the failure if they differ)."""
+    if len({(r.step, r.fingerprint) for r in restored.values()}) < 2:
+        return len(restored) == len(readers), None
+    truth = restored.get(state.owner)
+    odd = tuple(
+        n
+        for n, r in restored.items()
+        if truth is None or (r.step, r.fingerprint) != (truth.step, truth.fingerprint)
+    )
+    table = "; ".join(
+        f"{n} step {r.step} from {r.source or 'no checkpoint (fresh weights)'} (state {r.fingerprint})"
+        for n, r in restored.items()
+    )
+    detail = (
+        f"restored a different state than {state.owner}: {table}. Trained together they would "
+        "average the gradients of different models, so the job stops here; their hosts' "
+        "checkpoint folders differ"
+    )
+    return False, Failure(odd, FailureKind.DIVERGED, attempt, detail)

@@ -1,0 +1,129 @@
+"""orchestrator/supervise/detect.py: the detectors as pure functions of one polled view and the
+clock (the supervisor's stepped tests prove them in the loop; these pin each rule alone)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.health.store import TaskHealth
+from orchestrator.plan import StatePlan
+from orchestrator.supervise import detect
+from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.detect import TaskView
+from orchestrator.supervise.policy import FailureKind
+from orchestrator.supervise.states import TaskState
+from worker.wire import Restored, TaskError
+
+CONFIG = SupervisorConfig(
+    heartbeat_interval_s=1, heartbeat_timeout_s=10, stall_timeout_s=30, startup_timeout_s=60
+)
+
+
+def view(
+    state: TaskState = TaskState.RUNNING, code: int | None = None, in_cluster: bool = True, **h: Any
+) -> TaskView:
+    health = TaskHealth(task="worker-1", attempt=0, **h) if h else None
+    return TaskView("worker-1", state, in_cluster, 0.0, code, health)
+
+
+def test_exit_zero_succeeds_and_a_reported_exception_is_the_failure() -> None:
+    assert detect.check_task(view(code=0), 1.0, CONFIG, 0) == [
+        detect.Verdict("worker-1", TaskState.SUCCEEDED, "exit code 0")
+    ]
+    [v] = detect.check_task(view(code=1, error=TaskError("ValueError", "boom", ""), step=7), 1.0, CONFIG, 2)
+    assert v.state is TaskState.FAILED and v.failure is not None
+    assert (v.failure.kind, v.failure.tasks, v.failure.attempt, v.failure.step) == (
+        FailureKind.EXCEPTION,
+        ("worker-1",),
+        2,
+        7,
+    )
+    assert v.reason == "raised ValueError: boom"
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "reason"),
+    [
+        (-9, None, "was killed by SIGKILL (exit code -9)"),
+        (3, None, "exited with code 3"),
+        (2, TaskError("SystemExit", "2", ""), "exited with code 2"),  # sys.exit is an exit, not an exception
+    ],
+)
+def test_a_plain_exit_is_described_by_its_code(code: int, error: TaskError | None, reason: str) -> None:
+    [v] = detect.check_task(view(code=code, error=error), 1.0, CONFIG, 0)
+    assert v.failure is not None and v.failure.kind is FailureKind.EXIT and v.reason == reason
+
+
+def test_ready_moves_a_starting_task_up_and_silence_then_loses_it() -> None:
+    ready = view(TaskState.STARTING, last_heartbeat_at=0.0, ready_at=0.0)
+    assert [v.state for v in detect.check_task(ready, 5.0, CONFIG, 0)] == [TaskState.RUNNING]
+    verdicts = detect.check_task(ready, 10.5, CONFIG, 0)
+    assert [v.state for v in verdicts] == [TaskState.RUNNING, TaskState.LOST]
+    assert verdicts[1].reason == "sent no heartbeat for 10.5 s (health.heartbeat_timeout_s = 10)"
+
+
+def test_silence_inside_the_strategy_constructor_is_left_to_the_startup_deadline() -> None:
+    waiting = view(TaskState.STARTING, last_heartbeat_at=0.0, connecting_at=0.0)
+    assert detect.check_task(waiting, 50.0, CONFIG, 0) == []
+    never_heard = view(TaskState.STARTING)  # silent since its launch
+    assert [v.state for v in detect.check_task(never_heard, 10.5, CONFIG, 0)] == [TaskState.LOST]
+
+
+def test_a_stall_names_where_the_task_is_busy_but_never_for_the_evaluator() -> None:
+    stuck: dict[str, Any] = {
+        "last_heartbeat_at": 40.0,
+        "step": 5,
+        "step_changed_at": 0.0,
+        "user_frame": "t.py:3 in f",
+    }
+    [v] = detect.check_task(view(**stuck), 40.0, CONFIG, 0)
+    assert (
+        v.failure is not None and v.failure.kind is FailureKind.STALLED and v.failure.where == "t.py:3 in f"
+    )
+    assert "stalled at step 5 for 40.0 s while alive, busy in t.py:3 in f" in v.reason
+    assert detect.check_task(view(in_cluster=False, **stuck), 40.0, CONFIG, 0) == []
+    assert detect.check_task(view(done=True, **stuck), 40.0, CONFIG, 0) == []  # finished, saving
+
+
+def test_the_frozen_peer_is_the_silent_one() -> None:
+    alive = TaskView(
+        "worker-0", TaskState.RUNNING, True, 0.0, None, TaskHealth("worker-0", 0, last_heartbeat_at=9.9)
+    )
+    frozen = TaskView(
+        "worker-1", TaskState.RUNNING, True, 0.0, None, TaskHealth("worker-1", 0, last_heartbeat_at=7.0)
+    )
+    v = detect.frozen_peer([alive, frozen], 10.0, CONFIG, 0)
+    assert v is not None and v.task == "worker-1" and v.state is TaskState.LOST
+    assert detect.frozen_peer([alive], 10.0, CONFIG, 0) is None
+
+
+def test_startup_failure_blames_who_never_began_and_says_who_waited() -> None:
+    began = TaskView(
+        "worker-0", TaskState.STARTING, True, 0.0, None, TaskHealth("worker-0", 0, connecting_at=1.0)
+    )
+    never = TaskView("worker-1", TaskState.STARTING, True, 0.0, None, None)
+    f = detect.startup_failure([began, never], CONFIG, 0)
+    assert f.tasks == ("worker-1",) and f.kind is FailureKind.STARTUP_TIMEOUT
+    assert f.detail.endswith("(never created its distribution strategy; worker-0 waited for it)")
+    both = detect.startup_failure([began], CONFIG, 0)
+    assert both.tasks == ("worker-0",) and both.detail.endswith("(its cluster never connected)")
+
+
+def test_a_diverged_start_is_settled_only_when_every_reader_reported_the_same() -> None:
+    state = StatePlan(shared=False, owner="worker-0", readers=("worker-0", "worker-1"))
+    same = Restored(step=75, fingerprint="aa")
+    assert detect.diverged_start(state, ["worker-0", "worker-1"], {"worker-0": same}, 0) == (False, None)
+    assert detect.diverged_start(
+        state, ["worker-0", "worker-1"], {"worker-0": same, "worker-1": same}, 0
+    ) == (
+        True,
+        None,
+    )
+    fresh = Restored(step=0, fingerprint="bb")
+    settled, failure = detect.diverged_start(
+        state, ["worker-0", "worker-1"], {"worker-0": same, "worker-1": fresh}, 1
+    )
+    assert not settled and failure is not None
+    assert failure.tasks == ("worker-1",) and failure.kind is FailureKind.DIVERGED and failure.attempt == 1

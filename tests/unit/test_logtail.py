@@ -1,0 +1,25 @@
+"""orchestrator/logtail.py: following the tasks' log files as they appear and grow."""
+
+from __future__ import annotations
+
+import time
+
+
+def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
+    from orchestrator.logtail import LogTailer
+
+    lines: list[tuple[str, str]] = []
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("before the start\n")  # what was there already is not replayed
+    tailer = LogTailer({"a": a, "b": b}, lambda task, line: lines.append((task, line)), interval_s=0.02)
+    tailer.start()
+    with open(a, "a") as f:
+        f.write("one\ntw")
+    b.write_text("b appears\n")  # created after the tailer started
+    time.sleep(0.2)
+    with open(a, "a") as f:
+        f.write("o\n")
+    time.sleep(0.2)
+    tailer.stop()
+    assert [x for x in lines if x[0] == "a"] == [("a", "one"), ("a", "two")]
+    assert ("b", "b appears") in lines
