@@ -35,7 +35,7 @@ def iso_time(t: float) -> str:
     if second != cached_second:
         prefix = dt.datetime.fromtimestamp(second, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
         _second_cache = (second, prefix)
-    return f"{prefix}.{min(999, int((t - second) * 1000)):03d}Z"
+    return f"{prefix}.{min(999, round((t - second) * 1e6) // 1000):03d}Z"  # 100.1 → .100, not .099
 
 
 def new_run_id(name: str) -> str:
@@ -64,11 +64,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: the old file stays whole, no half-written one beside it
+        raise
 
 
 def status_text(status: dict[str, Any]) -> str:

@@ -54,17 +54,18 @@ def coordinator_alive(run_dir: Path) -> int | None:
         proc = psutil.Process(info["pid"])
         if abs(proc.create_time() - info["create_time"]) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
             return int(info["pid"])
-    except (OSError, ValueError, KeyError, psutil.Error):
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
         pass
     return None
 
 
-def down(run_dir: Path, grace_s: float = 10.0, out: Any = sys.stdout) -> int:
+def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
     """Stop a run from outside. Idempotent: a run already stopped is left as it is (exit 0).
 
     Its coordinator is asked first. The places its tasks ran (launch.reattach, from the backend's
     record) are asked only when the coordinator may have left something: it died mid-run, or it
     could not confirm that a task had exited (a host cut off)."""
+    out = out if out is not None else sys.stdout
     pid = coordinator_alive(run_dir)
     if pid is not None:
         out.write(f"asking the coordinator (pid {pid}) to stop the run…\n")
@@ -119,7 +120,8 @@ def _read_record(run_dir: Path, name: str) -> dict[str, Any] | None:
     return data
 
 
-def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = sys.stdout) -> int:
+def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = None) -> int:
+    out = out if out is not None else sys.stdout
     files = {t: run_dir / "logs" / f"{t}.log" for t in tasks}
     missing = [t for t, p in files.items() if not p.exists()]
     if missing:
@@ -148,7 +150,8 @@ def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = sys.st
 
 def task_names(run_dir: Path) -> list[str]:
     try:
-        plan = read_json(run_dir / "plan.json")
+        return [str(t["name"]) for t in read_json(run_dir / "plan.json")["tasks"]]
     except (OSError, ValueError) as exc:
         raise RunDirError(f"{run_dir}/plan.json is unreadable: {exc}") from None
-    return [t["name"] for t in plan["tasks"]]
+    except (KeyError, TypeError):
+        raise RunDirError(f"{run_dir}/plan.json lists no tasks") from None

@@ -195,16 +195,18 @@ def live_task_groups(status: Mapping[str, Any]) -> list[tuple[str, int]]:
             leader_ok = abs(psutil.Process(pid).create_time() - created) < 0.01
         except psutil.Error:
             leader_ok = False  # the leader is gone; the group lives on in its children
-        try:
-            same_run = leader_ok or any(
-                os.getpgid(p.pid) == pgid and _env_run_id(p) == status.get("run_id")
-                for p in psutil.process_iter()
-            )
-        except (ProcessLookupError, psutil.Error):
-            same_run = False
-        if same_run:
+        run_id = status.get("run_id")
+        if leader_ok or any(_carries_run(p, pgid, run_id) for p in psutil.process_iter()):
             groups.append((str(t.get("task")), int(pgid)))
     return groups
+
+
+def _carries_run(proc: psutil.Process, pgid: int, run_id: object) -> bool:
+    # one process gone between being listed and looked at says nothing of the others
+    try:
+        return os.getpgid(proc.pid) == pgid and _env_run_id(proc) == run_id
+    except (ProcessLookupError, psutil.Error):
+        return False
 
 
 def _env_run_id(proc: psutil.Process) -> str | None:

@@ -207,4 +207,4 @@ def job_decision(failure: Failure, snap: Snapshot) -> Decision:
 
 def backoff_s(base_s: float, restarts_used: int, cap_s: float = 60.0) -> float:
     """Wait before restart number `restarts_used + 1`: base, 2×base, 4×base, … up to cap_s."""
-    return min(cap_s, base_s * 2.0**restarts_used)
+    return min(cap_s, base_s * 2.0 ** min(restarts_used, 64))  # a task restarted alone 1,024 times

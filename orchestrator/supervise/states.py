@@ -1,6 +1,6 @@
 """Supervision layer: the one state vocabulary of a run and its tasks, and the allowed transitions.
 
-Every state change goes through `transition()`, which checks the table and logs `A → B (reason)`.
+Every state change goes through `check_transition()`, which checks the table and logs `A → B`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two ways heartbeats arrive, as in the product:
 
 Two coordinators:
 - whole: `orchestrate up` itself (coordinator.up: supervisor loop, health store, metrics.jsonl,
-  status.json, events) on a spec of N workers, with a launcher that starts nothing (the tasks are
+  status.json, events) on a spec of N workers, with a backend that starts nothing (the tasks are
   the load generator's). Each task's TF_CONFIG lists the whole cluster, so the plan grows as N²:
   this runs at 1,000 tasks, not 10,000.
 - heartbeat path: the heartbeat server, health store and metrics.jsonl writer alone (any N).
@@ -93,41 +93,68 @@ def serve_path(n: int, folder: Path) -> None:
 def serve_whole(n: int, folder: Path) -> None:
     """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
     from orchestrator import coordinator
-    from orchestrator.launch.api import Launcher, ProcessInfo, TaskHandle
+    from orchestrator.launch.api import Backend, Heartbeats, ProcessInfo, Sig, TaskHandle
+    from orchestrator.launch.placement import Placement, local_placements
+    from orchestrator.plan import TaskPlan
     from orchestrator.spec.load import parse_spec
+    from orchestrator.spec.model import ClusterSpec
+    from orchestrator.spec.roles import task_slots
     from worker import wire
 
     class SimHandle(TaskHandle):
-        def __init__(self, task: Any, attempt: int, log_path: Path, pid: int):
+        """A simulated task: it runs until the benchmark ends, or until it is signalled."""
+
+        def __init__(self, task: TaskPlan, attempt: int, log_path: Path, pid: int):
             super().__init__(task, attempt, log_path)
             self._info = ProcessInfo(pid, pid, 0.0)
+            self._exit_code: int | None = None
 
         @property
         def process(self) -> ProcessInfo:
             return self._info
 
         def poll(self) -> int | None:
-            return None  # a simulated task runs until the benchmark ends
+            return self._exit_code
 
-    class SimLauncher(Launcher):
-        def __init__(self) -> None:
-            self.announced = False
+        def signal(self, sig: Sig) -> None:
+            if self._exit_code is None:  # a simulated task ends at once on either signal
+                self._exit_code = -(signal.SIGTERM if sig is Sig.TERM else signal.SIGKILL)
 
-        def start(self, task: Any, attempt: int, token: str, log_path: Path) -> TaskHandle:
-            if not self.announced:
-                self.announced = True
-                _announce(
-                    {
-                        "url": task.launch_env(attempt=attempt, token=token)[wire.ENV_COORDINATOR],
-                        "token": token,
-                    }
-                )
-            with open(log_path, "ab") as log:  # as a real launcher does; the log tailer reads it
+        @property
+        def exited(self) -> bool:
+            return self._exit_code is not None
+
+    class SimBackend(Backend):
+        """Places the tasks as the local backend does (with fake ports: nothing listens) and starts
+        nothing: the load generator's senders are the tasks."""
+
+        name = "sim"
+
+        def __init__(self, spec: ClusterSpec, run_dir: Path, spec_dir: Path):
+            self._spec, self._run_dir, self._spec_dir = spec, run_dir, spec_dir
+            self._announced = False
+
+        def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+            ports = {slot.name: 20_000 + i for i, slot in enumerate(task_slots(self._spec))}
+            return local_placements(
+                self._spec,
+                ports,
+                run_dir=self._run_dir.resolve(),
+                spec_dir=self._spec_dir,
+                coordinator_url=heartbeats.url,
+                python=sys.executable,
+            )
+
+        def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
+            if not self._announced:  # the heartbeat server's URL and the run's token, to the senders
+                self._announced = True
+                _announce({"url": task.env[wire.ENV_COORDINATOR], "token": secret})
+            with open(log_path, "ab") as log:  # as a real backend does; the log tailer reads it
                 log.write(f"===== orchestrate: {task.name} attempt {attempt} (simulated) =====\n".encode())
             return SimHandle(task, attempt, log_path, 100_000 + task.index)
 
-        def stop(self, handles: list[Any], grace_s: float, hurry: threading.Event | None = None) -> None:
-            return None
+        def record(self) -> dict[str, Any]:
+            return {"backend": self.name}
 
     (folder / "job.py").write_text("# the tasks are simulated\n")
     text = (
@@ -145,7 +172,8 @@ def serve_whole(n: int, folder: Path) -> None:
     ).start()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the plain view's lines (every task's states and log lines) go nowhere
-    coordinator.up(spec, spec_path, run_dir=folder / "run", live=False, launcher=SimLauncher())
+    run_dir = folder / "run"
+    coordinator.up(spec, spec_path, run_dir=run_dir, live=False, backend=SimBackend(spec, run_dir, folder))
 
 
 def _announce(info: dict[str, str]) -> None:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import textwrap
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,7 +73,8 @@ def plan_of(spec: ClusterSpec) -> LaunchPlan:
 
 
 def tf_config(plan: LaunchPlan, name: str) -> dict[str, Any]:
-    return json.loads(plan.task(name).env["TF_CONFIG"])
+    config: dict[str, Any] = json.loads(plan.task(name).env["TF_CONFIG"])
+    return config
 
 
 # ---------------------------------------------------------------- TF_CONFIG per strategy
@@ -140,7 +144,9 @@ TF_CONFIG_CASES = [
     [c[1:] for c in TF_CONFIG_CASES],
     ids=[c[0] for c in TF_CONFIG_CASES],
 )
-def test_tf_config(tmp_path: Path, strategy: str, hosts: str, cluster: dict, tasks: list) -> None:
+def test_tf_config(
+    tmp_path: Path, strategy: str, hosts: str, cluster: dict[str, list[str]], tasks: list[Any]
+) -> None:
     plan = plan_of(spec_of(tmp_path, hosts, strategy=strategy))
     assert dict(plan.cluster) == cluster
     assert [(t.name, t.role.value, t.index, t.in_cluster) for t in plan.tasks] == tasks
@@ -189,10 +195,10 @@ def test_task_numbering_across_hosts_in_host_order(tmp_path: Path) -> None:
         ("worker-2", 1),
         ("worker-3", 2),
     ]
-    plan = make_plan(spec, ports={s.name: 30000 + i for i, s in enumerate(slots)}, run=RUN)
+    plan = plan_of(spec)  # each host's tasks on consecutive ports from the default base port
     assert dict(plan.cluster) == {
-        "chief": ["10.0.0.2:30000"],
-        "worker": ["10.0.0.1:30001", "10.0.0.1:30002", "10.0.0.2:30003", "10.0.0.3:30004"],
+        "chief": ["10.0.0.2:23456"],
+        "worker": ["10.0.0.1:23456", "10.0.0.1:23457", "10.0.0.2:23457", "10.0.0.3:23456"],
     }
     assert [(t.name, t.host) for t in plan.tasks] == [
         ("chief-0", "10.0.0.2"),
@@ -219,17 +225,19 @@ def test_local_backend_uses_loopback_for_every_address(tmp_path: Path) -> None:
     assert all(a.startswith("127.0.0.1:") for addrs in plan.cluster.values() for a in addrs)
     assert all(t.address == f"127.0.0.1:{t.port}" for t in plan.tasks)
     # local tasks run with the coordinator's interpreter, in the spec's folder
-    assert all(t.argv[0] == RUN.python and t.cwd == str(RUN.spec_dir) for t in plan.tasks)
+    assert all(t.argv[0] == PYTHON and t.cwd == str(SPEC_DIR) for t in plan.tasks)
+    # the local tasks import the worker runtime from where the coordinator does: nothing is added
+    assert all("PYTHONPATH" not in t.env for t in plan.tasks)
 
 
 def test_ssh_backend_uses_host_addresses(tmp_path: Path) -> None:
     plan = plan_of(spec_of(tmp_path, TWO_HOSTS, backend="ssh"))
     assert [(t.name, t.host, t.address) for t in plan.tasks] == [
-        ("worker-0", "10.0.0.1", "10.0.0.1:20000"),
-        ("worker-1", "10.0.0.1", "10.0.0.1:20001"),
-        ("worker-2", "node-b.lab", "node-b.lab:20002"),
+        ("worker-0", "10.0.0.1", "10.0.0.1:23456"),
+        ("worker-1", "10.0.0.1", "10.0.0.1:23457"),
+        ("worker-2", "node-b.lab", "node-b.lab:23456"),
     ]
-    assert plan.cluster["worker"] == ["10.0.0.1:20000", "10.0.0.1:20001", "node-b.lab:20002"]
+    assert plan.cluster["worker"] == ["10.0.0.1:23456", "10.0.0.1:23457", "node-b.lab:23456"]
     # remote tasks use the host's interpreter; they run in the run's folder under the host's workdir
     assert [(t.argv[0], t.cwd) for t in plan.tasks] == [
         ("/opt/py/bin/python", "/srv/job/runs/demo-20250101-000000/code"),
@@ -237,6 +245,12 @@ def test_ssh_backend_uses_host_addresses(tmp_path: Path) -> None:
         ("python3", "~/.orchestrate/runs/demo-20250101-000000/code"),
     ]
     assert [t.host_index for t in plan.tasks] == [0, 0, 1]
+    # the worker runtime copied to each host's run folder is on the path
+    assert [t.env["PYTHONPATH"] for t in plan.tasks] == [
+        "/srv/job/runs/demo-20250101-000000/lib",
+        "/srv/job/runs/demo-20250101-000000/lib",
+        "~/.orchestrate/runs/demo-20250101-000000/lib",
+    ]
 
 
 def test_ssh_backend_paths_point_into_the_copied_files(tmp_path: Path) -> None:
@@ -248,11 +262,14 @@ def test_ssh_backend_paths_point_into_the_copied_files(tmp_path: Path) -> None:
         backend="ssh",
         job="script: src/train.py\n  files: .\n  env: {PYTHONPATH: /opt/mine}",
     )
-    hosts = {
-        0: HostContext("/home/ann/.orchestrate", "http://127.0.0.1:41000"),
-        1: HostContext("/scratch/o", "http://127.0.0.1:42000"),
-    }
-    plan = plan_of(spec, run=dataclasses.replace(RUN, hosts=hosts))
+    # the absolute folders and the tunnels' URLs, as the ssh backend learns them by connecting
+    places = ssh_placements(
+        spec,
+        RUN_ID,
+        workdirs={0: "/home/ann/.orchestrate", 1: "/scratch/o"},
+        urls={0: "http://127.0.0.1:41000", 1: "http://127.0.0.1:42000"},
+    )
+    plan = make_plan(spec, RUN_ID, places)
     w0, w2 = plan.task("worker-0"), plan.task("worker-2")
     run0 = "/home/ann/.orchestrate/runs/demo-20250101-000000"
     # job.files is the copied root: the script keeps its path inside it
@@ -290,8 +307,10 @@ def test_ssh_loop_checkpoints_default_to_the_hosts_run_folder(tmp_path: Path) ->
 
 def test_every_task_gets_a_checkpoint_folder_on_its_own_host(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, TWO_HOSTS, backend="ssh")
-    hosts = {0: HostContext("/home/ann/.o", "http://x:1"), 1: HostContext("/scratch/o", "http://x:2")}
-    plan = plan_of(spec, run=dataclasses.replace(RUN, hosts=hosts))
+    places = ssh_placements(
+        spec, RUN_ID, workdirs={0: "/home/ann/.o", 1: "/scratch/o"}, urls={0: "http://x:1", 1: "http://x:2"}
+    )
+    plan = make_plan(spec, RUN_ID, places)
     dirs = {t.name: t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in plan.tasks}
     assert dirs["worker-0"] == "/home/ann/.o/runs/demo-20250101-000000/checkpoints"
     assert dirs["worker-2"] == "/scratch/o/runs/demo-20250101-000000/checkpoints"
@@ -299,7 +318,7 @@ def test_every_task_gets_a_checkpoint_folder_on_its_own_host(tmp_path: Path) -> 
     assert plan.state is not None and not plan.state.shared
     assert (plan.state.owner, plan.state.readers) == ("worker-0", ("worker-0", "worker-1", "worker-2"))
     local = plan_of(spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}"))
-    assert {t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in local.tasks} == {f"{RUN.run_dir}/checkpoints"}
+    assert {t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in local.tasks} == {f"{RUN_DIR}/checkpoints"}
 
 
 def test_a_declared_shared_checkpoint_folder_is_every_tasks_and_nothing_is_copied(tmp_path: Path) -> None:
@@ -321,24 +340,91 @@ def test_state_owner_and_readers_per_strategy(tmp_path: Path) -> None:
     assert (mwms.state.owner, mwms.state.readers) == ("chief-0", ("chief-0", "worker-0", "evaluator-0"))
 
 
-def test_ports_come_from_the_ports_mapping(tmp_path: Path) -> None:
+def test_ports_come_from_the_placements(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
-    plan = make_plan(spec, ports={"worker-0": 41001, "worker-1": 40007}, run=RUN)
+    plan = make_plan(spec, RUN_ID, local_places(spec, {"worker-0": 41001, "worker-1": 40007}))
     assert [(t.name, t.port) for t in plan.tasks] == [("worker-0", 41001), ("worker-1", 40007)]
     assert plan.cluster["worker"] == ["127.0.0.1:41001", "127.0.0.1:40007"]
 
 
-def test_missing_port_is_an_error(tmp_path: Path) -> None:
+def test_missing_placement_is_an_error(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}")
+    places = local_places(spec)
+    del places["worker-1"]
     with pytest.raises(ValueError, match="worker-1"):
-        make_plan(spec, ports={"worker-0": 20000}, run=RUN)
+        make_plan(spec, RUN_ID, places)
 
 
-def test_make_plan_is_pure(tmp_path: Path) -> None:
-    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 2}")
-    before = spec.model_dump()
-    assert plan_of(spec) == plan_of(spec)
-    assert spec.model_dump() == before
+# While set, the I/O that the thread named here attempts (as audit events, and stat calls).
+_WATCHED: dict[int, list[str]] = {}
+_IO_EVENTS = ("open", "os.", "socket.", "subprocess.", "shutil.", "urllib.", "http.")
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    seen = _WATCHED.get(threading.get_ident())
+    if seen is not None and event.startswith(_IO_EVENTS):
+        seen.append(f"{event}{args!r}"[:200])
+
+
+sys.addaudithook(_audit)  # cannot be removed; it costs a dict look-up when nothing is watched
+
+
+@contextmanager
+def no_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """What this thread tried to touch meanwhile: files, folders, sockets, processes."""
+    seen: list[str] = []
+
+    def watching(real: Any, name: str) -> Any:
+        def call(path: Any, *a: Any, **kw: Any) -> Any:
+            if threading.get_ident() in _WATCHED:
+                seen.append(f"{name}({path!r})")
+            return real(path, *a, **kw)
+
+        return call
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "stat", watching(os.stat, "os.stat"))  # not audited: Path.exists, os.path.isdir
+        m.setattr(os, "lstat", watching(os.lstat, "os.lstat"))
+        _WATCHED[threading.get_ident()] = seen
+        try:
+            yield seen
+        finally:
+            del _WATCHED[threading.get_ident()]
+
+
+def test_make_plan_is_pure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "loop.py").write_text("")
+    local = spec_of(
+        tmp_path,
+        "- address: 127.0.0.1\n  tasks: {chief: 1, worker: 2, evaluator: 1}\n  gpus: [0, 1]",
+        job="loop: loop.py",
+        extra="train: {steps: 10}\n",
+    )
+    remote = spec_of(tmp_path, TWO_HOSTS, backend="ssh", job="script: train.py\n  files: .")
+    before = (local.model_dump(), remote.model_dump())
+    # placements whose folders exist nowhere, on this machine or any other
+    local_in = local_places(local)
+    remote_in = ssh_placements(
+        remote, RUN_ID, {0: "/nowhere/a", 1: "/nowhere/b"}, {0: "http://10.9.9.9:1", 1: "http://10.9.9.9:2"}
+    )
+    with no_io(monkeypatch) as touched:
+        plans = [make_plan(spec, RUN_ID, places) for spec, places in [(local, local_in), (remote, remote_in)]]
+        again = [make_plan(spec, RUN_ID, places) for spec, places in [(local, local_in), (remote, remote_in)]]
+        as_json = [p.to_json() for p in plans]
+    assert touched == []
+    assert plans == again and as_json == [p.to_json() for p in again]
+    assert (local.model_dump(), remote.model_dump()) == before  # neither input is changed
+    assert local_in == local_places(local)
+    assert not RUN_DIR.exists() and not Path("/nowhere").exists()
+
+
+def test_the_no_io_watch_sees_file_access(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the purity test above would pass vacuously if its watch saw nothing
+    with no_io(monkeypatch) as touched:
+        Path("/nowhere/at/all").exists()
+        with open(os.devnull, "rb"):
+            pass
+    assert any(t.startswith("os.stat") for t in touched) and any(t.startswith("open") for t in touched)
 
 
 # ---------------------------------------------------------------- environment
@@ -355,9 +441,9 @@ def test_env_of_every_task(tmp_path: Path) -> None:
     plan = plan_of(spec_of(tmp_path, hosts))
     for t in plan.tasks:
         env = t.env
-        assert env["ORCHESTRATE_RUN_ID"] == RUN.run_id
+        assert env["ORCHESTRATE_RUN_ID"] == RUN_ID
         assert env["ORCHESTRATE_TASK"] == t.name
-        assert env["ORCHESTRATE_COORDINATOR"] == RUN.coordinator_url
+        assert env["ORCHESTRATE_COORDINATOR"] == COORDINATOR_URL
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["ONLY_JOB"] == "j"
         assert (
@@ -372,6 +458,18 @@ def test_env_of_every_task(tmp_path: Path) -> None:
         ("worker-0", "host", "h"),
         ("worker-1", "job", None),
     ]
+
+
+def test_a_placements_env_reaches_its_task_under_the_orchestrators_own(tmp_path: Path) -> None:
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}\n  env: {SHARED: host}")
+    places = local_places(spec)
+    added = {"SHARED": "backend", "EXTRA": "x", "ORCHESTRATE_TASK": "not-mine"}
+    places["worker-1"] = dataclasses.replace(places["worker-1"], env=added)
+    plan = make_plan(spec, RUN_ID, places)
+    w0, w1 = plan.task("worker-0").env, plan.task("worker-1").env
+    # the backend's env wins over the spec's; the orchestrator's own variables win over both
+    assert (w1["SHARED"], w1["EXTRA"], w1["ORCHESTRATE_TASK"]) == ("backend", "x", "worker-1")
+    assert w0["SHARED"] == "host" and "EXTRA" not in w0
 
 
 def test_launch_env_adds_attempt_and_token(tmp_path: Path) -> None:
@@ -424,7 +522,7 @@ def test_argv_script_mode(tmp_path: Path) -> None:
     plan = plan_of(spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 2}"))
     for t in plan.tasks:
         assert t.argv == (
-            RUN.python,
+            PYTHON,
             "-m",
             "worker",
             "run",
@@ -446,7 +544,7 @@ def test_argv_loop_mode(tmp_path: Path) -> None:
     )
     argv = plan_of(spec).task("worker-0").argv
     assert argv == (
-        RUN.python,
+        PYTHON,
         "-m",
         "worker",
         "loop",
@@ -476,7 +574,7 @@ def test_argv_loop_mode_epochs(tmp_path: Path) -> None:
     argv = plan_of(spec).task("worker-0").argv
     assert argv[argv.index("--epochs") + 1] == "3" and "--steps" not in argv
     # without train.checkpoint_dir, checkpoints go into the run directory
-    assert argv[argv.index("--checkpoint-dir") + 1] == str(RUN.run_dir / "checkpoints")
+    assert argv[argv.index("--checkpoint-dir") + 1] == str(RUN_DIR / "checkpoints")
 
 
 # ---------------------------------------------------------------- JSON form (plan.json)
@@ -492,7 +590,7 @@ def test_to_json_round_trips(tmp_path: Path) -> None:
     out = plan.to_json()
     again = json.loads(json.dumps(out))
     assert again == out
-    assert again["name"] == "demo" and again["run_id"] == RUN.run_id
+    assert again["name"] == "demo" and again["run_id"] == RUN_ID
     assert again["strategy"] == "parameter_server" and again["backend"] == "local"
     assert again["cluster"] == {k: list(v) for k, v in plan.cluster.items()}
     assert [t["name"] for t in again["tasks"]] == [t.name for t in plan.tasks]

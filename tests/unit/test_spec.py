@@ -6,11 +6,7 @@ as shown (its first line is line 1).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -1092,98 +1088,6 @@ def test_backend_override_changes_port_check(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         parse(tmp_path, text, backend=Backend.LOCAL)
     assert [(ln, k) for ln, k, _ in problems_of(info.value)] == [(9, "hosts[1].base_port")]
-
-
-# ---------------------------------------------------------------- command line, end to end
-
-
-def orchestrate(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (MINIMAL + "    hots: []\n", "bad.yaml:7: hots: unknown key"),
-        (MINIMAL.replace("{worker: 2}", "{worker: 0}"), "bad.yaml:4: hosts[0].tasks.worker: "),
-        ("name: demo\nhosts: [\n", "bad.yaml:2: (top level): YAML syntax error"),
-    ],
-    ids=["unknown-key", "zero-workers", "yaml-syntax"],
-)
-def test_cli_validate_bad_spec(tmp_path: Path, text: str, expected: str) -> None:
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "bad.yaml").write_text(y(text))
-    proc = orchestrate("validate", "bad.yaml", cwd=tmp_path)
-    assert proc.returncode == 2, proc
-    assert expected in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-
-
-def test_cli_validate_good_spec(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "good.yaml").write_text(y(MINIMAL))
-    proc = orchestrate("validate", "good.yaml", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "ok" in proc.stdout
-
-
-def test_cli_schema(tmp_path: Path) -> None:
-    proc = orchestrate("schema", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    schema = json.loads(proc.stdout)
-    assert {"name", "strategy", "backend", "hosts", "job", "train", "health", "restart", "ssh"} <= set(
-        schema["properties"]
-    )
-
-
-def test_cli_plan_json(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "good.yaml").write_text(
-        y(
-            """
-            name: demo
-            hosts:
-              - address: 127.0.0.1
-                tasks: {chief: 1, worker: 2}
-            job:
-              script: train.py
-            """
-        )
-    )
-    proc = orchestrate("plan", "good.yaml", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    assert [t["name"] for t in plan["tasks"]] == ["chief-0", "worker-0", "worker-1"]
-    for t in plan["tasks"]:
-        assert t["tf_config"]["task"] == {"type": t["role"], "index": t["index"]}
-        assert t["tf_config"]["cluster"] == plan["cluster"]
-        assert json.loads(t["env"]["TF_CONFIG"]) == t["tf_config"]
-        assert "ORCHESTRATE_TOKEN" not in t["env"]
-    assert len(plan["cluster"]["worker"]) == 2 and len(plan["cluster"]["chief"]) == 1
-
-
-def test_cli_plan_bad_spec_exits_2(tmp_path: Path) -> None:
-    (tmp_path / "bad.yaml").write_text("name: demo\n")
-    proc = orchestrate("plan", "bad.yaml", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "bad.yaml:1: hosts: required key is missing" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize("spec", sorted((REPO / "cluster_specs").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_specs_validate_and_plan(spec: Path) -> None:
-    """Every example spec is valid as shipped (the strategies' e2e tests run the same shapes)."""
-    res = orchestrate("plan", str(spec), cwd=REPO)
-    assert res.returncode == 0, res.stderr
-    assert "policy (spec key policy" in res.stdout
 
 
 def test_an_evaluator_on_another_host_than_the_checkpoints_is_fine(tmp_path: Path) -> None:

@@ -1,0 +1,610 @@
+"""CLI layer (orchestrator/cli.py): every command that needs no running job, called in-process
+through `main([...])`, its output and its exit code; and `_summarize`, the text and exit code at
+the end of `orchestrate up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import cli, rundir
+from orchestrator.coordinator import UpResult
+from orchestrator.plan import LaunchPlan
+from orchestrator.spec.model import Backend, Strategy
+from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.supervise.records import RunResult
+from orchestrator.supervise.states import ClusterState
+from tests.unit.test_spec import MINIMAL, REPO, y
+from worker.wire import TaskError
+
+LOCAL_SPEC = """\
+name: demo
+hosts:
+  - address: 127.0.0.1
+    tasks: {worker: 2}
+job:
+  script: train.py
+"""
+
+SSH_SPEC = """\
+name: demo
+backend: ssh
+hosts:
+  - address: 10.255.255.1
+    tasks: {worker: 2}
+job:
+  script: train.py
+"""
+
+BAD_SPEC = """\
+name: demo
+hosts:
+  - address: 127.0.0.1
+    tasks: {worker: 2}
+    bogus: 1
+job:
+  script: train.py
+"""
+
+
+def spec_file(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to reach a host fails the test (instead of waiting for a timeout)."""
+
+    def refuse(*args: Any, **kw: Any) -> None:
+        raise AssertionError(f"a connection was attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- validate, schema ------------------------------------------------------------------------------
+
+
+def test_validate_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = spec_file(tmp_path, LOCAL_SPEC)
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 0
+    assert out == f"{path}: ok — demo: multi_worker_mirrored, 2 tasks on 1 host(s), backend local\n"
+    assert err == ""
+
+
+def test_validate_with_a_backend_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = spec_file(tmp_path, SSH_SPEC)
+    code, out, _ = run(capsys, "validate", str(path), "--backend", "local")
+    assert code == 0
+    assert out.rstrip().endswith("backend local")
+
+
+def test_validate_an_unknown_backend_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "validate", str(spec_file(tmp_path, LOCAL_SPEC)), "--backend", "k8s")
+    assert code == 2
+    assert out == ""
+    assert err == "orchestrate: --backend k8s: no such backend (one of: local, ssh)\n"
+
+
+def test_validate_a_malformed_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = spec_file(tmp_path, BAD_SPEC, name="bad.yaml")
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 2
+    assert out == ""
+    assert f"{path}:5: hosts[0].bogus: unknown key" in err
+    assert "Traceback" not in err
+
+
+def test_validate_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
+    assert code == 2
+    assert "nope.yaml" in err and "Traceback" not in err
+
+
+def test_schema_prints_the_specs_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema")
+    assert code == 0
+    schema = json.loads(out)
+    assert {"name", "hosts", "job", "backend"} <= set(schema["properties"])
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+
+def test_plan_text_of_a_local_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", str(spec_file(tmp_path, LOCAL_SPEC)))
+    assert code == 0
+    assert out.startswith("demo: multi_worker_mirrored on the local backend, 2 tasks\n")
+    assert "policy (spec key policy: <role>: {decides, on_failure, at_end}):" in out
+    for name in ("worker-0", "worker-1"):
+        assert f"\n{name}  host 127.0.0.1  port " in out
+        assert f"ORCHESTRATE_TASK={name}" in out
+    assert out.count("TF_CONFIG=") == 2
+    assert "ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>" in out
+
+
+def test_plan_json_of_a_local_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", str(spec_file(tmp_path, LOCAL_SPEC)), "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["name"] == "demo" and plan["backend"] == "local"
+    tasks = plan["tasks"]
+    assert [t["name"] for t in tasks] == ["worker-0", "worker-1"]
+    addresses = plan["cluster"]["worker"]
+    for i, t in enumerate(tasks):
+        assert t["tf_config"] == {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}
+        assert json.loads(t["env"]["TF_CONFIG"]) == t["tf_config"]
+        assert t["address"] == addresses[i]
+
+
+def test_plan_of_an_ssh_spec_reaches_no_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_network: None
+) -> None:
+    code, out, _ = run(capsys, "plan", str(spec_file(tmp_path, SSH_SPEC)))
+    assert code == 0
+    assert out.startswith("demo: multi_worker_mirrored on the ssh backend, 2 tasks\n")
+    assert "worker-0  host 10.255.255.1  port " in out
+    assert "cwd:     ~/.orchestrate/runs/demo-<time>-<random>/code" in out
+    assert "ORCHESTRATE_RUN_DIR=~/.orchestrate/runs/demo-<time>-<random>\n" in out
+    assert "PYTHONPATH=~/.orchestrate/runs/demo-<time>-<random>/lib" in out
+
+
+def test_plan_json_of_an_ssh_spec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_network: None
+) -> None:
+    code, out, _ = run(capsys, "plan", str(spec_file(tmp_path, SSH_SPEC)), "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["backend"] == "ssh"
+    assert all(t["host"] == "10.255.255.1" for t in plan["tasks"])
+    assert all(t["tf_config"]["cluster"] == plan["cluster"] for t in plan["tasks"])
+
+
+# --- check, up ------------------------------------------------------------------------------------
+
+
+def test_check_of_a_local_spec_has_nothing_to_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = spec_file(tmp_path, LOCAL_SPEC)
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 0
+    assert out == f"{path}: backend local runs every task on this machine; nothing to check\n"
+
+
+def test_up_with_resume_and_another_run_dir_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = spec_file(tmp_path, LOCAL_SPEC)
+    code, out, err = run(
+        capsys, "up", str(path), "--resume", str(tmp_path / "x"), "--run-dir", str(tmp_path / "y")
+    )
+    assert code == 2
+    assert err == "orchestrate: give either --resume RUN_DIR or --run-dir DIR, not both\n"
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# --- status, logs, down on a fabricated run directory ---------------------------------------------
+
+
+def task_entry(i: int, state: str, step: int | None = 10) -> dict[str, Any]:
+    return {
+        "task": f"worker-{i}",
+        "role": "worker",
+        "index": i,
+        "host": "127.0.0.1",
+        "state": state,
+        "reason": "",
+        "pid": None,
+        "pgid": None,
+        "create_time": None,
+        "exit_code": 0 if state == "SUCCEEDED" else None,
+        "last_step": step,
+        "total_steps": 20,
+        "metrics": {"loss": 0.125},
+        "steps_per_s": 12.5,
+        "rss_bytes": 200 * 2**20,
+        "last_heartbeat_at": "2026-01-01T00:00:59.000Z",
+    }
+
+
+def fabricate_run(
+    run_dir: Path, state: str = "SUCCEEDED", reason: str = "every deciding task exited 0"
+) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    status = {
+        "name": "demo",
+        "run_id": "demo-20260101-000000-0badcafe",
+        "state": state,
+        "attempt": 1,
+        "restarts": 1,
+        "reason": reason,
+        "started_at": "2026-01-01T00:00:00.000Z",
+        "ended_at": None if state == "RUNNING" else "2026-01-01T00:01:00.000Z",
+        "tasks": [task_entry(0, state if state != "RUNNING" else "RUNNING"), task_entry(1, "FAILED", None)],
+    }
+    (run_dir / "status.json").write_text(json.dumps(status))
+    (run_dir / "plan.json").write_text(json.dumps({"tasks": [{"name": "worker-0"}, {"name": "worker-1"}]}))
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "logs" / "worker-0.log").write_text("zero one\nzero two\n")
+    (run_dir / "logs" / "worker-1.log").write_text("one one\n")
+    return run_dir
+
+
+def test_status_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    code, out, _ = run(capsys, "status", str(run_dir), "--json")
+    assert code == 0
+    assert json.loads(out) == json.loads((run_dir / "status.json").read_text())
+
+
+def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    code, out, _ = run(capsys, "status", str(run_dir))
+    assert code == 0
+    assert "run directory:" in out and str(run_dir) in out.replace("\n", "")
+    assert "demo SUCCEEDED" in out and "attempt 1" in out and "restarts 1" in out
+    assert "worker-0" in out and "worker-1" in out
+    assert "0.125" in out and "200 MiB" in out
+    assert "every deciding task exited 0" in out
+    assert "coordinator is gone" not in out
+
+
+def test_status_of_a_failed_run_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="FAILED", reason="worker-1 exited with code 1")
+    code, out, _ = run(capsys, "status", str(run_dir))
+    assert code == 1
+    assert "demo FAILED" in out
+
+
+def test_status_of_a_run_whose_coordinator_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    code, out, _ = run(capsys, "status", str(run_dir))
+    assert code == 0
+    assert "its coordinator is gone" in out
+    assert "orchestrate down" in out
+
+
+def test_status_of_the_latest_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rundir, "RUNS_DIR", tmp_path / "runs")
+    run_dir = fabricate_run(tmp_path / "runs" / "demo-1")
+    code, out, _ = run(capsys, "status")
+    assert code == 0
+    assert str(run_dir) in out.replace("\n", "")  # rich may wrap a long path
+
+
+def test_status_of_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "status", str(tmp_path))
+    assert code == 1
+    assert "is not a run directory" in err and "Traceback" not in err
+
+
+def test_logs_of_every_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    code, out, _ = run(capsys, "logs", str(run_dir))
+    assert code == 0
+    assert out.splitlines() == ["[worker-0] zero one", "[worker-0] zero two", "[worker-1] one one"]
+
+
+def test_logs_of_one_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    code, out, _ = run(capsys, "logs", str(run_dir), "worker-1")
+    assert code == 0
+    assert out == "one one\n"
+
+
+def test_logs_of_an_unknown_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    code, _, err = run(capsys, "logs", str(run_dir), "worker-7")
+    assert code == 1
+    assert "no log for worker-7" in err
+
+
+@pytest.mark.parametrize("state", ["SUCCEEDED", "INTERRUPTED"])
+def test_down_of_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], state: str) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state=state, reason="done")
+    (run_dir / "backend.json").write_text(json.dumps({"backend": "local"}))
+    code, out, _ = run(capsys, "down", str(run_dir))
+    assert code == 0
+    assert out == f"run demo: {state} (done)\n"
+
+
+@pytest.mark.parametrize("command", ["down", "logs"])
+def test_down_and_logs_write_to_the_current_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="SUCCEEDED", reason="done")
+    code, out, _ = run(capsys, command, str(run_dir))
+    assert code == 0
+    assert out != ""
+
+
+# --- _summarize -----------------------------------------------------------------------------------
+
+
+def outcome(
+    run_dir: Path,
+    state: ClusterState,
+    cause: Failure | None = None,
+    **kw: Any,
+) -> UpResult:
+    result = RunResult(
+        state=state,
+        reason=kw.pop("reason", "the reason"),
+        attempt=kw.pop("attempt", 1),
+        restarts=kw.pop("restarts", 1),
+        root_cause=cause,
+        started_at="2026-01-01T00:00:00.000Z",
+        ended_at="2026-01-01T00:01:00.000Z",
+        **kw,
+    )
+    plan = LaunchPlan("demo", "demo-x", Strategy.MULTI_WORKER_MIRRORED, Backend.LOCAL, {})
+    return UpResult(run_dir=run_dir, result=result, plan=plan)
+
+
+def write_log(run_dir: Path, task: str, *lines: str) -> Path:
+    path = run_dir / "logs" / f"{task}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_summary_of_a_failure_names_its_exit_code_and_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = write_log(
+        tmp_path,
+        "worker-1",
+        "===== orchestrate: worker-1 attempt 0 started =====",
+        "an earlier attempt",
+        "===== orchestrate: worker-1 attempt 1 started =====",
+        "loading data",
+        "Segmentation fault",
+    )
+    cause = Failure(("worker-1",), FailureKind.EXIT, 1, "exited with code 139", exit_code=139)
+    code = cli._summarize(outcome(tmp_path, ClusterState.FAILED, cause, reason="budget exhausted"))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "orchestrate: demo FAILED — budget exhausted" in out
+    assert "attempts 2, restarts 1" in out
+    assert "  first failure: worker-1 exited with code 139\n" in out
+    assert "  exit code: 139\n" in out
+    assert f"  last lines of {log}:\n    | loading data\n    | Segmentation fault\n" in out
+    assert "an earlier attempt" not in out  # only the last attempt's lines
+
+
+def test_summary_shows_the_log_of_every_failed_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_log(tmp_path, "worker-0", "w0 waiting for its peer")
+    write_log(tmp_path, "worker-1", "w1 never came up")
+    cause = Failure(("worker-0", "worker-1"), FailureKind.STARTUP_TIMEOUT, 0, "not up within 120 s")
+    code = cli._summarize(outcome(tmp_path, ClusterState.FAILED, cause))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "first failure: worker-0, worker-1 not up within 120 s" in out
+    assert "exit code:" not in out
+    assert "    | w0 waiting for its peer" in out
+    assert "    | w1 never came up" in out
+    assert out.index("worker-0.log") < out.index("worker-1.log")
+
+
+def test_summary_shows_the_traceback_of_an_exception(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tb = "Traceback (most recent call last):\n" + "".join(f'  File "train.py", line {i}\n' for i in range(30))
+    tb += "ValueError: bad batch\n"
+    err = TaskError("ValueError", "bad batch", tb)
+    cause = Failure(
+        ("worker-0",), FailureKind.EXCEPTION, 0, "raised ValueError: bad batch", error=err, step=3
+    )
+    cli._summarize(outcome(tmp_path, ClusterState.FAILED, cause))
+    out = capsys.readouterr().out
+    assert "  traceback:\n" in out
+    assert "    ValueError: bad batch\n" in out
+    assert "line 29" in out and "line 15\n" not in out  # the last 15 lines only
+    assert "last lines of" not in out  # that task wrote no log
+
+
+def test_summary_lists_tasks_restarted_alone_and_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alone = Failure(("evaluator-0",), FailureKind.EXIT, 0, "exited with code 2", exit_code=2)
+    ignored = Failure(("evaluator-1",), FailureKind.LOST, 0, "no heartbeat for 10 s")
+    code = cli._summarize(
+        outcome(tmp_path, ClusterState.SUCCEEDED, None, task_restarts=(alone,), ignored=(ignored,))
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "  restarted alone: evaluator-0 exited with code 2\n" in out
+    assert "  reported, did not stop the job: evaluator-1 no heartbeat for 10 s\n" in out
+    assert "first failure" not in out
+
+
+def test_summary_of_a_success_shows_no_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cause = Failure(
+        ("worker-1",), FailureKind.EXIT, 0, "exited with code 1", exit_code=1
+    )  # a restart's cause
+    write_log(tmp_path, "worker-1", "recovered")
+    code = cli._summarize(outcome(tmp_path, ClusterState.SUCCEEDED, cause, reason="done"))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "demo SUCCEEDED — done" in out
+    assert "first failure" not in out and "recovered" not in out
+
+
+def test_summary_lists_what_was_brought_home(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = outcome(tmp_path, ClusterState.SUCCEEDED)
+    result = UpResult(result.run_dir, result.result, result.plan, brought_home=("model/ (3 files)",))
+    cli._summarize(result)
+    out = capsys.readouterr().out
+    assert f"  brought home from the hosts into {tmp_path}:\n    model/ (3 files)\n" in out
+
+
+@pytest.mark.parametrize(
+    ("state", "kind", "expected"),
+    [
+        (ClusterState.SUCCEEDED, None, 0),
+        (ClusterState.FAILED, FailureKind.EXIT, 1),
+        (ClusterState.FAILED, FailureKind.EXCEPTION, 1),
+        (ClusterState.FAILED, None, 1),
+        (ClusterState.INTERRUPTED, None, 130),
+        (ClusterState.INTERRUPTED, FailureKind.LAUNCH, 130),
+        (ClusterState.FAILED, FailureKind.LAUNCH, 3),
+    ],
+)
+def test_summary_exit_codes(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    state: ClusterState,
+    kind: FailureKind | None,
+    expected: int,
+) -> None:
+    cause = Failure(("worker-0",), kind, 0, "went wrong", exit_code=1) if kind is not None else None
+    assert cli._summarize(outcome(tmp_path, state, cause)) == expected
+
+
+def test_exit_code_constants_match_the_documented_ones() -> None:
+    assert (cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_LAUNCH, cli.EXIT_INTERRUPTED) == (
+        0,
+        1,
+        2,
+        3,
+        130,
+    )
+    assert "130 interrupted" in (cli.__doc__ or "")
+
+
+# --- the command line as a user types it (the spec suite's cases) --------------------------------
+
+
+def orchestrate(
+    capsys: pytest.CaptureFixture[str], *args: str, cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """`orchestrate ARGS` in-process, from folder `cwd` (as a user in that folder types it)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        code = cli.main(list(args))
+    finally:
+        os.chdir(here)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (MINIMAL + "    hots: []\n", "bad.yaml:7: hots: unknown key"),
+        (MINIMAL.replace("{worker: 2}", "{worker: 0}"), "bad.yaml:4: hosts[0].tasks.worker: "),
+        ("name: demo\nhosts: [\n", "bad.yaml:2: (top level): YAML syntax error"),
+    ],
+    ids=["unknown-key", "zero-workers", "yaml-syntax"],
+)
+def test_cli_validate_bad_spec(
+    tmp_path: Path, text: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "bad.yaml").write_text(y(text))
+    proc = orchestrate(capsys, "validate", "bad.yaml", cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_validate_good_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "good.yaml").write_text(y(MINIMAL))
+    proc = orchestrate(capsys, "validate", "good.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok" in proc.stdout
+
+
+def test_cli_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = orchestrate(capsys, "schema", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads(proc.stdout)
+    assert {"name", "strategy", "backend", "hosts", "job", "train", "health", "restart", "ssh"} <= set(
+        schema["properties"]
+    )
+
+
+def test_cli_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "good.yaml").write_text(
+        y(
+            """
+            name: demo
+            hosts:
+              - address: 127.0.0.1
+                tasks: {chief: 1, worker: 2}
+            job:
+              script: train.py
+            """
+        )
+    )
+    proc = orchestrate(capsys, "plan", "good.yaml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert [t["name"] for t in plan["tasks"]] == ["chief-0", "worker-0", "worker-1"]
+    for t in plan["tasks"]:
+        assert t["tf_config"]["task"] == {"type": t["role"], "index": t["index"]}
+        assert t["tf_config"]["cluster"] == plan["cluster"]
+        assert json.loads(t["env"]["TF_CONFIG"]) == t["tf_config"]
+        assert "ORCHESTRATE_TOKEN" not in t["env"]
+    assert len(plan["cluster"]["worker"]) == 2 and len(plan["cluster"]["chief"]) == 1
+
+
+def test_cli_plan_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.yaml").write_text("name: demo\n")
+    proc = orchestrate(capsys, "plan", "bad.yaml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "bad.yaml:1: hosts: required key is missing" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("spec", sorted((REPO / "cluster_specs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_specs_validate_and_plan(spec: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every example spec is valid as shipped (the strategies' e2e tests run the same shapes)."""
+    res = orchestrate(capsys, "plan", str(spec), cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert "policy (spec key policy" in res.stdout
+
+
+def test_python_dash_m_orchestrator_is_the_same_command(tmp_path: Path) -> None:
+    """The one case run as its own process: the module entry point, exit code and stderr."""
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "bad.yaml").write_text(y(MINIMAL + "    hots: []\n"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "validate", "bad.yaml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "bad.yaml:7: hots: unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
