@@ -139,7 +139,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load(args)
     run_id = f"{spec.name}-<time>-<random>"
     run_dir = Path("runs") / f"{spec.name}-<time>"
-    plan = make_plan(spec, run_id, launch.preview(spec, run_id, run_dir, args.spec.resolve().parent))
+    placements, note = launch.preview(spec, run_id, run_dir, args.spec.resolve().parent)
+    plan = make_plan(spec, run_id, placements)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return EXIT_OK
@@ -160,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for k, v in t.env.items():
             print(f"  {k}={v}")
         print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<per-run secret>")
-    print("\n(local ports are free now and re-chosen at launch unless the spec fixes base_port)")
+    print(f"\n({note})")
     return EXIT_OK
 
 

@@ -48,16 +48,17 @@ def reattach(record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping
     raise RunDirError(f"backend.json names an unknown backend {name!r}")
 
 
-def preview(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> dict[str, Placement]:
-    """Where the tasks would run, without reaching any host. Local ports are chosen free now and
-    let go (chosen again at launch unless the spec fixes base_port)."""
+def preview(
+    spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path
+) -> tuple[dict[str, Placement], str]:
+    """Where the tasks would run, without reaching any host, and a note on what may change at launch."""
     from orchestrator.launch import placement
 
     if spec.backend is BackendName.LOCAL:
         from orchestrator.launch.ports import reserve_ports
 
         with reserve_ports(spec) as reservation:
-            return placement.local_placements(
+            places = placement.local_placements(
                 spec,
                 reservation.ports,
                 run_dir=run_dir,
@@ -65,7 +66,9 @@ def preview(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> di
                 coordinator_url="http://127.0.0.1:<chosen at launch>",
                 python=sys.executable,
             )
-    return placement.ssh_preview(spec, run_id)
+        return places, "local ports are free now and chosen again at launch unless the spec fixes base_port"
+    note = "work folders as written; `orchestrate check` tries the hosts, their ports and their folders"
+    return placement.ssh_preview(spec, run_id), note
 
 
 def check(spec: ClusterSpec) -> CheckReport | None:

@@ -123,7 +123,10 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
     reports = inspect(spec, ports, peers=True)
     try:
         return CheckReport(
-            f"{spec.name}: {len(reports)} host(s)", table_rows(reports), warnings(reports), problems(reports)
+            f"{spec.name}: {len(reports)} host(s)",
+            table_rows(reports, shared_declared=bool(declared_shared(spec))),
+            warnings(reports),
+            problems(reports),
         )
     finally:
         close(reports)
@@ -246,8 +249,9 @@ def close(reports: list[HostReport]) -> None:
     close_all({r.host.index: r.conn for r in reports if r.conn is not None})
 
 
-def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
-    """One row per host for the `check` table (strings, in column order)."""
+def table_rows(reports: list[HostReport], shared_declared: bool = True) -> list[dict[str, str]]:
+    """One row per host for the `check` table (strings, in column order); the shared column says
+    "-" where the spec declares no shared folder (nothing was checked)."""
     rows = []
     for r in reports:
         f = r.facts or {}
@@ -266,7 +270,9 @@ def table_rows(reports: list[HostReport]) -> list[dict[str, str]]:
                 "peers": "-"
                 if not r.peers
                 else (f"{len(unreachable)} unreachable" if unreachable else f"{len(r.peers)} ok"),
-                "shared": "-" if r.error or not f else ("NOT SHARED" if r.shared else "ok"),
+                "shared": "-"
+                if r.error or not f or not shared_declared
+                else ("NOT SHARED" if r.shared else "ok"),
             }
         )
     return rows

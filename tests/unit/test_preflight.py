@@ -276,3 +276,8 @@ def test_shared_column_per_host() -> None:
         ]
     )
     assert [r["shared"] for r in rows] == ["ok", "NOT SHARED", "-"]
+
+
+def test_the_shared_column_is_empty_when_the_spec_declares_no_shared_folder() -> None:
+    [row] = table_rows([report()], shared_declared=False)
+    assert row["shared"] == "-"
