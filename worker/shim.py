@@ -21,7 +21,7 @@ Protocol (one SSH channel per task attempt):
 
 Before starting, the shim stops a previous attempt of the same task still alive on this host
 (recorded in the pidfile and checked by its run id), so a task is never running twice.
-`shim.py --stop RUN_ID PIDFILE…` does only that, for `orchestrate down` when the coordinator is gone.
+`shim.py --stop RUN_ID GRACE_S PIDFILE…` does only that, for `orchestrate down` when the coordinator is gone.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ _RUN_ID_ENV = "ORCHESTRATE_RUN_ID"
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--stop"]:  # `orchestrate down` with the coordinator gone: RUN_ID PIDFILE…
-        run_id, pidfiles = argv[1], argv[2:]
-        answer = {path: stop_recorded(path, run_id, grace_s=10.0)[1] for path in pidfiles}
+    if argv[:1] == ["--stop"]:  # `orchestrate down` with the coordinator gone: RUN_ID GRACE_S PIDFILE…
+        run_id, grace_s, pidfiles = argv[1], float(argv[2]), argv[3:]
+        found = {path: _recorded_group(path, run_id) for path in pidfiles}
+        _terminate_groups([g for g, _ in found.values() if g is not None], grace_s)  # together
+        answer = {path: said for path, (_, said) in found.items()}
         os.write(1, (json.dumps(answer) + "\n").encode())
         return 0
     line = sys.stdin.buffer.readline()
@@ -125,21 +127,28 @@ def _control(pgid: int, grace_s: float) -> None:
     _terminate_group(pgid, grace_s)
 
 
-def _terminate_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM (with SIGCONT) to what is left of a group, up to grace_s for it to go, then SIGKILL."""
-    if not _group_alive(pgid):
-        return
-    _signal_group(pgid, signal.SIGTERM)
-    _signal_group(pgid, signal.SIGCONT)
+def _terminate_groups(pgids: list[int], grace_s: float) -> None:
+    """SIGTERM (with SIGCONT) to what is left of the groups, up to grace_s for them to go, then
+    SIGKILL. (The coordinator's own routine is orchestrator/launch/api.py's stop_all; this one
+    must stay standard-library only.)"""
+    live = [g for g in pgids if _group_alive(g)]
+    for pgid in live:
+        _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _group_alive(pgid):
+    while time.monotonic() < deadline and any(_group_alive(g) for g in live):
         time.sleep(0.05)
-    _signal_group(pgid, signal.SIGKILL)
+    for pgid in live:
+        _signal_group(pgid, signal.SIGKILL)
 
 
-def stop_recorded(pidfile: str, run_id: str, grace_s: float) -> tuple[int | None, str]:
-    """Stop the process group a pidfile records, if it still runs and carries this run's id (never
-    someone else's process). Returns (the group stopped or None, what was found)."""
+def _terminate_group(pgid: int, grace_s: float) -> None:
+    _terminate_groups([pgid], grace_s)
+
+
+def _recorded_group(pidfile: str, run_id: str) -> tuple[int | None, str]:
+    """The live process group a pidfile records, if it carries this run's id (never someone
+    else's process): (the group or None, what was found)."""
     try:
         with open(pidfile) as f:
             pgid = int(json.load(f).get("pgid", 0))
@@ -149,8 +158,16 @@ def stop_recorded(pidfile: str, run_id: str, grace_s: float) -> tuple[int | None
         return None, "not running"
     if not _has_run_id(pgid, run_id):
         return None, f"process group {pgid} is not this run's; left alone"
-    _terminate_group(pgid, grace_s)
     return pgid, f"stopped process group {pgid}"
+
+
+def stop_recorded(pidfile: str, run_id: str, grace_s: float) -> tuple[int | None, str]:
+    """Stop the process group a pidfile records, if it is this run's. Returns (the group stopped
+    or None, what was found)."""
+    pgid, said = _recorded_group(pidfile, run_id)
+    if pgid is not None:
+        _terminate_group(pgid, grace_s)
+    return pgid, said
 
 
 def _has_run_id(pid: int, run_id: str) -> bool:

@@ -179,8 +179,8 @@ class LocalLeftovers(Leftovers):
 
 
 def _placeholder(name: str) -> TaskPlan:
-    role, _, index = name.rpartition("-")
-    return TaskPlan(name, Role(role), int(index), "", "", 0, (), {}, "", True)
+    """A recorded task's plan, for its handle: only its name is read (for the record's lines)."""
+    return TaskPlan(name, Role.WORKER, 0, "", "", 0, (), {}, "", True)
 
 
 def live_task_groups(status: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -192,8 +192,8 @@ def live_task_groups(status: Mapping[str, Any]) -> list[tuple[str, int]]:
         if not pgid or not group_alive(pgid):
             continue
         try:
-            leader_ok = abs(psutil.Process(pid).create_time() - created) < 0.01
-        except psutil.Error:
+            leader_ok = abs(psutil.Process(pid).create_time() - float(created)) < 0.01
+        except (psutil.Error, TypeError, ValueError):
             leader_ok = False  # the leader is gone; the group lives on in its children
         run_id = status.get("run_id")
         if leader_ok or any(_carries_run(p, pgid, run_id) for p in psutil.process_iter()):

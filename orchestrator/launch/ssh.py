@@ -514,10 +514,12 @@ class SshLeftovers(Leftovers):
         self._tasks = list(plan.get("tasks", []))
 
     def stop(self, grace_s: float) -> list[tuple[str, bool]]:
-        return stop_leftovers(self._record, self._tasks)
+        return stop_leftovers(self._record, self._tasks, grace_s)
 
 
-def stop_leftovers(record: Mapping[str, Any], tasks: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+def stop_leftovers(
+    record: Mapping[str, Any], tasks: list[dict[str, Any]], grace_s: float
+) -> list[tuple[str, bool]]:
     """Per host: a line, and whether the host could be asked."""
     ssh = SshSpec(**record["ssh"])
     run_id = record["run_id"]
@@ -545,7 +547,8 @@ def stop_leftovers(record: Mapping[str, Any], tasks: list[dict[str, Any]]) -> li
         conn = connect(host, ssh)
         shim = posixpath.join(workdirs[host.index], "cache", record["shim_sha256"])
         try:
-            answer = run_json(conn, host, [*host.python, "-S", shim, "--stop", run_id, *pidfiles], "stop")
+            argv = [*host.python, "-S", shim, "--stop", run_id, repr(grace_s), *pidfiles]
+            answer = run_json(conn, host, argv, "stop", timeout_s=grace_s + 60.0)
         finally:
             close_all({host.index: conn})
         return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())

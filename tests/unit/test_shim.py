@@ -119,7 +119,9 @@ def test_stop_mode_leaves_a_group_that_is_not_this_runs_alone(tmp_path: Path) ->
 
     def stop(run_id: str) -> dict:
         res = subprocess.run(
-            [sys.executable, "-S", str(SHIM), "--stop", run_id, str(pidfile)], capture_output=True, check=True
+            [sys.executable, "-S", str(SHIM), "--stop", run_id, "5", str(pidfile)],
+            capture_output=True,
+            check=True,
         )
         return json.loads(res.stdout)
 
