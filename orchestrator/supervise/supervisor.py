@@ -228,10 +228,13 @@ class Supervisor:
         for name, rec in self.tasks.items():
             rec.health = health.get(name, rec.health)
             if rec.handle is not None and not rec.state.is_terminal and rec.restart_at is None:
-                assert rec.launched_at is not None
-                code, in_cluster = rec.handle.poll(), rec.plan.in_cluster
-                views[name] = TaskView(name, rec.state, in_cluster, rec.launched_at, code, rec.health)
+                views[name] = self._view(rec, rec.handle.poll())
         return _Poll(now, views)
+
+    @staticmethod
+    def _view(rec: TaskRecord, exit_code: int | None = None) -> TaskView:
+        assert rec.launched_at is not None
+        return TaskView(rec.plan.name, rec.state, rec.plan.in_cluster, rec.launched_at, exit_code, rec.health)
 
     def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
@@ -285,7 +288,7 @@ class Supervisor:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
                 self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
             elif now - self._launched_at() > self.config.startup_timeout_s:
-                late = [poll.tasks[r.plan.name] for r in in_cluster if r.state is TaskState.STARTING]
+                late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(detect.startup_failure(late, self.config, self.attempt))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)

@@ -606,6 +606,23 @@ def test_a_task_restarts_alone_only_once_its_stop_is_done(tmp_path: Path) -> Non
     assert launcher.started.count(("worker-1", 0)) == 2
 
 
+def test_a_task_restarted_alone_as_the_startup_deadline_passes(tmp_path: Path) -> None:
+    # the restart and the deadline in one iteration: the restarted task was not in that
+    # iteration's poll, and is named among the late ones all the same
+    sup, launcher, store, clock, sink = make_ps(tmp_path, startup_timeout_s=20, heartbeat_timeout_s=30)
+    sup.step()  # launching
+    launcher.handles["worker-1"].code = -9
+    sup.step()  # its restart is due in restart.backoff_s
+    for name in PS_TASKS:
+        beat(store, name)  # alive, none of them up
+    clock.advance(21)
+    sup.step()
+    assert launcher.started.count(("worker-1", 0)) == 2
+    assert sup.state is ClusterState.STOPPING and sup.root_cause is not None
+    assert sup.root_cause.kind is FailureKind.STARTUP_TIMEOUT
+    assert "worker-1" in sup.root_cause.tasks
+
+
 def test_ps_worker_that_keeps_failing_exhausts_its_own_budget(tmp_path: Path) -> None:
     sup, launcher, store, clock, sink = make_ps(tmp_path, max_restarts=1)
     ps_running(sup, store, clock)
