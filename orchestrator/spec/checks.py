@@ -6,7 +6,7 @@ Each problem is reported at the key the user should change; `load.py` adds the l
 from __future__ import annotations
 
 from orchestrator.errors import SpecProblem
-from orchestrator.spec.model import AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
+from orchestrator.spec.model import MAX_TASKS, AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
 from orchestrator.spec.roles import role_policies
 from worker.wire import RESERVED_ENV
 
@@ -51,6 +51,15 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
                     f"a cluster has at most one {noun}, this spec has {spec.role_count(role)} ({others})",
                 )
             )
+    total = sum(spec.role_count(r) for r in Role)
+    if total > MAX_TASKS:
+        problems.append(
+            SpecProblem(
+                ("hosts",),
+                f"{total:,} tasks; a spec may have at most {MAX_TASKS:,} (every task's TF_CONFIG lists "
+                "the whole cluster)",
+            )
+        )
     if sum(spec.role_count(r) for r in _TRAINING_ROLES) == 0 and not problems:
         problems.append(
             SpecProblem(("hosts",), "no chief or worker task: give at least one host tasks: {worker: 1}")

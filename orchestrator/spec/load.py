@@ -2,10 +2,18 @@
 
 PyYAML's node tree keeps the line of every key, so each pydantic error location is mapped back
 to the line the user must edit. Duplicate keys (which PyYAML silently collapses) are errors too.
+
+Loading is bounded whatever the file holds (a spec may come from someone else): only a regular
+file of at most MAX_SPEC_BYTES is read (a FIFO or a device never is); its nesting is checked on
+libyaml's event stream before any tree is built, and the tree's size with every alias expanded
+before anything walks it (a kilobyte of nested aliases otherwise expands to gigabytes). Every
+problem — YAML, encoding, control characters, size — is a SpecError with a line.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,22 +28,60 @@ from orchestrator.spec.model import Backend, ClusterSpec
 Path_ = tuple[str | int, ...]
 
 
+MAX_SPEC_BYTES = 256 * 1024  # a 1,000-host spec is ~60 KB; parsing the cap takes ~0.3 s
+MAX_DEPTH = 32  # a spec nests 5 deep
+MAX_VALUES = 100_000  # keys, items and scalars, every alias expanded
+
+
 def load_spec(path: str | Path, backend: Backend | None = None) -> ClusterSpec:
     """Read and validate the spec at `path`. `backend` (from --backend) overrides the spec's."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(
-            str(path), [SpecProblem((), f"cannot read the spec: {exc.strerror or exc}")]
-        ) from None
+    text = _read_text(path)
     return parse_spec(text, file=str(path), base_dir=path.resolve().parent, backend=backend)
+
+
+def _read_text(path: Path) -> str:
+    """The spec's text: a regular file's, at most MAX_SPEC_BYTES, UTF-8."""
+
+    def fail(message: str, line: int = 1) -> SpecError:
+        return SpecError(str(path), [SpecProblem((), message, line)])
+
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise fail(f"cannot read the spec: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise fail("cannot read the spec: not a regular file (a folder, FIFO or device is never read)")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise fail(f"the spec is {st.st_size:,} bytes; a spec may have at most {MAX_SPEC_BYTES:,}")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 65536):
+            size += len(chunk)
+            if size > MAX_SPEC_BYTES:  # it grew while read
+                raise fail(f"the spec is over {MAX_SPEC_BYTES:,} bytes, the most a spec may have")
+            chunks.append(chunk)
+    except OSError as exc:
+        raise fail(f"cannot read the spec: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise fail(f"not UTF-8 text: byte 0x{data[exc.start]:02x} on this line", line) from None
 
 
 def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None = None) -> ClusterSpec:
     data, lines = _read_yaml(text, file)
     if not isinstance(data, dict):
         raise SpecError(file, [SpecProblem((), "the spec must be a mapping (name:, hosts:, job:, …)", 1)])
+    controls = _control_characters(data, ())
+    if controls:
+        raise SpecError(file, [_locate(p, lines) for p in controls])
     if backend is not None:
         data = {**data, "backend": backend.value}
     try:
@@ -49,32 +95,131 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None 
 
 
 def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
-    loader = yaml.SafeLoader(text)
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(file, [SpecProblem((), f"the spec has more than {MAX_SPEC_BYTES:,} bytes", 1)])
     try:
-        node = loader.get_single_node()
-        if node is None:
-            raise SpecError(file, [SpecProblem((), "the spec is empty", 1)])
-        lines: dict[Path_, int] = {(): node.start_mark.line + 1}
-        problems: list[SpecProblem] = []
-        _index(node, (), lines, problems)
-        if problems:
-            raise SpecError(file, problems)
-        return loader.construct_document(node), lines
+        _check_nesting(text, file)
+        loader = yaml.CSafeLoader(text) if _LIBYAML else yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                raise SpecError(file, [SpecProblem((), "the spec is empty", 1)])
+            _check_size(node, file)
+            lines: dict[Path_, int] = {(): node.start_mark.line + 1}
+            problems: list[SpecProblem] = []
+            _index(node, (), lines, problems)
+            if problems:
+                raise SpecError(file, problems)
+            return loader.construct_document(node), lines
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         if exc.context_mark is not None and mark is not None and mark.index >= len(text):
             # Hit the end of the file (an unclosed quote or bracket): the line to fix is where it opened,
             # not the end of the stream (which can be one past the last line).
             mark = exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        if line is not None:
-            line = min(line, max(1, len(text.rstrip().splitlines())))  # never past the last line
+        line = mark.line + 1 if mark is not None else 1
+        line = min(line, max(1, len(text.rstrip().splitlines())))  # never past the last line
         msg = " ".join(filter(None, [exc.context, exc.problem])) or str(exc)
         raise SpecError(file, [SpecProblem((), f"YAML syntax error: {msg}", line)]) from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow, written as itself
+        line = text.count("\n", 0, exc.position) + 1
+        what = f"the character #x{exc.character:04x}" if isinstance(exc.character, int) else "a character"
+        message = f"{what} is not allowed in a spec ({exc.reason}); remove it"
+        raise SpecError(file, [SpecProblem((), message, line)]) from None
     except yaml.YAMLError as exc:
-        raise SpecError(file, [SpecProblem((), f"YAML error: {exc}")]) from None
-    finally:
-        loader.dispose()
+        raise SpecError(file, [SpecProblem((), f"YAML error: {' '.join(str(exc).split())}", 1)]) from None
+    except RecursionError:
+        raise SpecError(file, [SpecProblem((), "YAML error: nested too deeply", 1)]) from None
+
+
+_LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
+_OPENS = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+_CLOSES = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
+
+
+def _check_nesting(text: str, file: str) -> None:
+    """Nesting deeper than MAX_DEPTH is refused on the event stream (no tree, no recursion yet)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader if _LIBYAML else yaml.SafeLoader):
+        if isinstance(event, _OPENS):
+            depth += 1
+            if depth > MAX_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark is not None else 1
+                raise SpecError(file, [SpecProblem((), f"nested more than {MAX_DEPTH} deep", line)])
+        elif isinstance(event, _CLOSES):
+            depth -= 1
+
+
+def _check_size(root: yaml.Node, file: str) -> None:
+    """The tree's size with every alias expanded (counted once per node, iteratively): at most
+    MAX_VALUES, and no alias inside the node it names (`a: &x [*x]` never ends)."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if done:
+            on_path.discard(key)
+            size[key] = min(MAX_VALUES + 1, 1 + sum(size[id(c)] for c in children))
+            if size[key] > MAX_VALUES:
+                line = node.start_mark.line + 1
+                raise SpecError(
+                    file,
+                    [SpecProblem((), f"expands to more than {MAX_VALUES:,} values (YAML aliases?)", line)],
+                )
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            line = node.start_mark.line + 1
+            raise SpecError(
+                file, [SpecProblem((), "a YAML alias inside the value it names never ends", line)]
+            )
+        on_path.add(key)
+        stack.append((node, True))
+        for child in children:
+            if id(child) in on_path:
+                line = child.start_mark.line + 1
+                raise SpecError(
+                    file, [SpecProblem((), "a YAML alias inside the value it names never ends", line)]
+                )
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+_CONTROL = {chr(c) for c in (*range(0x20), 0x7F)} - {"\t", "\n"}
+
+
+def _control_characters(value: Any, path: Path_) -> list[SpecProblem]:
+    """Control characters (NUL, ESC, …) written as escapes: no environment, argument or path can
+    carry a NUL, and the others only garble a terminal. Tabs and newlines are fine."""
+    if isinstance(value, str):
+        bad = sorted({c for c in value if c in _CONTROL})
+        if bad:
+            chars = ", ".join(f"#x{ord(c):02x}" for c in bad)
+            return [SpecProblem(path, f"control character {chars} in this value; remove it")]
+        return []
+    out: list[SpecProblem] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += _control_characters(key, path) if isinstance(key, str) else []
+            out += _control_characters(item, (*path, key if isinstance(key, (str, int)) else str(key)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            out += _control_characters(item, (*path, i))
+    return out
 
 
 def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list[SpecProblem]) -> None:

@@ -83,20 +83,28 @@ def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
     return Path(os.path.normpath(value))
 
 
+MAX_TASKS = 1024  # in all: every task's TF_CONFIG lists the whole cluster (the plan grows as N²)
+MAX_HOSTS = 1024
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
 class HostSpec(_Strict):
     address: str = Field(min_length=1, description="hostname or IP, reachable from the coordinator and peers")
-    tasks: dict[Role, int] = Field(description="task count per role, e.g. {worker: 2}")
+    tasks: dict[Role, Annotated[int, Field(le=MAX_TASKS)]] = Field(
+        description="task count per role, e.g. {worker: 2}"
+    )
     base_port: int | None = Field(
         default=None,
         ge=1024,
         le=65535,
         description="TF ports of this host's tasks start here (default: free)",
     )
-    gpus: list[int] = Field(default_factory=list, description="GPU ids; split among this host's tasks")
+    gpus: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        default_factory=list, max_length=1024, description="GPU ids; split among this host's tasks"
+    )
     # ssh only
     user: str | None = None
     port: int = Field(default=22, ge=1, le=65535)
@@ -236,7 +244,7 @@ class ClusterSpec(_Strict):
     name: str = Field(pattern=r"^[a-z0-9-]+$", max_length=63, description="names the run: [a-z0-9-]+")
     strategy: Strategy = Strategy.MULTI_WORKER_MIRRORED
     backend: Backend = Backend.LOCAL
-    hosts: list[HostSpec] = Field(min_length=1)
+    hosts: list[HostSpec] = Field(min_length=1, max_length=MAX_HOSTS)
     job: JobSpec
     train: TrainSpec | None = None
     health: HealthSpec = HealthSpec()
