@@ -31,7 +31,7 @@ from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
-from orchestrator.record import RunRecord, new_run_dir, new_run_id, now_iso
+from orchestrator.record import RunRecord, make_private_dir, new_run_dir, new_run_id, now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import RunResult
@@ -73,7 +73,7 @@ def up(
         _resume_point(run_dir, spec) if resume else (new_run_id(spec.name), 0, 0)
     )
     run_dir = run_dir or new_run_dir(spec.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(run_dir)
     backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
     token, record = secrets.token_urlsafe(32), RunRecord(run_dir)
     with contextlib.ExitStack() as cleanup:
@@ -253,8 +253,8 @@ class _stop_on_signals:
 
 def detach(argv: list[str], run_dir: Path) -> int:
     """Start `orchestrate up` again in the background, in its own session; return its pid."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "coordinator.log", "ab") as out:
+    make_private_dir(run_dir)
+    with private_open(run_dir / "coordinator.log") as out:
         proc = psutil.Popen(
             [sys.executable, "-m", "orchestrator", *argv],
             stdin=subprocess.DEVNULL,

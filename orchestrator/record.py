@@ -14,7 +14,7 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 RUNS_DIR = Path("runs")
 
@@ -51,11 +51,29 @@ def new_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
     for n in range(1, 1000):
         path = base / (f"{name}-{stamp}" if n == 1 else f"{name}-{stamp}-{n}")
         try:
-            path.mkdir(parents=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)
             return path
         except FileExistsError:
             continue
     raise RuntimeError(f"cannot create a run directory under {base}")
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def private_open(path: Path, mode: str = "ab") -> IO[Any]:
+    """Open a record file for writing, created 0600 (a run's logs, metrics and env values are the
+    user's alone), never through a symlink someone planted."""
+    if "b" in mode:
+        return open(path, mode, opener=_private)
+    return open(path, mode, encoding="utf-8", opener=_private)
+
+
+def make_private_dir(path: Path) -> None:
+    """A run directory (and its parents) created 0700; one that exists keeps its mode."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -65,7 +83,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with private_open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -92,18 +110,18 @@ class RunRecord:
     def __init__(self, run_dir: Path):
         self.dir = run_dir
         self.logs_dir = run_dir / "logs"
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         # Held open for the run's lifetime (appended on every event); closed by close().
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._events = private_open(run_dir / "events.jsonl", "a")
+        self._metrics = private_open(run_dir / "metrics.jsonl", "a")
         self._last_status: Any = None
 
     def log_path(self, log_name: str) -> Path:
         return self.logs_dir / log_name
 
     def write_spec(self, text: str) -> None:
-        (self.dir / "spec.yaml").write_text(text, encoding="utf-8")
+        write_text_atomic(self.dir / "spec.yaml", text)
 
     def write_plan(self, plan_json: dict[str, Any]) -> None:
         write_json_atomic(self.dir / "plan.json", plan_json)

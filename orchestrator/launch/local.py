@@ -35,7 +35,7 @@ from orchestrator.launch.api import (
 from orchestrator.launch.placement import Placement, local_placements
 from orchestrator.launch.ports import PortReservation, reserve_ports
 from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import now_iso
+from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import Backend as BackendName
 from orchestrator.spec.model import ClusterSpec, Role
 from worker import wire
@@ -107,7 +107,7 @@ class LocalBackend(Backend):
 
     def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
         env = {**os.environ, **task.launch_env(attempt=attempt, token=secret)}
-        with open(log_path, "ab") as out:
+        with private_open(log_path) as out:
             out.write(
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()
             )

@@ -2,8 +2,11 @@
 
 Ports come from below the kernel's ephemeral range (so no outgoing connection, ours included, can
 take one between reservation and TensorFlow's bind). Each chosen port is also locked with flock in
-a shared folder for the coordinator's lifetime, so two concurrent runs never pick the same port,
-and a restart finds its ports still ours. The locks vanish with the coordinator, even on SIGKILL.
+the user's own folder for the coordinator's lifetime, so two concurrent runs never pick the same
+port, and a restart finds its ports still ours. The locks vanish with the coordinator, even on
+SIGKILL. The folder is private (0700, owned by the user, never a symlink; its lock files are
+opened without following one): another user can neither squat the locks nor point them elsewhere.
+Another user's runs are kept off our ports by the bind check alone.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import random
-import tempfile
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,7 +23,14 @@ from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from worker.probe import port_free
 
-DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "orchestrate-ports"
+
+def default_lock_dir() -> Path:
+    """$XDG_RUNTIME_DIR/orchestrate/ports (a per-user tmpfs), else ~/.cache/orchestrate/ports."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime and os.path.isabs(runtime) else Path.home() / ".cache"
+    return base / "orchestrate" / "ports"
+
+
 _LOW = 15000
 
 
@@ -29,12 +39,12 @@ class PortReservation:
         self,
         ports: Mapping[str, int],
         fds: Mapping[str, int],
-        lock_dir: Path = DEFAULT_LOCK_DIR,
+        lock_dir: Path | None = None,
         rng: random.Random | None = None,
     ):
         self.ports = dict(ports)
         self._fds = dict(fds)  # task -> lock of its port (local backend only)
-        self._lock_dir = lock_dir
+        self._lock_dir = lock_dir or default_lock_dir()
         self._rng = rng or random.Random()
 
     def renew_busy(self) -> dict[str, tuple[int, int]]:
@@ -67,11 +77,12 @@ class PortReservation:
 
 
 def reserve_ports(
-    spec: ClusterSpec, *, lock_dir: Path = DEFAULT_LOCK_DIR, rng: random.Random | None = None
+    spec: ClusterSpec, *, lock_dir: Path | None = None, rng: random.Random | None = None
 ) -> PortReservation:
     rng = rng or random.Random()
     slots = task_slots(spec)
     ports: dict[str, int] = {}
+    lock_dir = lock_dir or default_lock_dir()
     _make_lock_dir(lock_dir)
     fds: dict[str, int] = {}
     try:
@@ -120,7 +131,12 @@ def _claim_free(lock_dir: Path, rng: random.Random) -> tuple[int, int]:
 
 
 def _claim(port: int, lock_dir: Path) -> int | None:
-    fd = os.open(lock_dir / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(
+            lock_dir / f"{port}.lock", os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError:  # a symlink planted there (ELOOP), or not ours: never followed, the port skipped
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -133,11 +149,17 @@ def _claim(port: int, lock_dir: Path) -> int | None:
 
 
 def _make_lock_dir(lock_dir: Path) -> None:
-    # Shared by every user of the machine: world-writable with the sticky bit, like /tmp.
+    """Create the user's lock folder (0700), or check that the one there is private and ours."""
     try:
-        lock_dir.mkdir(mode=0o1777, exist_ok=True)
-        os.chmod(lock_dir, 0o1777)
-    except PermissionError:
-        pass  # another user's folder: its mode is already right
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(lock_dir)
     except OSError as exc:
-        raise LaunchError(f"cannot create the port lock folder {lock_dir}: {exc}") from None
+        raise LaunchError(f"cannot create the port lock folder {lock_dir}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LaunchError(f"the port lock folder {lock_dir} is not a folder (a symlink?); remove it")
+    if st.st_uid != os.getuid():
+        raise LaunchError(
+            f"the port lock folder {lock_dir} belongs to uid {st.st_uid}, not to you; remove it"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(lock_dir, 0o700)  # ours, but others could enter: close it

@@ -34,7 +34,7 @@ from orchestrator.launch.state import StateCopies
 from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
 from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import now_iso
+from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import Backend as BackendName
 from orchestrator.spec.model import ClusterSpec, SshSpec
 from orchestrator.spec.roles import task_slots
@@ -120,7 +120,7 @@ class SshTaskHandle(TaskHandle):
             self._channel.sendall(f"{command}\n".encode())
 
     def _pump_output(self) -> None:
-        with open(self.log_path, "ab") as out:
+        with private_open(self.log_path) as out:
             while True:
                 try:
                     data = self._channel.recv(65536)
@@ -356,7 +356,7 @@ class SshBackend(Backend):
             "attempt": attempt,
             "grace_s": self._spec.health.stop_grace_s,
         }
-        with open(log_path, "ab") as out:
+        with private_open(log_path) as out:
             marker = (
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label} ====="
             )

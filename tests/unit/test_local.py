@@ -25,7 +25,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import Heartbeats, Prepared, TaskHandle, stop_all
 from orchestrator.launch.local import LocalBackend, LocalLeftovers, group_alive
 from orchestrator.launch.placement import Placement
-from orchestrator.launch.ports import DEFAULT_LOCK_DIR
+from orchestrator.launch.ports import default_lock_dir
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec import ClusterSpec, parse_spec
 
@@ -68,7 +68,7 @@ def gone(pid: int) -> bool:
 
 def lock_held(port: int) -> bool:
     """True while some open file (the backend's reservation) holds the port's lock."""
-    fd = os.open(DEFAULT_LOCK_DIR / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    fd = os.open(default_lock_dir() / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

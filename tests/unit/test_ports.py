@@ -7,6 +7,7 @@ import fcntl
 import os
 import random
 import socket
+import stat
 import textwrap
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.ports import reserve_ports
+from orchestrator.launch.ports import default_lock_dir, reserve_ports
 from orchestrator.spec import ClusterSpec, parse_spec
 from orchestrator.spec.roles import task_slots
 
@@ -156,13 +157,59 @@ def test_release_lets_the_same_port_be_reserved_again(tmp_path: Path) -> None:
         assert third.ports == {"worker-0": port}
 
 
-def test_lock_dir_is_created_shared(tmp_path: Path) -> None:
+def test_the_lock_folder_is_the_users_own_and_private(tmp_path: Path) -> None:
     locks = tmp_path / "a" / "locks"
-    locks.parent.mkdir()
     spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
+    with reserve_ports(spec, lock_dir=locks) as r:
+        st = locks.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        [port] = r.ports.values()
+        assert stat.S_IMODE((locks / f"{port}.lock").stat().st_mode) == 0o600
+    locks.chmod(0o777)  # ours but opened up: closed again
     with reserve_ports(spec, lock_dir=locks):
-        assert locks.is_dir()
-        assert locks.stat().st_mode & 0o7777 == 0o1777
+        assert stat.S_IMODE(locks.stat().st_mode) == 0o700
+
+
+def test_the_default_lock_folder_is_per_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    assert default_lock_dir() == tmp_path / "run" / "orchestrate" / "ports"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_lock_dir() == tmp_path / "home" / ".cache" / "orchestrate" / "ports"
+
+
+def test_a_lock_folder_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "locks").symlink_to(target)
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
+    with pytest.raises(LaunchError, match="not a folder"):
+        reserve_ports(spec, lock_dir=tmp_path / "locks")
+    assert list(target.iterdir()) == []
+
+
+def test_a_lock_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a folder another user owns")
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o700)
+    os.chown(locks, 65534, 65534)
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}")
+    with pytest.raises(LaunchError, match="belongs to uid 65534"):
+        reserve_ports(spec, lock_dir=locks)
+
+
+def test_a_symlink_planted_as_a_lock_file_is_never_followed(tmp_path: Path) -> None:
+    locks, victim = tmp_path / "locks", tmp_path / "victim"
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}\n  base_port: 21000")
+    locks.mkdir(mode=0o700)
+    (locks / "21000.lock").symlink_to(victim)
+    with pytest.raises(LaunchError, match="port 21000"):  # the port is skipped, not claimed
+        reserve_ports(spec, lock_dir=locks)
+    assert not victim.exists()  # nothing was created where the link points
+    free = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 3}")
+    with reserve_ports(free, lock_dir=locks, rng=random.Random(3)) as r:  # free ports: the link is no harm
+        assert len(r.ports) == 3 and 21000 not in r.ports.values() and not victim.exists()
 
 
 def test_renew_busy_moves_only_a_port_another_program_took(tmp_path: Path) -> None:

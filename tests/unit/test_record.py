@@ -354,3 +354,37 @@ def test_write_backend_plan_coordinator_and_spec(rec: RunRecord) -> None:
     assert json.loads((rec.dir / "coordinator.json").read_text()) == {"pid": 1, "create_time": 2.0}
     assert (rec.dir / "spec.yaml").read_text() == "name: demo\n"
     assert not [p for p in rec.dir.iterdir() if p.name.endswith(".tmp")]
+
+
+# --- the record is the user's alone -------------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_run_directory_and_its_files_are_private(tmp_path: Path) -> None:
+    run_dir = record.new_run_dir("demo", base=tmp_path / "runs")
+    assert _mode(run_dir) == 0o700
+    rec = record.RunRecord(run_dir)
+    rec.write_spec("name: demo\n")
+    rec.write_plan({"tasks": []})
+    rec.write_status({"state": "RUNNING", "tasks": []})
+    rec.write_backend({"backend": "local"})
+    rec.event(kind="run", reason="x")
+    rec.metrics("worker-0", 0, [{"step": 1}])
+    rec.close()
+    with record.private_open(rec.log_path("worker-0.log")) as log:
+        log.write(b"hello\n")
+    assert _mode(run_dir / "logs") == 0o700
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert len(files) == 7 and {p: _mode(p) for p in files} == dict.fromkeys(files, 0o600)
+
+
+def test_a_record_file_is_never_written_through_a_planted_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    link = tmp_path / "events.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(OSError):
+        record.private_open(link, "a")
+    assert not victim.exists()
