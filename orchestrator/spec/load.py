@@ -124,7 +124,10 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
         msg = " ".join(filter(None, [exc.context, exc.problem])) or str(exc)
         raise SpecError(file, [SpecProblem((), f"YAML syntax error: {msg}", line)]) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow, written as itself
-        line = text.count("\n", 0, exc.position) + 1
+        if _LIBYAML:  # libyaml counts bytes of UTF-8, PyYAML's own reader characters
+            line = text.encode("utf-8", "surrogatepass").count(b"\n", 0, exc.position) + 1
+        else:
+            line = text.count("\n", 0, exc.position) + 1
         what = f"the character #x{exc.character:04x}" if isinstance(exc.character, int) else "a character"
         message = f"{what} is not allowed in a spec ({exc.reason}); remove it"
         raise SpecError(file, [SpecProblem((), message, line)]) from None

@@ -98,6 +98,11 @@ def test_a_hundred_thousand_brackets_end_in_an_error_not_a_recursion(tmp_path: P
     ("raw", "line", "expected"),
     [
         (b"name: demo\nhosts: a\x00b\n", 2, "#x0000 is not allowed in a spec"),
+        (
+            "name: caf\u00e9\u00e9\u00e9\u00e9\nhosts: a\x00b\n".encode(),
+            2,
+            "#x0000 is not allowed",
+        ),  # bytes ≠ chars
         (b"name: demo\n\nhosts: a\x1bb\n", 3, "#x001b is not allowed in a spec"),
         (b"name: demo\nhosts: caf\xe9\n", 2, "not UTF-8 text: byte 0xe9"),
         (b"\xff\xfe\x00\x00", 1, "not UTF-8 text"),
