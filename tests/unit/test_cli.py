@@ -24,14 +24,7 @@ from orchestrator.supervise.states import ClusterState
 from tests.unit.test_spec import MINIMAL, REPO, y
 from worker.wire import TaskError
 
-LOCAL_SPEC = """\
-name: demo
-hosts:
-  - address: 127.0.0.1
-    tasks: {worker: 2}
-job:
-  script: train.py
-"""
+LOCAL_SPEC = y(MINIMAL)  # the spec suite's minimal spec
 
 SSH_SPEC = """\
 name: demo
