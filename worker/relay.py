@@ -79,9 +79,15 @@ class Relay:
         self._token = token
         self.interval_s = interval_s
         self._give_up_s = give_up_s
-        # Under the tasks' own request timeout (worker/reporter.py), so that a task waiting on an
-        # urgent heartbeat hears from the relay first.
-        self._timeout_s = 0.4 * max(1.0, min(5.0, 2 * interval_s))
+        # The tasks' own request timeout (worker/reporter.py): the coordinator gets as long to
+        # answer the relay as it would a task. A task waiting on an urgent heartbeat hears from
+        # the relay well before its own timeout (`_urgent_s`), while the flush carries on: on a
+        # busy machine (tasks importing TensorFlow on every core, the answer coming back through
+        # an SSH tunnel) an upstream answer can take longer than that, and giving up on it then,
+        # and on the connection with it, made every retry slower still.
+        self._timeout_s = max(1.0, min(5.0, 2 * interval_s))
+        self._urgent_s = 0.4 * self._timeout_s
+        self._unreachable_since: float | None = None
         self._pending: list[tuple[bytes, tuple[Any, ...]]] = []
         # What the coordinator last said of each task process: (task, attempt, pid) -> status
         self._verdicts: dict[tuple[Any, ...], int] = {}
@@ -108,7 +114,11 @@ class Relay:
         return self._verdicts.get(key, OK_STATUS), b"", self._post_in()
 
     async def _flush_for(self, key: tuple[Any, ...]) -> Answer:
-        await self.flush()
+        flush = asyncio.ensure_future(self.flush())
+        try:
+            await asyncio.wait_for(asyncio.shield(flush), self._urgent_s)
+        except asyncio.TimeoutError:  # still on its way: the task tries again (and is told then)
+            return UNREACHABLE_STATUS, b"the coordinator is slow to answer the relay"
         if not self._reachable:
             return UNREACHABLE_STATUS, b"coordinator unreachable from the relay"
         return self._verdicts.get(key, OK_STATUS), b"", self._post_in()
@@ -141,32 +151,45 @@ class Relay:
                 # no task talking: an empty batch now and then tells us the coordinator is there;
                 # and while it seems away, one every tick tells us as soon as it is back
                 return
-            statuses = await self._post(b"[" + b",".join(body for body, _ in batch) + b"]")
-            if statuses is None or len(statuses) != len(batch):
+            statuses, why = await self._post(b"[" + b",".join(body for body, _ in batch) + b"]")
+            if statuses is not None and len(statuses) != len(batch):
+                why = f"{len(statuses)} answers to {len(batch)} heartbeats"
+                statuses = None
+            now = time.monotonic()
+            if statuses is None:
                 self._pending[:0] = batch  # sent again next time; the tasks were told 503 meanwhile
                 self._reachable = False
-                if time.monotonic() - self._last_ok > self._give_up_s:
+                if self._unreachable_since is None:
+                    self._unreachable_since = now
+                    say(f"the coordinator did not answer ({why}); trying again every tick")
+                if now - self._last_ok > self._give_up_s:
                     self.gave_up.set()
                 return
+            if self._unreachable_since is not None:
+                say(f"the coordinator answers again, after {now - self._unreachable_since:.1f} s")
+                self._unreachable_since = None
             self._reachable = True
-            self._last_ok = time.monotonic()
+            self._last_ok = now
             for (_, key), status in zip(batch, statuses, strict=True):
                 self._verdicts[key] = int(status)
 
-    async def _post(self, body: bytes) -> list[Any] | None:
+    async def _post(self, body: bytes) -> tuple[list[Any] | None, str]:
+        """The coordinator's answer to a batch, or None and why not."""
         head = (
             b"POST %s HTTP/1.1\r\nHost: coordinator\r\nContent-Type: application/json\r\n"
             b"%s: %s\r\nContent-Length: %d\r\n\r\n"
         ) % (BATCH_PATH, TOKEN_HEADER, self._token.encode(), len(body))
         try:
-            return await asyncio.wait_for(self._exchange(head + body), self._timeout_s)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            return await asyncio.wait_for(self._exchange(head + body), self._timeout_s), ""
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             if self._streams is not None:
                 self._streams[1].close()
             self._streams = None
-            return None
+            if isinstance(exc, asyncio.TimeoutError):
+                return None, f"no answer within {self._timeout_s:g} s"
+            return None, str(exc) or type(exc).__name__
 
-    async def _exchange(self, request: bytes) -> list[Any] | None:
+    async def _exchange(self, request: bytes) -> list[Any]:
         if self._streams is None:
             self._streams = await asyncio.open_connection(*self._upstream)
         reader, writer = self._streams
@@ -178,6 +201,11 @@ class Relay:
         if not isinstance(answer, list):
             raise ValueError("the coordinator's answer is not a list")
         return answer
+
+
+def say(line: str) -> None:
+    """A line for the coordinator's log (it reads the relay's stderr)."""
+    print(f"relay: {line}", file=sys.stderr, flush=True)
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -211,7 +239,7 @@ async def serve(config: dict[str, Any], stop: asyncio.Event, http1: ModuleType) 
     for task in (ticker, *waits):  # a task's last word (done, error) was forwarded when it was said
         task.cancel()
     if relay.gave_up.is_set():
-        print(f"relay: no coordinator for {config['give_up_s']} s; exiting", file=sys.stderr, flush=True)
+        say(f"no coordinator for {config['give_up_s']} s; exiting")
         return 1
     return 0
 
@@ -225,7 +253,7 @@ def main() -> int:
     try:
         http1 = load_http1(config.get("http_module"))
     except (OSError, ImportError, SyntaxError) as exc:
-        print(f"relay: cannot load the HTTP module: {exc}", file=sys.stderr, flush=True)
+        say(f"cannot load the HTTP module: {exc}")
         return 2
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

@@ -451,18 +451,22 @@ class _Relay:
         self.channel.close()
 
     def _watch(self, label: str) -> None:
+        """Logs what the relay says (it speaks when the coordinator stops or starts answering
+        it, and when it gives up), and its end unless we ended it."""
+        last = ""
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException, ValueError):
+            for raw in self.channel.makefile_stderr("rb"):  # until the channel closes
+                last = raw.decode(errors="replace").strip()[:500]
+                if last and not self.closing:
+                    log.warning("%s: %s", label, last)
         code = self.channel.recv_exit_status()  # -1 when the channel closed without one
         if self.closing:
             return
-        said = ""
-        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
-            if self.channel.recv_stderr_ready():
-                said = ": " + self.channel.recv_stderr(4096).decode(errors="replace").strip()
         log.warning(
             "%s: the heartbeat relay ended (exit %s)%s; a new one starts with the host's next task",
             label,
             code,
-            said,
+            f": {last}" if last else "",
         )
 
     @property
