@@ -48,6 +48,13 @@ class Verdict:
     failure: Failure | None = None
 
 
+#: The least silence that loses a task still starting. Its heartbeat thread needs the GIL, and
+#: `import tensorflow` holds it for up to 0.7 s at a time on an idle machine, 1.0 s with both cores
+#: busy (measured, TF 2.21), longer with several imports on one loaded host: a short
+#: health.heartbeat_timeout_s (fine for a running task) lost starting tasks that were only slow.
+STARTING_SILENCE_S = 10.0
+
+
 def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: int) -> list[Verdict]:
     """Every state change of one live task this iteration (at most: up, then failed or lost)."""
     h, me = task.health, (task.name,)
@@ -70,9 +77,13 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
     last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else task.launched_at
     silent_s = now - last
     in_strategy = state is TaskState.STARTING and h is not None and h.connecting_at is not None
-    if silent_s > config.heartbeat_timeout_s and not in_strategy:
-        limit = config.heartbeat_timeout_s
-        detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {limit:g})"
+    limit = config.heartbeat_timeout_s
+    if state is TaskState.STARTING:
+        limit = max(limit, STARTING_SILENCE_S)
+    if silent_s > limit and not in_strategy:
+        configured = config.heartbeat_timeout_s
+        detail = f"sent no heartbeat for {silent_s:.1f} s (health.heartbeat_timeout_s = {configured:g}"
+        detail += f"; {limit:g} s while starting)" if limit != configured else ")"
         return [
             *out,
             Verdict(task.name, TaskState.LOST, detail, Failure(me, FailureKind.LOST, attempt, detail)),

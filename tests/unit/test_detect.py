@@ -71,6 +71,19 @@ def test_silence_inside_the_strategy_constructor_is_left_to_the_startup_deadline
     assert [v.state for v in detect.check_task(never_heard, 10.5, CONFIG, 0)] == [TaskState.LOST]
 
 
+def test_a_starting_task_gets_at_least_ten_seconds_of_silence() -> None:
+    # importing TensorFlow holds the GIL for up to a second at a time, longer on a loaded host
+    short = SupervisorConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3)
+    importing = view(TaskState.STARTING, last_heartbeat_at=0.0)
+    assert detect.check_task(importing, 9.5, short, 0) == []
+    [lost] = detect.check_task(importing, 10.5, short, 0)
+    assert lost.state is TaskState.LOST
+    assert lost.reason == "sent no heartbeat for 10.5 s (health.heartbeat_timeout_s = 3; 10 s while starting)"
+    # once running, the configured timeout holds
+    running = view(TaskState.RUNNING, last_heartbeat_at=0.0, ready_at=0.0)
+    assert [v.state for v in detect.check_task(running, 3.5, short, 0)] == [TaskState.LOST]
+
+
 def test_a_stall_names_where_the_task_is_busy_but_never_for_the_evaluator() -> None:
     stuck: dict[str, Any] = {
         "last_heartbeat_at": 40.0,
