@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
-import secrets
 import signal
 import subprocess
 import sys
@@ -25,7 +24,8 @@ import psutil
 
 from orchestrator import launch, rundir
 from orchestrator.errors import LaunchError, RunDirError, UsageError
-from orchestrator.health.server import HeartbeatServer
+from orchestrator.health.credentials import Credentials
+from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.placement import Placement
@@ -33,6 +33,7 @@ from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.record import RunRecord, make_private_dir, new_run_dir, new_run_id, now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
+from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import RunResult
 from orchestrator.supervise.states import ClusterState
@@ -75,7 +76,7 @@ def up(
     run_dir = run_dir or new_run_dir(spec.name)
     make_private_dir(run_dir)
     backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
-    token, record = secrets.token_urlsafe(32), RunRecord(run_dir)
+    credentials, record = Credentials(), RunRecord(run_dir)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(record.close)
         cleanup.callback(backend.close)
@@ -83,12 +84,13 @@ def up(
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
         record.write_spec(spec_path.read_text(encoding="utf-8"))
         store = HealthStore(time.monotonic, on_points=record.metrics)
-        server = cleanup.enter_context(_heartbeat_server(backend, store, token))
+        server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
         view = LiveView() if (sys.stdout.isatty() if live is None else live) else PlainView()
         cleanup.callback(view.close)
-        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url))  # tunnels end on loopback
+        # tunnels end on loopback
+        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         record.write_backend(backend.record())
-        planner = _Planner(spec, run_id, placements, record)
+        planner = _Planner(spec, run_id, placements, record, credentials)
         plan = planner({})
         record.write_coordinator(_coordinator_info(run_id, server.url))
         tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
@@ -98,7 +100,7 @@ def up(
             backend,
             store,
             record,
-            token,
+            credentials.task_token,
             SupervisorConfig.from_spec(spec, **(config_overrides or {})),
             on_change=_StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks))),
             first_attempt=first_attempt,
@@ -117,15 +119,22 @@ class _Planner:
     task between attempts; each one written to plan.json."""
 
     def __init__(
-        self, spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement], record: RunRecord
+        self,
+        spec: ClusterSpec,
+        run_id: str,
+        placements: Mapping[str, Placement],
+        record: RunRecord,
+        credentials: Credentials,
     ):
         self._spec, self._run_id, self._record = spec, run_id, record
         self._placements = dict(placements)
+        self._credentials = credentials
 
     def __call__(self, moved: Mapping[str, Placement]) -> LaunchPlan:
         self._placements.update(moved)
         plan = make_plan(self._spec, self._run_id, self._placements)
         self._record.write_plan(plan.to_json())
+        self._credentials.place({t.name: t.host_index for t in plan.tasks})  # whose key signs a task's
         return plan
 
 
@@ -153,10 +162,25 @@ class _StatusWriter:
 
 
 @contextlib.contextmanager
-def _heartbeat_server(backend: Backend, store: HealthStore, token: str) -> Iterator[HeartbeatServer]:
+def _heartbeat_server(
+    backend: Backend, store: HealthStore, credentials: Credentials, spec: ClusterSpec
+) -> Iterator[HeartbeatServer]:
+    tasks = len(task_slots(spec))
+    cap = connection_cap(tasks)
+    if cap < connections_needed(tasks):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise LaunchError(
+            f"the open-files limit ({soft}) is too low for {tasks} tasks: it leaves {max(cap, 0)} heartbeat "
+            f"connections, they need {connections_needed(tasks)}; raise it (`ulimit -n "
+            f"{soft - cap + connections_needed(tasks)}` or more) and start again"
+        )
     host, port = backend.listen()
+    # an idle connection is closed after several heartbeat timeouts (a task reconnects at once)
+    idle_s = max(60.0, 3 * spec.health.heartbeat_timeout_s)
     try:
-        server = HeartbeatServer(store, token, host=host, port=port).start()
+        server = HeartbeatServer(
+            store, credentials, host=host, port=port, max_connections=cap, idle_s=idle_s
+        ).start()
     except OSError as exc:
         key = f" ({backend.listen_key})" if backend.listen_key else ""
         raise LaunchError(

@@ -8,6 +8,7 @@ half of one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -148,9 +149,11 @@ class RunRecord:
         with self._lock:
             lines = []
             for p in points:
-                t = p.pop("time", None)
-                when = iso_time(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else now_iso()
-                lines.append(json.dumps({"time": when, "task": task, "attempt": attempt, **p}))
+                when = _point_time(p.pop("time", None))
+                line = {"time": when, "task": task, "attempt": attempt}
+                line.update(p)
+                line["task"], line["attempt"] = task, attempt  # never a point's own (wire refuses them)
+                lines.append(json.dumps(line))
             lines.append("")
             self._metrics.write("\n".join(lines))
 
@@ -162,3 +165,11 @@ class RunRecord:
         with self._lock:
             self._metrics.close()
             self._events.close()
+
+
+def _point_time(t: Any) -> str:
+    """A point's own time (the task's clock), or now when it has none we can write."""
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        with contextlib.suppress(OverflowError, ValueError, OSError):
+            return iso_time(t)
+    return now_iso()

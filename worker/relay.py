@@ -17,9 +17,14 @@ Nothing reported is lost or delayed where it matters:
   own points and its own give-up clock. The relay itself exits after `give_up_s` without the
   coordinator, or when its SSH channel closes (stdin ends).
 
+Each task posts with its own credential, which the relay checks with its host's key (it can check
+its own host's tasks' credentials, not sign any): a task speaks for itself only, here as at the
+coordinator, which takes from this relay (its own credential) heartbeats of this host's tasks only.
+
 Run over an SSH channel as `PYTHON -S WORKDIR/cache/<sha256>` (standard library only, imports
-nothing of this package). stdin, one line: JSON {upstream: "http://host:port", token, interval_s,
-give_up_s, http_module}; stdout, one line once listening: JSON {"event": "listening", "port": N}.
+nothing of this package). stdin, one line: JSON {upstream: "http://host:port", token (its own
+credential), key (its host's, hex), interval_s, give_up_s, http_module}; stdout, one line once
+listening: JSON {"event": "listening", "port": N}.
 `http_module` is the absolute path of worker/http1.py in the same cache (the HTTP/1.1 the coordinator
 speaks too), loaded by its path; without it, the http1.py beside this file (the source tree).
 """
@@ -27,10 +32,12 @@ speaks too), loaded by its path; without it, the http1.py beside this file (the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -50,8 +57,11 @@ FLUSH_HEADER = b"x-orchestrate-flush"  # lower-case, as http1.parse_head gives n
 POST_IN_HEADER = b"X-Orchestrate-Post-In"
 OK_STATUS = 200
 BAD_REQUEST_STATUS = 400
+FORBIDDEN_STATUS = 403
 NOT_FOUND_STATUS = 404
 UNREACHABLE_STATUS = 503  # the relay's own: the coordinator is unreachable from here
+MAX_HEARTBEAT_BYTES = 1024 * 1024
+MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 _HTTP1_NAME = "orchestrate_http1"
 
@@ -99,15 +109,15 @@ class Relay:
         self.gave_up = asyncio.Event()
 
     def handle(self, path: bytes, body: bytes, headers: dict[bytes, bytes], conn: HttpProtocol) -> Any:
-        if path != HEARTBEAT_PATH:
-            return NOT_FOUND_STATUS, b"unknown path"
         if not self._reachable:
             return UNREACHABLE_STATUS, b"coordinator unreachable from the relay"
         try:
             raw = json.loads(body)
             key = (raw["task"], raw["attempt"], raw["pid"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             return BAD_REQUEST_STATUS, b"not a heartbeat"
+        if key[:2] != conn.client:
+            return FORBIDDEN_STATUS, b"a task speaks for itself only"
         self._pending.append((body, key))
         if headers.get(FLUSH_HEADER) == b"1":
             return self._flush_for(key)
@@ -146,7 +156,14 @@ class Relay:
 
     async def flush(self) -> None:
         async with self._lock:
-            batch, self._pending = self._pending, []
+            batch: list[tuple[bytes, tuple[Any, ...]]] = []
+            size = 2
+            for body, key in self._pending:  # as many as one request may carry; the rest next time
+                size += len(body) + 1
+                if batch and size > MAX_BATCH_BYTES:
+                    break
+                batch.append((body, key))
+            del self._pending[: len(batch)]
             if not batch and self._reachable and time.monotonic() - self._last_ok < self._give_up_s / 2:
                 # no task talking: an empty batch now and then tells us the coordinator is there;
                 # and while it seems away, one every tick tells us as soon as it is back
@@ -226,10 +243,20 @@ async def serve(config: dict[str, Any], stop: asyncio.Event, http1: ModuleType) 
     relay = Relay(
         config["upstream"], config["token"], float(config["interval_s"]), float(config["give_up_s"])
     )
+    key = bytes.fromhex(config["key"])
+
+    def task_credential(token: bytes) -> tuple[str, int] | None:
+        who = http1.verify(key, token)
+        return http1.task_of(who) if who is not None else None  # (task, attempt)
+
+    connections = http1.Connections(
+        http1.Limits(max_body={HEARTBEAT_PATH: MAX_HEARTBEAT_BYTES}, max_connections=_connection_cap())
+    )
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: http1.HttpProtocol(config["token"].encode(), relay.handle), "127.0.0.1", 0, backlog=1024
+        lambda: http1.HttpProtocol(task_credential, relay.handle, connections), "127.0.0.1", 0, backlog=1024
     )
+    connections.sweep()
     port = server.sockets[0].getsockname()[1]
     os.write(1, (json.dumps({"event": "listening", "port": port}) + "\n").encode())
     ticker = asyncio.ensure_future(relay.tick())
@@ -242,6 +269,18 @@ async def serve(config: dict[str, Any], stop: asyncio.Event, http1: ModuleType) 
         say(f"no coordinator for {config['give_up_s']} s; exiting")
         return 1
     return 0
+
+
+def _connection_cap() -> int:
+    """Connections from the host's tasks the relay takes: what its open-files limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - 64))
 
 
 def main() -> int:

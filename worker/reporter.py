@@ -9,6 +9,7 @@ process group: no orphan keeps a GPU after its coordinator is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
@@ -59,6 +60,8 @@ class Reporter:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._points: list[dict[str, Any]] = []
+        self._points_from = 0  # how many points this process reported before self._points[0]
+        self._refused: set[str] = set()  # metric names dropped (said once each)
         self._step: int | None = None
         self._total_steps: int | None = None
         self._metrics: dict[str, float] = {}
@@ -89,6 +92,8 @@ class Reporter:
     def _take(self, step: int | None, metrics: dict[str, Any], point: bool) -> None:
         numbers = {k: _number(v) for k, v in metrics.items()}
         values = {k: v for k, v in numbers.items() if v is not None}
+        if any(k not in self._metrics for k in values):
+            values = self._admit(values)
         with self._lock:
             if step is None:
                 step = (self._step or 0) + 1
@@ -100,6 +105,30 @@ class Reporter:
             self._ready = True
         if first:
             self._wake.set()
+
+    def _admit(self, values: dict[str, float]) -> dict[str, float]:
+        """The values whose names the coordinator takes: short, not its own (`task`, `time`...),
+        at most wire.MAX_METRICS names in all. The others are dropped, each said once."""
+        kept = {}
+        for name, value in values.items():
+            if name in self._metrics:
+                kept[name] = value
+                continue
+            why = (
+                "a name the record uses itself"
+                if name in wire.RESERVED_POINT_KEYS or name in ("time", "step")
+                else f"longer than {wire.MAX_NAME_CHARS} characters"
+                if len(name) > wire.MAX_NAME_CHARS
+                else f"over {wire.MAX_METRICS} metric names"
+                if len(self._metrics) + len(kept) >= wire.MAX_METRICS
+                else None
+            )
+            if why is None:
+                kept[name] = value
+            elif name not in self._refused:
+                self._refused.add(name)
+                log.warning("worker.report(): metric %r dropped: %s", name[:200], why)
+        return kept
 
     def set_total_steps(self, total: int | None) -> None:
         with self._lock:
@@ -177,6 +206,8 @@ class Reporter:
                 self._requeue(sent_points)
                 if status == wire.STALE_ATTEMPT_STATUS:
                     self._die("the coordinator has moved on from this attempt")
+                if status in _REFUSED:
+                    self._die(f"the coordinator refuses this task's heartbeats: {_REFUSED[status]}")
                 if time.monotonic() - last_ok > cfg.coordinator_timeout_s:
                     self._die(f"no coordinator reachable at {cfg.url} for {cfg.coordinator_timeout_s:g} s")
             if final:
@@ -201,7 +232,9 @@ class Reporter:
             rss, cpu = 0, 0.0
         where = user_frame()
         with self._lock:
-            points, self._points = self._points, []
+            points, self._points = self._points[: wire.MAX_POINTS], self._points[wire.MAX_POINTS :]
+            points_from = self._points_from
+            self._points_from += len(points)
             self._seq += 1
             hb = wire.Heartbeat(
                 task=self._config.task,
@@ -221,14 +254,23 @@ class Reporter:
                 error=self._error,
                 user_frame=where,
                 restored=self._restored,
+                points_from=points_from,
             )
         phase = (hb.connecting, hb.ready, hb.done, hb.error is not None, hb.restored is not None)
-        return hb.to_bytes(), points, phase
+        body = hb.to_bytes()
+        while len(body) > wire.MAX_HEARTBEAT_BYTES and hb.points:  # many points of many values
+            keep = len(hb.points) // 2
+            self._requeue(hb.points[keep:])
+            hb = dataclasses.replace(hb, points=hb.points[:keep])
+            body = hb.to_bytes()
+        return body, hb.points, phase
 
     def _requeue(self, points: list[dict[str, Any]]) -> None:
+        """Points not taken go first again (with their numbers: a resend's are recognised)."""
         if points:
             with self._lock:
                 self._points[:0] = points
+                self._points_from -= len(points)
 
     def _post(self, body: bytes, urgent: bool) -> tuple[int | None, float | None]:
         """POST one heartbeat: its HTTP status (None when nobody could be reached), and when to post
@@ -239,22 +281,28 @@ class Reporter:
         if urgent:
             headers[wire.FLUSH_HEADER] = "1"
         url = urllib.parse.urlsplit(self._config.url)
-        try:
-            if self._conn is None:
-                timeout = max(1.0, min(5.0, self._config.interval_s * 2))
-                self._conn = http.client.HTTPConnection(
-                    url.hostname or "127.0.0.1", url.port, timeout=timeout
+        for fresh in (self._conn is None, True):  # a kept-alive connection the server closed: once more
+            try:
+                if self._conn is None:
+                    timeout = max(1.0, min(5.0, self._config.interval_s * 2))
+                    self._conn = http.client.HTTPConnection(
+                        url.hostname or "127.0.0.1", url.port, timeout=timeout
+                    )
+                self._conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
+                resp = self._conn.getresponse()
+                resp.read()
+                post_in = resp.getheader(wire.POST_IN_HEADER)
+                return resp.status, float(post_in) if post_in else None
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                stale = isinstance(
+                    exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
                 )
-            self._conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
-            resp = self._conn.getresponse()
-            resp.read()
-            post_in = resp.getheader(wire.POST_IN_HEADER)
-            return resp.status, float(post_in) if post_in else None
-        except (OSError, http.client.HTTPException, ValueError):
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
-            return None, None
+                if fresh or not stale:
+                    return None, None
+        return None, None
 
     def _die(self, why: str) -> None:
         print(f"[orchestrate] {why}; this task exits now", file=sys.stderr, flush=True)
@@ -264,6 +312,14 @@ class Reporter:
         if os.getpgrp() == os.getpid():
             kill_group_but_me()
         os._exit(wire.EXIT_NO_COORDINATOR)
+
+
+#: Answers that no retry changes: the task stops (its credential, or its process, is not the task's).
+_REFUSED = {
+    wire.BAD_TOKEN_STATUS: "its credential is not valid",
+    wire.FORBIDDEN_STATUS: "its credential is for another task",
+    wire.CONFLICT_STATUS: "another process speaks for this task",
+}
 
 
 def kill_group_but_me(within_s: float = 2.0) -> None:

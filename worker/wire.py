@@ -57,12 +57,28 @@ POST_IN_HEADER = "X-Orchestrate-Post-In"
 OK_STATUS = 200
 BAD_REQUEST_STATUS = 400  # not a heartbeat
 BAD_TOKEN_STATUS = 401
+FORBIDDEN_STATUS = 403  # a credential speaking for another task (or host) than its own
 NOT_FOUND_STATUS = 404  # an unknown path, or a task the coordinator's attempt does not hold
+#: A heartbeat from another process than the one that first spoke for the task this attempt.
+CONFLICT_STATUS = 409
 #: The coordinator answers a heartbeat of an attempt it has already left behind with this status,
 #: telling the task to exit.
 STALE_ATTEMPT_STATUS = 410
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
+#: The largest heartbeat a task may post, and the largest batch a relay may (its tasks' heartbeats).
+MAX_HEARTBEAT_BYTES = 1024 * 1024
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+#: What one heartbeat may carry. A task has at most MAX_METRICS metric names in all (more are
+#: dropped, said once); a point is a line of metrics.jsonl.
+MAX_NAME_CHARS = 100
+MAX_METRICS = 64
+MAX_POINTS = 1000
+MAX_FRAME_CHARS = 500
+MAX_MESSAGE_CHARS = 16 * 1024
+MAX_TRACEBACK_CHARS = 64 * 1024
+#: Names a point may not use: the coordinator writes them on every metrics.jsonl line.
+RESERVED_POINT_KEYS = frozenset({"task", "attempt", "schema_version"})
+
 #: A task's exit code when it stopped itself: its coordinator was unreachable for
 #: ORCHESTRATE_COORDINATOR_TIMEOUT_S, or answered that its attempt is over.
 EXIT_NO_COORDINATOR = 75
@@ -122,6 +138,9 @@ class Heartbeat:
     error: TaskError | None = None
     user_frame: str | None = None  # where a thread is executing the job's own code ("train.py:23 in wait")
     restored: Restored | None = None  # the built-in loop's starting point, once restored
+    #: The number of points this process reported before `points[0]`: a heartbeat sent again
+    #: (its answer was lost) carries points the coordinator has, which it then skips.
+    points_from: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -145,12 +164,13 @@ class Heartbeat:
         task, attempt, seq, sent_at, pid = raw["task"], raw["attempt"], raw["seq"], raw["sent_at"], raw["pid"]
         rss, cpu, step, total = get("rss_bytes", 0), get("cpu_percent", 0.0), get("step"), get("total_steps")
         connecting, ready, done = get("connecting", False), get("ready", False), get("done", False)
-        metrics, points, error, frame, restored = (
+        metrics, points, error, frame, restored, points_from = (
             get("metrics") or {},
             get("points") or [],
             get("error"),
             get("user_frame"),
             get("restored"),
+            get("points_from", 0),
         )
         for key, value, allowed in (
             ("task", task, _STR),
@@ -170,9 +190,20 @@ class Heartbeat:
             ("error", error, _DICT_OR_NONE),
             ("user_frame", frame, _STR_OR_NONE),
             ("restored", restored, _DICT_OR_NONE),
+            ("points_from", points_from, _INT),
         ):
             if type(value) not in allowed:
                 raise ValueError(f"heartbeat field {key!r} has the wrong type")
+        if len(task) > MAX_NAME_CHARS:
+            raise ValueError("heartbeat field 'task' is too long")
+        if len(metrics) > MAX_METRICS or len(points) > MAX_POINTS:
+            raise ValueError(f"a heartbeat carries at most {MAX_METRICS} metrics and {MAX_POINTS} points")
+        for name, value in metrics.items():
+            if len(name) > MAX_NAME_CHARS or type(value) not in _NUMBER:
+                short = name[:MAX_NAME_CHARS]
+                raise ValueError(f"metric {short!r}: a name of at most {MAX_NAME_CHARS} characters, a number")
+        for point in points:
+            _check_point(point)
         try:
             return cls(
                 task=task,
@@ -186,17 +217,35 @@ class Heartbeat:
                 ready=ready,
                 step=step,
                 total_steps=total,
-                metrics={str(k): float(v) for k, v in metrics.items()} if metrics else {},
-                points=[dict(p) for p in points],
+                metrics={k: float(v) for k, v in metrics.items()} if metrics else {},
+                points=points,
                 done=done,
-                user_frame=frame,
-                error=TaskError(**{k: str(error[k]) for k in ("type", "message", "traceback")})
-                if error
-                else None,
+                user_frame=frame[:MAX_FRAME_CHARS] if frame else frame,
+                error=_error(error) if error else None,
                 restored=_restored(restored) if restored is not None else None,
+                points_from=points_from,
             )
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from None
+
+
+def _check_point(point: Any) -> None:
+    """A progress point: numbers by name (`time`, `step`, the reported values), a line of
+    metrics.jsonl. The coordinator adds `task` and `attempt`: a point may not name them."""
+    if type(point) is not dict or len(point) > MAX_METRICS + 2:
+        raise ValueError(f"a point is a JSON object of at most {MAX_METRICS + 2} numbers")
+    for name, value in point.items():
+        if type(value) not in _NUMBER or len(name) > MAX_NAME_CHARS or name in RESERVED_POINT_KEYS:
+            raise ValueError(f"point value {name[:MAX_NAME_CHARS]!r}: a number, its name short and ours")
+
+
+def _error(raw: dict[str, Any]) -> TaskError:
+    # the task's own exception, shown in the summary: cut to size rather than refused
+    return TaskError(
+        type=str(raw["type"])[:MAX_NAME_CHARS],
+        message=str(raw["message"])[:MAX_MESSAGE_CHARS],
+        traceback=str(raw["traceback"])[-MAX_TRACEBACK_CHARS:],
+    )
 
 
 def _restored(raw: dict[str, Any]) -> Restored:
@@ -210,11 +259,13 @@ def _restored(raw: dict[str, Any]) -> Restored:
 
 
 def loads(body: bytes) -> Any:
-    """JSON from a request body; ValueError when it is not."""
+    """JSON from a request body; ValueError when it is not (or nests too deep to parse)."""
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("not JSON we read: nested too deep") from None
 
 
 _REQUIRED = ("task", "attempt", "seq", "sent_at", "pid")

@@ -7,6 +7,11 @@ Content-Length, keep-alive, pipelining; worker/http1.py, shared with the per-hos
 connection per task costs a socket, not a thread (P6: the stdlib ThreadingHTTPServer spent 39% of a
 core on 1,000 tasks at 1 Hz, mostly parsing headers and switching threads). A task alone on its
 host posts here itself; on a host with several, a relay posts their heartbeats as one batch.
+
+Any user of the machine can connect, so what a client can make the server hold is bounded
+(worker/http1.py: deadlines, a connection cap that leaves the coordinator a reserve of file
+descriptors for its own record, head and body sizes; worker/wire.py: what a heartbeat may carry),
+and each task's own credential (health/credentials.py) lets it speak for itself only.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import socket
 import threading
 
+from orchestrator.health.credentials import Client, Credentials
 from orchestrator.health.store import HealthStore
 from worker import wire
-from worker.http1 import Answer, HttpProtocol
+from worker.http1 import Answer, Connections, HttpProtocol, Limits
 
 log = logging.getLogger("orchestrator.health")
 
@@ -27,12 +34,51 @@ _PATH = wire.HEARTBEAT_PATH.encode()
 _BATCH_PATH = wire.BATCH_PATH.encode()
 
 
+#: File descriptors the coordinator keeps for itself: its record's files, the backend's sockets,
+#: pipes and locks; and per task (a port lock, a log being written and one being tailed, a pipe).
+FD_RESERVE, FD_PER_TASK = 128, 4
+
+
+def connection_cap(tasks: int, soft_limit: int | None = None) -> int:
+    """How many heartbeat connections the coordinator can hold and still write its record."""
+    if soft_limit is None:
+        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft_limit == resource.RLIM_INFINITY:
+            soft_limit = 1 << 20
+    return soft_limit - FD_RESERVE - FD_PER_TASK * tasks
+
+
+def connections_needed(tasks: int) -> int:
+    """Enough for every task posting directly, each reconnecting once, and a few more."""
+    return 2 * tasks + 16
+
+
 class HeartbeatServer:
     """Serves POST /v1/heartbeat on `host` (an ephemeral port unless given) until `close()`."""
 
-    def __init__(self, store: HealthStore, token: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        store: HealthStore,
+        credentials: Credentials,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = 1024,
+        idle_s: float = 120.0,
+        hello_s: float = 5.0,
+        request_s: float = 10.0,
+    ):
         self._store = store
-        self._token = token.encode()
+        self._credentials = credentials
+        self.connections = Connections(
+            Limits(
+                max_body={_PATH: wire.MAX_HEARTBEAT_BYTES, _BATCH_PATH: wire.MAX_BATCH_BYTES},
+                max_connections=max_connections,
+                idle_s=idle_s,
+                hello_s=hello_s,
+                request_s=request_s,
+            )
+        )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -47,7 +93,7 @@ class HeartbeatServer:
         self._server: asyncio.AbstractServer | None = None
         self._thread = threading.Thread(target=self._serve, name="heartbeat-server", daemon=True)
         self._ready = threading.Event()
-        self._handler = _Handler(store)
+        self._handler = _Handler(store, credentials)
 
     @property
     def port(self) -> int:
@@ -70,6 +116,7 @@ class HeartbeatServer:
 
     def close(self) -> None:
         if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.connections.stop)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._sock.close()
@@ -79,10 +126,13 @@ class HeartbeatServer:
 
         handler = self._handler
 
+        check, connections = self._credentials.check, self.connections
+
         async def open_server() -> None:
             self._server = await self._loop.create_server(
-                lambda: HttpProtocol(self._token, handler), sock=self._sock
+                lambda: HttpProtocol(check, handler, connections), sock=self._sock
             )
+            connections.sweep()
 
         self._loop.run_until_complete(open_server())
         self._ready.set()
@@ -95,32 +145,44 @@ class HeartbeatServer:
 
 
 class _Handler:
-    """Answers `POST /v1/heartbeat` (one task) and `POST /v1/heartbeats` (a host's relay: a JSON
-    list of heartbeats, answered with the list of their statuses)."""
+    """Answers `POST /v1/heartbeat` (one task, for itself) and `POST /v1/heartbeats` (a host's
+    relay: a JSON list of its tasks' heartbeats, answered with the list of their statuses)."""
 
-    def __init__(self, store: HealthStore):
+    def __init__(self, store: HealthStore, credentials: Credentials):
         self._store = store
-        self.requests = 0  # answered with a token that was right (for tests and benchmarks)
+        self._credentials = credentials
+        self.requests = 0  # answered with a valid credential (for tests and benchmarks)
 
     def __call__(self, path: bytes, body: bytes, headers: dict[bytes, bytes], conn: HttpProtocol) -> Answer:
         self.requests += 1
+        client = conn.client
+        assert isinstance(client, Client)  # HttpProtocol checked the credential
         if path == _PATH:
+            if client.task is None:
+                return wire.FORBIDDEN_STATUS, b"a relay posts batches"
             try:
-                return self._store.ingest(wire.Heartbeat.from_bytes(body)), b""
+                hb = wire.Heartbeat.from_bytes(body)
             except ValueError as exc:
                 return wire.BAD_REQUEST_STATUS, str(exc).encode()
-        if path == _BATCH_PATH:
-            try:
-                items = wire.loads(body)
-            except ValueError as exc:
-                return wire.BAD_REQUEST_STATUS, str(exc).encode()
-            if not isinstance(items, list):
-                return wire.BAD_REQUEST_STATUS, b"a batch is a JSON list of heartbeats"
-            return wire.OK_STATUS, json.dumps([self._one(item) for item in items]).encode()
-        return wire.NOT_FOUND_STATUS, b"unknown path"
-
-    def _one(self, item: object) -> int:
+            if hb.task != client.task or hb.attempt != client.attempt:
+                return wire.FORBIDDEN_STATUS, b"a task speaks for itself only"
+            return self._store.ingest(hb), b""
+        # the batch path (HttpProtocol refuses any other)
+        if client.task is not None:
+            return wire.FORBIDDEN_STATUS, b"a task posts its own heartbeats"
         try:
-            return self._store.ingest(wire.Heartbeat.from_dict(item))
+            items = wire.loads(body)
+        except ValueError as exc:
+            return wire.BAD_REQUEST_STATUS, str(exc).encode()
+        if not isinstance(items, list):
+            return wire.BAD_REQUEST_STATUS, b"a batch is a JSON list of heartbeats"
+        return wire.OK_STATUS, json.dumps([self._one(item, client.scope) for item in items]).encode()
+
+    def _one(self, item: object, scope: int) -> int:
+        try:
+            hb = wire.Heartbeat.from_dict(item)
         except ValueError:
             return wire.BAD_REQUEST_STATUS
+        if self._credentials.scope_of(hb.task) != scope:
+            return wire.FORBIDDEN_STATUS  # a relay speaks for its own host's tasks only
+        return self._store.ingest(hb)

@@ -39,6 +39,7 @@ class TaskHealth:
     user_frame: str | None = None
     seq: int = 0  # of the latest heartbeat taken
     restored: Restored | None = None  # where the task started this attempt from (built-in loop)
+    points_taken: int = 0  # of the process's points, the number written (a resend's are skipped)
 
 
 class HealthStore:
@@ -65,7 +66,8 @@ class HealthStore:
             self._tasks[task] = TaskHealth(task=task, attempt=self._attempt)
 
     def ingest(self, hb: Heartbeat) -> int:
-        """Take one heartbeat; returns the HTTP status to answer with (200, 404 unknown task, 410 stale)."""
+        """Take one heartbeat; returns the HTTP status to answer with (200, 404 unknown task, 409
+        another process than the task's, 410 stale)."""
         now = self._clock()
         with self._lock:
             if hb.attempt < self._attempt:
@@ -73,8 +75,20 @@ class HealthStore:
             old = self._tasks.get(hb.task)
             if old is None or hb.attempt != self._attempt:
                 return wire.NOT_FOUND_STATUS
-            if hb.seq <= old.seq and old.pid == hb.pid:
+            if old.pid is not None and hb.pid != old.pid:
+                return wire.CONFLICT_STATUS  # the task's process spoke first: it alone speaks for it
+            if hb.seq <= old.seq:
                 return wire.OK_STATUS  # sent again by a relay that did not hear our answer: taken already
+            # Points this process sent before (a heartbeat whose answer was lost, sent again with
+            # the next one) are skipped: each is written once.
+            points = hb.points[max(0, old.points_taken - hb.points_from) :]
+            metrics = old.metrics
+            if hb.metrics:
+                metrics = {**old.metrics, **hb.metrics}
+                if len(metrics) > wire.MAX_METRICS:  # the names it had first stay
+                    extra = [k for k in hb.metrics if k not in old.metrics]
+                    for name in extra[wire.MAX_METRICS - len(metrics) :]:
+                        del metrics[name]
             step_changed = hb.step is not None and hb.step != old.step
             rate = old.steps_per_s
             if (
@@ -101,7 +115,7 @@ class HealthStore:
                 step=hb.step if hb.step is not None else old.step,
                 step_changed_at=now if step_changed else old.step_changed_at,
                 total_steps=hb.total_steps if hb.total_steps is not None else old.total_steps,
-                metrics={**old.metrics, **hb.metrics} if hb.metrics else old.metrics,
+                metrics=metrics,
                 rss_bytes=hb.rss_bytes,
                 cpu_percent=hb.cpu_percent,
                 done=old.done or hb.done,
@@ -110,9 +124,10 @@ class HealthStore:
                 user_frame=hb.user_frame,
                 seq=hb.seq,
                 restored=old.restored or hb.restored,
+                points_taken=max(old.points_taken, hb.points_from + len(hb.points)),
             )
-        if hb.points and self._on_points is not None:
-            self._on_points(hb.task, hb.attempt, hb.points)
+        if points and self._on_points is not None:
+            self._on_points(hb.task, hb.attempt, points)
         return wire.OK_STATUS
 
     def snapshot(self) -> dict[str, TaskHealth]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from orchestrator.errors import LaunchError
+from orchestrator.health.credentials import Credentials
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
 
@@ -51,6 +52,7 @@ class Heartbeats:
     host: str  # where it listens on this machine
     port: int
     url: str
+    credentials: Credentials  # a relay's (ssh backend) come from here
 
 
 @dataclass(frozen=True)
@@ -177,17 +179,18 @@ class Backend(abc.ABC):
         return Prepared()
 
     @abc.abstractmethod
-    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
-        """Start one task; LaunchError when it cannot be started at all."""
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        """Start one task, `token` its own heartbeat credential for the attempt (secret: never
+        on a command line); LaunchError when it cannot be started at all."""
 
     def start_all(
-        self, tasks: list[TaskPlan], attempt: int, secret: str, log_paths: list[Path]
+        self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
     ) -> list[TaskHandle | LaunchError]:
         """Start every task (a backend may do it in parallel); per task, its handle or its error."""
         out: list[TaskHandle | LaunchError] = []
-        for task, log_path in zip(tasks, log_paths, strict=True):
+        for task, token, log_path in zip(tasks, tokens, log_paths, strict=True):
             try:
-                out.append(self.start(task, attempt, secret, log_path))
+                out.append(self.start(task, attempt, token, log_path))
             except LaunchError as exc:
                 out.append(exc)
         return out

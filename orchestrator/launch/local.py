@@ -105,8 +105,8 @@ class LocalBackend(Backend):
             moved[task] = self._placements[task] = dataclasses.replace(self._placements[task], port=new)
         return Prepared(moved=moved)
 
-    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
-        env = {**os.environ, **task.launch_env(attempt=attempt, token=secret)}
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        env = {**os.environ, **task.launch_env(attempt=attempt, token=token)}
         with private_open(log_path) as out:
             out.write(
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()

@@ -26,6 +26,7 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
+from orchestrator.health.credentials import Credentials
 from orchestrator.launch import preflight
 from orchestrator.launch.api import Backend, Heartbeats, Leftovers, Prepared, ProcessInfo, Sig, TaskHandle
 from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
@@ -185,6 +186,7 @@ class SshBackend(Backend):
         self._contexts: dict[int, _HostContext] = {}
         self._suspect: set[int] = set()  # hosts whose connection must be renewed before use
         self._heartbeat: tuple[str, int] | None = None
+        self._credentials = Credentials()  # the coordinator's, from open()
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
         self._relays: dict[int, _Relay] = {}  # per host: where its tasks post heartbeats
@@ -215,6 +217,7 @@ class SshBackend(Backend):
         heartbeat tunnels, send every host the files its cache lacks. Raises LaunchError naming
         every host with a problem."""
         self._heartbeat = (heartbeats.host, heartbeats.port)
+        self._credentials = heartbeats.credentials
         self._direct_url = heartbeats.url if self._spec.ssh.coordinator_address else None
         self._files = worker_files() + job_files(job_files_root(self._spec))
         files = [f.sha256 for f in self._files]
@@ -311,9 +314,9 @@ class SshBackend(Backend):
 
     # --- per attempt ---
 
-    def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
+    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         try:
-            handle = self._open(task, attempt, secret, log_path)
+            handle = self._open(task, attempt, token, log_path)
             handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
         except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
             self._suspect.add(task.host_index)
@@ -321,10 +324,10 @@ class SshBackend(Backend):
         return handle
 
     def start_all(
-        self, tasks: list[TaskPlan], attempt: int, secret: str, log_paths: list[Path]
+        self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
     ) -> list[TaskHandle | LaunchError]:
         def one(i: int) -> TaskHandle:
-            return self.start(tasks[i], attempt, secret, log_paths[i])
+            return self.start(tasks[i], attempt, tokens[i], log_paths[i])
 
         out: list[TaskHandle | LaunchError] = []
         for r in on_all(list(range(len(tasks))), one):
@@ -340,7 +343,7 @@ class SshBackend(Backend):
         ctx = self._contexts[task.host_index]
         folder = posixpath.join(ctx.workdir, "runs", self._run_id)
         env = task.launch_env(attempt=attempt, token=token)
-        env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index, token)
+        env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index)
         cache = posixpath.join(ctx.workdir, "cache")
         job = {
             "cache": cache,
@@ -398,7 +401,7 @@ class SshBackend(Backend):
                 old.close()
             return conn
 
-    def _relay_url(self, index: int, token: str) -> str:
+    def _relay_url(self, index: int) -> str:
         """Where the host's tasks post heartbeats. A host with several tasks gets a relay (started
         with its first task, again if it ended) that forwards them as one request per interval;
         a host with one task has nothing to batch: it posts to the coordinator's route itself."""
@@ -417,7 +420,8 @@ class SshBackend(Backend):
                 # the relay runs alone from the cache: its HTTP module is found there by checksum
                 "http_module": posixpath.join(cache, runtime_entry(self._files, "http1.py").sha256),
                 "upstream": ctx.coordinator_url,
-                "token": token,
+                "token": self._credentials.relay_token(index),
+                "key": self._credentials.scope_key(index).hex(),  # to check its tasks' credentials
                 "interval_s": health.heartbeat_interval_s,
                 "give_up_s": health.heartbeat_timeout_s,  # as its tasks (ORCHESTRATE_COORDINATOR_TIMEOUT_S)
             }

@@ -69,7 +69,7 @@ class Supervisor:
         backend: Backend,
         store: HealthStore,
         sink: EventSink,
-        token: str,
+        token_for: Callable[[str, int], str],
         config: SupervisorConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -85,7 +85,7 @@ class Supervisor:
         self._backend = backend
         self._store = store
         self._sink = sink
-        self._token = token
+        self._token_for = token_for  # (task, attempt) -> the task's heartbeat credential
         self._clock = clock
         self._sleep = sleep
         self._on_change = on_change
@@ -194,7 +194,7 @@ class Supervisor:
         results = self._backend.start_all(
             [r.plan for r in records],
             self.attempt,
-            self._token,
+            [self._token_for(r.plan.name, self.attempt) for r in records],
             [self._sink.log_path(r.plan.log_name) for r in records],
         )
         failed: Failure | None = None
@@ -370,7 +370,10 @@ class Supervisor:
         self._store.reset_task(rec.plan.name)
         try:
             rec.handle = self._backend.start(
-                rec.plan, self.attempt, self._token, self._sink.log_path(rec.plan.log_name)
+                rec.plan,
+                self.attempt,
+                self._token_for(rec.plan.name, self.attempt),
+                self._sink.log_path(rec.plan.log_name),
             )
         except LaunchError as exc:
             self._move_task(rec, TaskState.FAILED, str(exc))

@@ -20,6 +20,7 @@ import yaml
 
 from orchestrator import launch
 from orchestrator.errors import LaunchError
+from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats, TaskHandle, stop_all
@@ -104,11 +105,13 @@ def opened(
     (run_dir / "logs").mkdir(parents=True)
     store = HealthStore(time.monotonic)
     store.reset(0, TASKS)
-    server = HeartbeatServer(store, "secret").start()
+    credentials = Credentials()
+    server = HeartbeatServer(store, credentials).start()
     backend = launch.open_backend(spec, run_id, run_dir, root)
     try:
-        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url))
+        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         plan = make_plan(spec, run_id, placements)
+        credentials.place({t.name: t.host_index for t in plan.tasks})
         yield Opened(backend, plan, backend.record(), run_dir / "logs", run_id)
     finally:
         for proc in run_processes(run_id):

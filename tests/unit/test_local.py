@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from orchestrator.errors import LaunchError
+from orchestrator.health.credentials import Credentials
 from orchestrator.launch.api import Heartbeats, Prepared, TaskHandle, stop_all
 from orchestrator.launch.local import LocalBackend, LocalLeftovers, group_alive
 from orchestrator.launch.placement import Placement
@@ -30,7 +31,8 @@ from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec import ClusterSpec, parse_spec
 
 RUN_ID = "t-20250101-000000"
-HEARTBEATS = Heartbeats("127.0.0.1", 9, "http://127.0.0.1:9")  # nothing listens: these tasks never post
+# nothing listens: these tasks never post
+HEARTBEATS = Heartbeats("127.0.0.1", 9, "http://127.0.0.1:9", Credentials())
 
 
 def spec_of(tmp_path: Path, tasks: str) -> ClusterSpec:

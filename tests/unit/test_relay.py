@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from worker import wire
@@ -22,8 +23,13 @@ from worker.reporter import Reporter, ReporterConfig
 
 WORKER = Path(__file__).resolve().parents[2] / "worker"
 RELAY = WORKER / "relay.py"
-TOKEN = "right-token"
 TASKS = ["worker-0", "worker-1", "worker-2"]
+CREDENTIALS = Credentials(b"relay-tests")
+CREDENTIALS.place({**{t: 0 for t in TASKS}, "worker-9": 0, "worker-5": 1})  # 9: not in the store
+
+
+def token(task: str, attempt: int = 0) -> str:
+    return CREDENTIALS.task_token(task, attempt)
 
 
 @pytest.fixture
@@ -33,7 +39,7 @@ def coordinator():
         time.monotonic, on_points=lambda task, attempt, p: points.extend((task, q) for q in p)
     )
     store.reset(0, TASKS)
-    srv = HeartbeatServer(store, TOKEN).start()
+    srv = HeartbeatServer(store, CREDENTIALS).start()
     yield srv, store, points
     srv.close()
 
@@ -53,7 +59,13 @@ class RelayProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        config = {"upstream": upstream, "token": TOKEN, "interval_s": interval_s, "give_up_s": give_up_s}
+        config = {
+            "upstream": upstream,
+            "token": CREDENTIALS.relay_token(0),
+            "key": CREDENTIALS.scope_key(0).hex(),
+            "interval_s": interval_s,
+            "give_up_s": give_up_s,
+        }
         config.update(extra)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write((json.dumps(config) + "\n").encode())
@@ -76,11 +88,12 @@ def relay(coordinator):
         r.close()
 
 
-def post(url: str, task: str, seq: int, flush: bool = False, token: str = TOKEN, **kw) -> int:
+def post(url: str, task: str, seq: int, flush: bool = False, as_: str | None = None, **kw) -> int:
+    """A task's heartbeat, with its own credential (or `as_`)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=5)
     body = wire.Heartbeat(task=task, attempt=0, seq=seq, sent_at=1.0, pid=7, **kw).to_bytes()
-    headers = {wire.TOKEN_HEADER: token, **({wire.FLUSH_HEADER: "1"} if flush else {})}
+    headers = {wire.TOKEN_HEADER: as_ or token(task), **({wire.FLUSH_HEADER: "1"} if flush else {})}
     conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
     status = conn.getresponse().status
     conn.close()
@@ -126,8 +139,17 @@ def test_the_coordinators_verdict_reaches_the_task(coordinator, relay):
 
 
 def test_wrong_token_is_refused_by_the_relay(coordinator, relay):
-    assert post(relay.url, "worker-0", 1, token="wrong") == 401
+    assert post(relay.url, "worker-0", 1, as_="wrong") == 401
+    assert post(relay.url, "worker-0", 1, as_=CREDENTIALS.relay_token(0)) == 401  # the relay's own
+    assert post(relay.url, "worker-5", 1) == 401  # a task of another host: signed with another key
     assert coordinator[0].requests == 0
+
+
+def test_through_the_relay_too_a_task_speaks_for_itself_only(coordinator, relay):
+    srv, store, _ = coordinator
+    assert post(relay.url, "worker-1", 1, flush=True, step=5, as_=token("worker-0")) == 403
+    assert post(relay.url, "worker-0", 1, flush=True, step=5, as_=token("worker-0", 1)) == 403
+    assert store.snapshot()["worker-1"].step is None and srv.requests == 0
 
 
 def test_without_a_coordinator_tasks_hear_503_and_the_relay_gives_up(coordinator):
@@ -149,7 +171,7 @@ def test_relay_ends_with_its_channel(relay):
 def test_reporters_through_the_relay_lose_no_point_and_repeat_none(coordinator, relay):
     srv, store, points = coordinator
     reporters = [
-        Reporter(ReporterConfig(task, 0, relay.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
+        Reporter(ReporterConfig(task, 0, relay.url, token(task), interval_s=0.05, coordinator_timeout_s=30))
         for task in TASKS
     ]
     for rep in reporters:
@@ -175,10 +197,11 @@ def test_a_batch_is_answered_item_by_item(coordinator):
     ]
     host, port = srv.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=5)
-    conn.request("POST", wire.BATCH_PATH, body=json.dumps(items), headers={wire.TOKEN_HEADER: TOKEN})
+    relay_token = {wire.TOKEN_HEADER: CREDENTIALS.relay_token(0)}
+    conn.request("POST", wire.BATCH_PATH, body=json.dumps(items), headers=relay_token)
     resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read()) == [200, 400, 404]
-    conn.request("POST", wire.BATCH_PATH, body=b'{"not": "a list"}', headers={wire.TOKEN_HEADER: TOKEN})
+    assert resp.status == 200 and json.loads(resp.read()) == [200, 400, 403]  # 7: no task of its host
+    conn.request("POST", wire.BATCH_PATH, body=b'{"not": "a list"}', headers=relay_token)
     assert conn.getresponse().status == 400
     assert store.snapshot()["worker-0"].step == 1
 
@@ -194,7 +217,9 @@ def test_tasks_align_with_the_relay_one_request_per_interval(coordinator):
     interval = 0.2
     relay = RelayProcess(srv.url, interval_s=interval)
     reporters = [
-        Reporter(ReporterConfig(task, 0, relay.url, TOKEN, interval_s=interval, coordinator_timeout_s=30))
+        Reporter(
+            ReporterConfig(task, 0, relay.url, token(task), interval_s=interval, coordinator_timeout_s=30)
+        )
         for task in TASKS
     ]
     try:
@@ -310,7 +335,7 @@ def test_relay_runs_alone_from_the_hosts_cache(coordinator, tmp_path):
 
 def test_a_relay_without_its_http_module_says_so(tmp_path):
     missing = tmp_path / "cache" / ("0" * 64)
-    config = {"upstream": "http://127.0.0.1:1", "token": TOKEN, "interval_s": 1, "give_up_s": 1}
+    config = {"upstream": "http://127.0.0.1:1", "token": "t", "key": "00", "interval_s": 1, "give_up_s": 1}
     proc = subprocess.run(
         [sys.executable, "-S", str(RELAY)],
         input=json.dumps({**config, "http_module": str(missing)}) + "\n",

@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.health.credentials import Credentials
 from worker import wire
 from worker.reporter import Reporter, ReporterConfig
+
+CREDENTIALS = Credentials(b"unit-tests-secret")  # conftest.SECRET: the server fixture's
+CREDENTIALS.place({"worker-0": 0})
+TOKEN = CREDENTIALS.task_token("worker-0", 0)
 
 
 def test_reporter_batches_every_point_into_heartbeats(server):
     srv, store, points = server
-    rep = Reporter(
-        ReporterConfig("worker-0", 0, srv.url, "right-token", interval_s=0.05, coordinator_timeout_s=30)
-    )
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
     rep.start()
     for step in range(1, 501):
         rep.report(step, loss=1.0 / step)
@@ -33,11 +36,11 @@ def test_reporter_batches_every_point_into_heartbeats(server):
 
 def test_reporter_keeps_points_while_coordinator_is_briefly_away(server):
     srv, store, points = server
-    rep = Reporter(ReporterConfig("worker-0", 0, "http://127.0.0.1:1", "right-token", 0.05, 30))
+    rep = Reporter(ReporterConfig("worker-0", 0, "http://127.0.0.1:1", TOKEN, 0.05, 30))
     rep.start()
     rep.report(1, loss=1.0)
     time.sleep(0.3)  # several failed posts
-    rep._config = ReporterConfig("worker-0", 0, srv.url, "right-token", 0.05, 30)
+    rep._config = ReporterConfig("worker-0", 0, srv.url, TOKEN, 0.05, 30)
     rep.report(2, loss=0.5)
     rep.finish()
     assert [p["step"] for p in points] == [1, 2]
@@ -67,7 +70,7 @@ def test_user_frame_names_the_jobs_own_code_not_libraries(tmp_path):
 
 def test_progress_updates_the_task_without_metrics_lines(server):
     srv, store, points = server
-    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, "right-token", 0.05, 30))
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, 0.05, 30))
     rep.start()
     for step in range(1, 51):
         rep.progress(step, loss=1.0 / step)

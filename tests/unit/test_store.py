@@ -46,7 +46,9 @@ def test_a_heartbeat_sent_again_is_taken_once(store) -> None:
     clock.now += 1
     assert s.ingest(beat(5, step=10, points=[{"step": 10}])) == wire.OK_STATUS  # a relay's retry
     assert len(points) == 1 and s.snapshot()["worker-0"].last_heartbeat_at == 100.0
-    assert s.ingest(beat(1, pid=8)) == wire.OK_STATUS  # a new process starts its seq again
+    assert s.ingest(beat(6, pid=8)) == wire.CONFLICT_STATUS  # another process of the same task
+    s.reset_task("worker-0")  # restarted alone: its new process starts its seq again
+    assert s.ingest(beat(1, pid=8)) == wire.OK_STATUS
     assert s.snapshot()["worker-0"].pid == 8
 
 

@@ -167,7 +167,15 @@ def make(tmp_path: Path, workers: int = 2, launcher: FakeBackend | None = None, 
     )
     sink = Sink()
     sup = Supervisor(
-        plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None, in_background=at_once
+        plan,
+        launcher,
+        store,
+        sink,
+        lambda task, attempt: "tok",
+        config,
+        clock=clock,
+        sleep=lambda s: None,
+        in_background=at_once,
     )
     return sup, launcher, store, clock, sink
 
@@ -528,7 +536,15 @@ def make_ps(tmp_path: Path, **cfg: Any):
         }
     )
     sup = Supervisor(
-        plan, launcher, store, sink, "tok", config, clock=clock, sleep=lambda s: None, in_background=at_once
+        plan,
+        launcher,
+        store,
+        sink,
+        lambda task, attempt: "tok",
+        config,
+        clock=clock,
+        sleep=lambda s: None,
+        in_background=at_once,
     )
     return sup, launcher, store, clock, sink
 

@@ -11,7 +11,9 @@ STATUSES = {
     wire.OK_STATUS,
     wire.BAD_REQUEST_STATUS,
     wire.BAD_TOKEN_STATUS,
+    wire.FORBIDDEN_STATUS,
     wire.NOT_FOUND_STATUS,
+    wire.CONFLICT_STATUS,
     wire.STALE_ATTEMPT_STATUS,
 }
 
@@ -25,7 +27,11 @@ STATUSES = {
         (relay.OK_STATUS, wire.OK_STATUS),
         (relay.BAD_REQUEST_STATUS, wire.BAD_REQUEST_STATUS),
         (relay.NOT_FOUND_STATUS, wire.NOT_FOUND_STATUS),
-        (http1.MAX_BODY_BYTES, wire.MAX_BODY_BYTES),
+        (relay.FORBIDDEN_STATUS, wire.FORBIDDEN_STATUS),
+        (relay.MAX_HEARTBEAT_BYTES, wire.MAX_HEARTBEAT_BYTES),
+        (relay.MAX_BATCH_BYTES, wire.MAX_BATCH_BYTES),
+        (http1.OK_STATUS, wire.OK_STATUS),
+        (http1.BAD_REQUEST_STATUS, wire.BAD_REQUEST_STATUS),
         (http1.BAD_TOKEN_STATUS, wire.BAD_TOKEN_STATUS),
         (http1.NOT_FOUND_STATUS, wire.NOT_FOUND_STATUS),
     ],
@@ -55,7 +61,7 @@ def test_header_names_looked_up_in_a_request_are_lower_case(received):
 
 
 def test_every_status_either_side_answers_has_a_reason():
-    answered = STATUSES | {relay.UNREACHABLE_STATUS, http1.TOO_LARGE_STATUS}
+    answered = STATUSES | {relay.UNREACHABLE_STATUS, http1.TOO_LARGE_STATUS, http1.BUSY_STATUS}
     assert answered <= set(http1.REASONS)
 
 
