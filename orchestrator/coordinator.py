@@ -73,12 +73,11 @@ def up(
     run_id, first_attempt, restarts = (
         _resume_point(run_dir, spec) if resume else (new_run_id(spec.name), 0, 0)
     )
-    run_dir = run_dir or new_run_dir(spec.name)
-    make_private_dir(run_dir)
-    backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
-    credentials, record = Credentials(), RunRecord(run_dir)
+    run_dir, record = _open_record(run_dir, spec)
+    credentials = Credentials()
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(record.close)
+        backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
         cleanup.callback(backend.close)
         if resume:
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
@@ -93,6 +92,8 @@ def up(
         planner = _Planner(spec, run_id, placements, record, credentials)
         plan = planner({})
         record.write_coordinator(_coordinator_info(run_id, server.url))
+        if record.broken:
+            raise LaunchError(f"{record.broken}; nothing was started")
         tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
         cleanup.callback(tailer.stop)
         supervisor = Supervisor(
@@ -112,6 +113,16 @@ def up(
             result = supervisor.run()
         home = _bring_home(backend, supervisor.plan, record)
         return UpResult(run_dir, result, supervisor.plan, tuple(home))
+
+
+def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunRecord]:
+    """The run directory, created 0700, and its record (its lock taken: one coordinator at a time)."""
+    try:
+        run_dir = run_dir or new_run_dir(spec.name)
+        return run_dir, RunRecord(run_dir)
+    except OSError as exc:
+        where = run_dir or exc.filename or "runs/"
+        raise LaunchError(f"cannot write the run directory {where}: {exc.strerror or exc}") from None
 
 
 class _Planner:
@@ -152,6 +163,8 @@ class _StatusWriter:
         if sup.transitions == self._transitions and now - self._written_at < self._every_s:
             return
         self._transitions, self._written_at = sup.transitions, now
+        if self._record.broken and not sup.state.is_terminal:  # a full or read-only disk
+            sup.abort(f"{self._record.broken}; the job is stopped, the record kept as it was")
         status = sup.status()
         if status["state"] != self._state:
             self._tailer.poll()  # the tasks' last words come before the news of their end

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
+import fcntl
 import json
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from orchestrator.errors import UsageError
 
 RUNS_DIR = Path("runs")
 
@@ -107,64 +112,181 @@ def read_json(path: Path) -> Any:
         return json.load(f)
 
 
+#: Kept free for the record's last words: on a full disk it is given back, and the final events
+#: and status.json are written in its room (status.json of 1,000 tasks is ~0.2 MB).
+RESERVE_BYTES = 1024 * 1024
+_RESERVE = ".reserve"
+_LOCK = ".lock"
+
+
+class RunDirBusy(UsageError):
+    """Another coordinator, alive, holds the run directory."""
+
+
+class _Lines:
+    """An append-only JSONL file whose every write is whole lines or nothing: a write that fails
+    part way (a full disk) is cut back to where it began, so no reader ever meets a torn line."""
+
+    def __init__(self, path: Path):
+        self._fd = _private(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+    def write(self, data: bytes) -> None:
+        start = os.fstat(self._fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class RunRecord:
+    """The run directory, written by one coordinator at a time (a lock it holds while it lives).
+
+    A write that fails (a read-only or full disk) never raises into the supervisor or the heartbeat
+    server: the record is marked `broken` with the reason, its reserve is given back, and the
+    coordinator stops the job cleanly; what was written before stays whole."""
+
     def __init__(self, run_dir: Path):
+        """Raises RunDirBusy when a live coordinator holds `run_dir`, OSError when it cannot be written."""
         self.dir = run_dir
         self.logs_dir = run_dir / "logs"
-        self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        # Held open for the run's lifetime (appended on every event); closed by close().
-        self._events = private_open(run_dir / "events.jsonl", "a")
-        self._metrics = private_open(run_dir / "metrics.jsonl", "a")
+        make_private_dir(run_dir)
+        self._lock_fd = _take_lock(run_dir / _LOCK)
+        try:
+            self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._lock = threading.Lock()
+            self._events = _Lines(run_dir / "events.jsonl")
+            self._metrics = _Lines(run_dir / "metrics.jsonl")
+            self._reserve = run_dir / _RESERVE
+            _fill(self._reserve, RESERVE_BYTES)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._pending: list[str] = []  # metrics lines, written by flush()
         self._last_status: Any = None
+        self.broken: str | None = None  # why the record could not be written, once it could not
+        self.closed = False
 
     def log_path(self, log_name: str) -> Path:
         return self.logs_dir / log_name
 
     def write_spec(self, text: str) -> None:
-        write_text_atomic(self.dir / "spec.yaml", text)
+        self._write(lambda: write_text_atomic(self.dir / "spec.yaml", text), "spec.yaml")
 
     def write_plan(self, plan_json: dict[str, Any]) -> None:
-        write_json_atomic(self.dir / "plan.json", plan_json)
+        self._write(lambda: write_json_atomic(self.dir / "plan.json", plan_json), "plan.json")
 
     def write_backend(self, info: dict[str, Any]) -> None:
         """Where the tasks run, for `orchestrate down` once the coordinator is gone (launch.reattach)."""
-        write_json_atomic(self.dir / "backend.json", info)
+        self._write(lambda: write_json_atomic(self.dir / "backend.json", info), "backend.json")
 
     def write_coordinator(self, info: dict[str, Any]) -> None:
-        write_json_atomic(self.dir / "coordinator.json", info)
+        self._write(lambda: write_json_atomic(self.dir / "coordinator.json", info), "coordinator.json")
 
     def write_status(self, status: dict[str, Any]) -> None:
         if status != self._last_status:
-            write_text_atomic(self.dir / "status.json", status_text(status))
-            self._last_status = status
+            text = status_text(status)
+            if self._write(lambda: write_text_atomic(self.dir / "status.json", text), "status.json"):
+                self._last_status = status
 
     def event(self, **fields: Any) -> None:
+        line = (json.dumps({"time": now_iso(), **fields}) + "\n").encode()
         with self._lock:
-            self._events.write(json.dumps({"time": now_iso(), **fields}) + "\n")
-            self._events.flush()
+            self._write(lambda: self._events.write(line), "events.jsonl")
 
     def metrics(self, task: str, attempt: int, points: list[dict[str, Any]]) -> None:
-        """Called from the heartbeat server's threads; flushed by `flush()` once per supervisor step."""
+        """Called from the heartbeat server's threads; written by `flush()` once per supervisor step."""
+        lines = []
+        for p in points:
+            when = _point_time(p.pop("time", None))
+            line = {"time": when, "task": task, "attempt": attempt}
+            line.update(p)
+            line["task"], line["attempt"] = task, attempt  # never a point's own (wire refuses them)
+            lines.append(json.dumps(line))
         with self._lock:
-            lines = []
-            for p in points:
-                when = _point_time(p.pop("time", None))
-                line = {"time": when, "task": task, "attempt": attempt}
-                line.update(p)
-                line["task"], line["attempt"] = task, attempt  # never a point's own (wire refuses them)
-                lines.append(json.dumps(line))
-            lines.append("")
-            self._metrics.write("\n".join(lines))
+            self._pending.extend(lines)
 
     def flush(self) -> None:
         with self._lock:
-            self._metrics.flush()
+            lines, self._pending = self._pending, []
+            if lines:
+                data = ("\n".join(lines) + "\n").encode()
+                self._write(lambda: self._metrics.write(data), "metrics.jsonl")
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.flush()
+        self.closed = True
         with self._lock:
             self._metrics.close()
             self._events.close()
+            with contextlib.suppress(OSError):
+                self._reserve.unlink()
+            os.close(self._lock_fd)  # after the last word: the next coordinator may take the folder
+
+    def _write(self, write: Callable[[], None], what: str) -> bool:
+        """Run one write. When it fails the record is broken (the first reason is kept: the job is
+        to stop), the reserve is given back, and the write tried once more in its room. Whether
+        it was written."""
+        try:
+            write()
+            return True
+        except OSError as exc:
+            if self.broken is None:
+                self.broken = f"cannot write {what} in {self.dir}: {exc.strerror or exc}"
+        try:
+            self._reserve.unlink()
+        except OSError:
+            return False  # given back already (or never made): nothing more to try
+        try:
+            write()
+            return True
+        except OSError:
+            return False
+
+
+def _take_lock(path: Path) -> int:
+    """The run directory's lock, held for the coordinator's life (the kernel lets go when it dies)."""
+    fd = _private(str(path), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirBusy(
+            f"{path.parent} is in use by a live coordinator (pid {holder}): "
+            "`orchestrate down` it, or choose another --run-dir"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _fill(path: Path, size: int) -> None:
+    """A file of `size` bytes that really holds its room on disk."""
+    fd = _private(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.write(fd, bytes(size))  # a filesystem without fallocate
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def _point_time(t: Any) -> str:

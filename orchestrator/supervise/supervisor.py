@@ -105,6 +105,7 @@ class Supervisor:
         self._stop: _Stop | None = None
         self._restart_at = 0.0
         self._interrupt: str | None = None
+        self._abort: str | None = None
         self._replan = replan  # between attempts: a new plan when the backend moved a task
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
@@ -113,6 +114,12 @@ class Supervisor:
         self._same_start = False  # every training task reported the same restored state
 
     # --- control -----------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Fail the job now, for a reason of the coordinator's own (its record cannot be written):
+        every task is stopped, no restart."""
+        if self._abort is None:
+            self._abort = reason
 
     def request_stop(self, reason: str) -> None:
         """Ask for a clean stop (first call) or an immediate one (second call). Signal-handler safe."""
@@ -145,7 +152,9 @@ class Supervisor:
 
     def step(self) -> tuple[ClusterState, ClusterState]:
         before = self.state
-        if (
+        if self._abort is not None and self.state is not ClusterState.STOPPING and not before.is_terminal:
+            self._begin_stop(_Stop(ClusterState.FAILED, self._abort))
+        elif (
             self._interrupt is not None
             and self.state not in (ClusterState.STOPPING,)
             and not before.is_terminal
@@ -434,6 +443,9 @@ class Supervisor:
                 self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
         stop, self._stop = self._stop, None
         if stop.outcome is ClusterState.FAILED and stop.decision is not None:
+            if self._abort is not None:  # the coordinator cannot go on: no restart
+                self._finish(ClusterState.FAILED, self._abort)
+                return
             if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return

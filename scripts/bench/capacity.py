@@ -18,12 +18,23 @@ Two coordinators:
 And the relay's own cost on its host (`relay:direct:8`): a real worker/relay.py with 8 tasks posting
 to it one by one; its CPU share is the figure (the coordinator behind it is the heartbeat path).
 
+Every simulated task posts with its own credential (orchestrator/health/credentials.py), the
+headers worker/reporter.py sends (http.client's); a batch carries its simulated host's relay
+credential, the headers worker/relay.py sends, and holds that host's tasks only (the whole
+coordinator's spec has one host of N workers when direct, as the local backend, and a host per 8
+when relayed, so each batch speaks for its own host).
+
+`--parser httptools` (pip install httptools; not a dependency of the product) has the coordinator's
+heartbeat endpoint parse HTTP with httptools (scripts/bench/httptools_protocol.py) instead of
+worker/http1.py, to weigh the two (issue 13); the relay itself always uses http1.py (it runs with
+the standard library only), so for `relay:direct:8` the option changes nothing measured.
+
 Reported: the coordinator process's CPU share (of one core, user + kernel) over the measured
 window, p50/p99 request latency seen by the senders, heartbeats taken per second. Goal at 1,000
 tasks: <= 10% of a core, p99 <= 5 ms. The load generator is one asyncio process; at 10,000 direct
 connections it needs most of a core itself, and on 2 cores the figures include the two competing.
 
-    .venv/bin/python scripts/bench/capacity.py [--cases whole:direct:1000 ...]
+    .venv/bin/python scripts/bench/capacity.py [--cases whole:direct:1000 ...] [--parser httptools]
 """
 
 from __future__ import annotations
@@ -66,17 +77,50 @@ def _raise_fd_limit() -> None:
 # --- the coordinator side (a process of its own) ---------------------------------------------------
 
 
-def serve_path(n: int, folder: Path) -> None:
+def use_parser(parser: str) -> None:
+    """The HTTP/1.1 parsing the heartbeat server's connections use (before it starts)."""
+    if parser == "httptools":
+        from httptools_protocol import HttptoolsProtocol  # scripts/bench, this file's folder
+
+        from orchestrator.health import server
+
+        server.HttpProtocol = HttptoolsProtocol  # type: ignore[misc]
+
+
+def _parser_in_use() -> str:
+    from orchestrator.health import server
+
+    return server.HttpProtocol.__name__
+
+
+def serve_path(n: int, way: str, folder: Path) -> None:
     """Heartbeat server + health store + metrics.jsonl, as `orchestrate up` wires them."""
-    from orchestrator.health.server import HeartbeatServer
+    from orchestrator.health.credentials import Credentials
+    from orchestrator.health.server import HeartbeatServer, connection_cap
     from orchestrator.health.store import HealthStore
     from orchestrator.record import RunRecord
 
     record = RunRecord(folder)
     store = HealthStore(time.monotonic, on_points=record.metrics)
-    store.reset(0, [f"worker-{i}" for i in range(n)])
-    server = HeartbeatServer(store, "bench-token").start()
-    _announce({"url": server.url, "token": "bench-token"})
+    tasks = [f"worker-{i}" for i in range(n)]
+    store.reset(0, tasks)
+    # direct: one host, as the local backend; relayed: a host per TASKS_PER_HOST tasks, a relay each
+    scopes = {task: i // TASKS_PER_HOST if way == "relayed" else 0 for i, task in enumerate(tasks)}
+    credentials = Credentials()
+    credentials.place(scopes)
+    # this process holds no task's files: every descriptor but the reserve may be a connection
+    server = HeartbeatServer(store, credentials, max_connections=connection_cap(0)).start()
+    _announce(
+        {
+            "url": server.url,
+            "attempt": 0,
+            "parser": _parser_in_use(),
+            "tokens": {task: credentials.task_token(task, 0) for task in tasks},
+            "scopes": scopes,
+            "relay_tokens": {s: credentials.relay_token(s) for s in set(scopes.values())},
+            "relay_keys": {s: credentials.scope_key(s).hex() for s in set(scopes.values())},
+        }
+    )
     flusher_stop = threading.Event()
 
     def flush() -> None:  # the supervisor flushes metrics.jsonl once per step
@@ -90,9 +134,11 @@ def serve_path(n: int, folder: Path) -> None:
     record.close()
 
 
-def serve_whole(n: int, folder: Path) -> None:
+def serve_whole(n: int, way: str, folder: Path) -> None:
     """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
     from orchestrator import coordinator
+    from orchestrator.errors import LaunchError
+    from orchestrator.health.credentials import Credentials
     from orchestrator.launch.api import Backend, Heartbeats, ProcessInfo, Sig, TaskHandle
     from orchestrator.launch.placement import Placement, local_placements
     from orchestrator.plan import TaskPlan
@@ -132,9 +178,11 @@ def serve_whole(n: int, folder: Path) -> None:
 
         def __init__(self, spec: ClusterSpec, run_dir: Path, spec_dir: Path):
             self._spec, self._run_dir, self._spec_dir = spec, run_dir, spec_dir
+            self._credentials = Credentials()  # the coordinator's, from open()
             self._announced = False
 
         def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+            self._credentials = heartbeats.credentials  # for the simulated hosts' relays
             ports = {slot.name: 20_000 + i for i, slot in enumerate(task_slots(self._spec))}
             return local_placements(
                 self._spec,
@@ -145,10 +193,26 @@ def serve_whole(n: int, folder: Path) -> None:
                 python=sys.executable,
             )
 
-        def start(self, task: TaskPlan, attempt: int, secret: str, log_path: Path) -> TaskHandle:
-            if not self._announced:  # the heartbeat server's URL and the run's token, to the senders
+        def start_all(
+            self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
+        ) -> list[TaskHandle | LaunchError]:
+            out = super().start_all(tasks, attempt, tokens, log_paths)
+            if not self._announced:  # where to post, and each task's own credential, to the senders
                 self._announced = True
-                _announce({"url": task.env[wire.ENV_COORDINATOR], "token": secret})
+                scopes = {task.name: task.host_index for task in tasks}
+                _announce(
+                    {
+                        "url": tasks[0].env[wire.ENV_COORDINATOR],
+                        "attempt": attempt,
+                        "parser": _parser_in_use(),
+                        "tokens": {task.name: token for task, token in zip(tasks, tokens, strict=True)},
+                        "scopes": scopes,
+                        "relay_tokens": {s: self._credentials.relay_token(s) for s in set(scopes.values())},
+                    }
+                )
+            return out
+
+        def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
             with open(log_path, "ab") as log:  # as a real backend does; the log tailer reads it
                 log.write(f"===== orchestrate: {task.name} attempt {attempt} (simulated) =====\n".encode())
             return SimHandle(task, attempt, log_path, 100_000 + task.index)
@@ -157,9 +221,15 @@ def serve_whole(n: int, folder: Path) -> None:
             return {"backend": self.name}
 
     (folder / "job.py").write_text("# the tasks are simulated\n")
+    # direct: one host, as the local backend; relayed: a host per TASKS_PER_HOST tasks, each batch
+    # its relay's (a relay speaks for its own host's tasks only)
+    per_host = TASKS_PER_HOST if way == "relayed" else n
+    hosts = "".join(
+        f"  - {{address: 127.0.0.1, tasks: {{worker: {min(per_host, n - first)}}}}}\n"
+        for first in range(0, n, per_host)
+    )
     text = (
-        "name: capacity\nhosts:\n  - address: 127.0.0.1\n"
-        f"    tasks: {{worker: {n}}}\n"
+        f"name: capacity\nhosts:\n{hosts}"
         "job:\n  script: job.py\n"
         "health: {heartbeat_timeout_s: 60, stall_timeout_s: 600, startup_timeout_s: 600}\n"
     )
@@ -176,7 +246,7 @@ def serve_whole(n: int, folder: Path) -> None:
     coordinator.up(spec, spec_path, run_dir=run_dir, live=False, backend=SimBackend(spec, run_dir, folder))
 
 
-def _announce(info: dict[str, str]) -> None:
+def _announce(info: dict[str, Any]) -> None:
     os.write(int(os.environ["BENCH_ANNOUNCE_FD"]), (json.dumps(info) + "\n").encode())
 
 
@@ -186,10 +256,11 @@ def _announce(info: dict[str, str]) -> None:
 _TEMPLATE: dict[str, Any] = {}
 
 
-def _heartbeat(i: int, seq: int) -> dict[str, Any]:
+def _heartbeat(i: int, seq: int, attempt: int = 0) -> dict[str, Any]:
     """What a training task of the built-in loop sends each second at 10 steps/s: its step and
-    latest loss; worker 0 also the 10 steps since the last as points (metrics.jsonl), the others
-    report progress only (worker/reporter.py keeps_points)."""
+    latest loss; worker 0 also the 10 steps since the last as points (metrics.jsonl; numbered, as
+    the reporter does, so each is written once), the others report progress only
+    (worker/reporter.py keeps_points)."""
     if not _TEMPLATE:
         from worker.wire import Heartbeat
 
@@ -200,13 +271,42 @@ def _heartbeat(i: int, seq: int) -> dict[str, Any]:
     return {
         **_TEMPLATE,
         "task": f"worker-{i}",
+        "attempt": attempt,
         "seq": seq,
         "sent_at": now,
         "pid": 100_000 + i,
         "step": seq * 10,
         "metrics": {"loss": 0.25},
         "points": points,
+        "points_from": (seq - 1) * 10 if i == 0 else 0,
     }
+
+
+def heartbeat_body(i: int, seq: int, attempt: int = 0) -> bytes:
+    """A heartbeat's JSON as wire.Heartbeat.to_bytes() writes it (compact)."""
+    return json.dumps(_heartbeat(i, seq, attempt), separators=(",", ":")).encode()
+
+
+def task_request(host: str, port: int, token: str, body: bytes, flush: bool = False) -> list[bytes]:
+    """A task's heartbeat request, byte for byte as worker/reporter.py's http.client sends it: its
+    head, then its body, in a send() each (with TCP_NODELAY: often two reads at the other end)."""
+    flush_line = "X-Orchestrate-Flush: 1\r\n" if flush else ""
+    head = (
+        f"POST /v1/heartbeat HTTP/1.1\r\nHost: {host}:{port}\r\nAccept-Encoding: identity\r\n"
+        f"Content-Length: {len(body)}\r\nContent-Type: application/json\r\n"
+        f"X-Orchestrate-Token: {token}\r\n{flush_line}\r\n"
+    ).encode()
+    return [head, body]
+
+
+def batch_request(token: str, bodies: list[bytes]) -> list[bytes]:
+    """A relay's batch, byte for byte as worker/relay.py sends it (in one send())."""
+    body = b"[" + b",".join(bodies) + b"]"
+    head = (
+        b"POST /v1/heartbeats HTTP/1.1\r\nHost: coordinator\r\nContent-Type: application/json\r\n"
+        b"X-Orchestrate-Token: %s\r\nContent-Length: %d\r\n\r\n" % (token.encode(), len(body))
+    )
+    return [head + body]
 
 
 class _Stats:
@@ -218,10 +318,17 @@ class _Stats:
 
 
 async def _sender(
-    path: str, ids: list[int], period_s: float, url: str, token: str, until: float, stats: _Stats
+    path: str,
+    ids: list[int],
+    period_s: float,
+    url: str,
+    token: str,
+    attempt: int,
+    until: float,
+    stats: _Stats,
 ) -> None:
     """One connection: every `period_s`, one request with the heartbeats of `ids` (one of them
-    when direct; a host's due tasks when relayed)."""
+    when direct, with the task's own credential; a host's due tasks when relayed, with its relay's)."""
     host, port = url.removeprefix("http://").split(":")
     await asyncio.sleep(random.random() * period_s)  # spread over the period, as real ones drift
     try:
@@ -233,15 +340,15 @@ async def _sender(
     next_at = time.monotonic()
     while time.monotonic() < until:
         seq += 1
-        items = [_heartbeat(i, seq) for i in ids]
-        body = json.dumps(items if path.endswith("s") else items[0]).encode()
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"X-Orchestrate-Token: {token}\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
+        bodies = [heartbeat_body(i, seq, attempt) for i in ids]
+        if path.endswith("s"):
+            sends = batch_request(token, bodies)
+        else:  # the reporter's first heartbeat changes its phase: a relay forwards it at once
+            sends = task_request(host, int(port), token, bodies[0], flush=seq == 1)
         started = time.monotonic()
         try:
-            writer.write(head + body)
+            for data in sends:  # asyncio sends at once what it can (TCP_NODELAY), as send() does
+                writer.write(data)
             status, answer = await read_response(reader)
         except (OSError, asyncio.IncompleteReadError) as exc:
             stats.errors.append(f"request: {exc}")
@@ -261,18 +368,23 @@ async def _sender(
     writer.close()
 
 
-def _senders(way: str, n: int) -> list[tuple[str, list[int], float]]:
+def _senders(way: str, n: int, info: dict[str, Any]) -> list[tuple[str, list[int], float, str]]:
+    """(path, the tasks whose heartbeats it carries, period, credential) per connection."""
+    tokens, scopes = info["tokens"], info["scopes"]
     if way == "direct":
-        return [("/v1/heartbeat", [i], 1.0) for i in range(n)]
+        return [("/v1/heartbeat", [i], 1.0, tokens[f"worker-{i}"]) for i in range(n)]
     # a relay's tasks post just before its flush (it tells them when), so each flush carries all
     # of them: one batch per host and interval (tests/unit/test_relay.py checks that alignment)
-    return [
-        ("/v1/heartbeats", list(range(first, min(n, first + TASKS_PER_HOST))), 1.0)
-        for first in range(0, n, TASKS_PER_HOST)
-    ]
+    out = []
+    for first in range(0, n, TASKS_PER_HOST):
+        ids = list(range(first, min(n, first + TASKS_PER_HOST)))
+        scope = scopes[f"worker-{first}"]
+        assert all(scopes[f"worker-{i}"] == scope for i in ids), "a batch holds one host's tasks"
+        out.append(("/v1/heartbeats", ids, 1.0, info["relay_tokens"][str(scope)]))
+    return out
 
 
-def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
+def measure(case: str, warmup_s: float, measure_s: float, parser: str = "http1") -> dict[str, Any]:
     import psutil
 
     kind, way, count = case.split(":")
@@ -281,7 +393,17 @@ def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
     read_fd, write_fd = os.pipe()
     relay = None
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "path" if kind == "relay" else kind, str(n), str(folder)],
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            "path" if kind == "relay" else kind,
+            way,
+            str(n),
+            str(folder),
+            "--parser",
+            parser,
+        ],
         stdin=subprocess.PIPE,
         env={**os.environ, "BENCH_ANNOUNCE_FD": str(write_fd)},
         pass_fds=(write_fd,),
@@ -297,7 +419,13 @@ def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
-            config = {"upstream": info["url"], "token": info["token"], "interval_s": 1.0, "give_up_s": 30}
+            config = {
+                "upstream": info["url"],
+                "token": info["relay_tokens"]["0"],  # its host's (all 8 tasks on host 0)
+                "key": info["relay_keys"]["0"],  # to check its tasks' own credentials
+                "interval_s": 1.0,
+                "give_up_s": 30,
+            }
             relay.stdin.write((json.dumps(config) + "\n").encode())  # type: ignore[union-attr]
             relay.stdin.flush()  # type: ignore[union-attr]
             port = json.loads(relay.stdout.readline())["port"]  # type: ignore[union-attr]
@@ -311,8 +439,8 @@ def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
 
         async def run() -> None:
             senders = [
-                _sender(path, ids, period, info["url"], info["token"], until, stats)
-                for path, ids, period in _senders(way, n)
+                _sender(path, ids, period, info["url"], token, info["attempt"], until, stats)
+                for path, ids, period, token in _senders(way, n, info)
             ]
             load = asyncio.ensure_future(asyncio.gather(*senders))
             await asyncio.sleep(max(0.0, stats.measure_from - time.monotonic()))
@@ -342,6 +470,7 @@ def measure(case: str, warmup_s: float, measure_s: float) -> dict[str, Any]:
         }[kind],
         "arrival": way,
         "tasks": n,
+        "parser": info["parser"],  # the coordinator's endpoint's (a relay's own is HttpProtocol)
         "requests_per_s": round(len(lat) / measure_s, 1),
         "heartbeats_per_s": round(stats.heartbeats / measure_s, 1),
         "coordinator_cpu_share": round(user + system, 4),
@@ -358,14 +487,22 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="KIND:ARRIVAL:TASKS")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--measure-s", type=float, default=20.0)
-    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--parser",
+        choices=["http1", "httptools"],
+        default="http1",
+        help="HTTP/1.1 parsing of the coordinator's heartbeat endpoint: worker/http1.py, or httptools "
+        "(pip install httptools)",
+    )
+    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)  # KIND ARRIVAL TASKS FOLDER
     ns = parser.parse_args()
     _raise_fd_limit()
     if ns.serve:
-        kind, n, folder = ns.serve
-        (serve_whole if kind == "whole" else serve_path)(int(n), Path(folder))
+        kind, way, n, folder = ns.serve
+        use_parser(ns.parser)
+        (serve_whole if kind == "whole" else serve_path)(int(n), way, Path(folder))
         return 0
-    results = [measure(case, ns.warmup_s, ns.measure_s) for case in ns.cases]
+    results = [measure(case, ns.warmup_s, ns.measure_s, ns.parser) for case in ns.cases]
     print(
         json.dumps(
             {"metric": "P6 coordinator capacity", "results": results, "cores": os.cpu_count()}, indent=2

@@ -3,10 +3,13 @@ status.json's text, and RunRecord's events, metrics and status (DESIGN §5)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import re
+import shutil
+import subprocess
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,8 +250,7 @@ def test_iso_time_formats_the_date_once_per_second(monkeypatch: pytest.MonkeyPat
 def rec(tmp_path: Path) -> Iterator[RunRecord]:
     r = RunRecord(tmp_path / "run")
     yield r
-    if not r._events.closed:
-        r.close()
+    r.close()  # again: harmless
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -313,7 +315,7 @@ def test_metrics_are_batched_until_flush_and_nothing_is_lost(rec: RunRecord) -> 
 def test_close_flushes_and_closes_both_files(rec: RunRecord) -> None:
     rec.metrics("worker-0", 0, [{"time": 1.0, "step": 1}])
     rec.close()
-    assert rec._events.closed and rec._metrics.closed
+    assert rec.closed
     assert len(lines(rec.dir / "metrics.jsonl")) == 1
 
 
@@ -378,7 +380,7 @@ def test_a_run_directory_and_its_files_are_private(tmp_path: Path) -> None:
         log.write(b"hello\n")
     assert _mode(run_dir / "logs") == 0o700
     files = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert len(files) == 7 and {p: _mode(p) for p in files} == dict.fromkeys(files, 0o600)
+    assert len(files) == 8 and {p: _mode(p) for p in files} == dict.fromkeys(files, 0o600)  # .lock too
 
 
 def test_a_record_file_is_never_written_through_a_planted_symlink(tmp_path: Path) -> None:
@@ -388,3 +390,88 @@ def test_a_record_file_is_never_written_through_a_planted_symlink(tmp_path: Path
     with pytest.raises(OSError):
         record.private_open(link, "a")
     assert not victim.exists()
+
+
+# --- one coordinator per run directory; a disk that fills up or turns read-only (issue 13) ---
+
+
+def test_a_run_directory_in_use_is_refused_naming_its_coordinator(tmp_path: Path) -> None:
+    first = record.RunRecord(tmp_path / "run")
+    try:
+        with pytest.raises(record.RunDirBusy, match=rf"in use by a live coordinator \(pid {os.getpid()}\)"):
+            record.RunRecord(tmp_path / "run")
+    finally:
+        first.close()
+    record.RunRecord(tmp_path / "run").close()  # its coordinator gone: free again
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of 1.5 MiB of its own (root only): a disk that can really fill up."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k,mode=0700", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> None:
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_breaks_the_record_whole_and_its_reserve_holds_the_last_words(small_disk: Path) -> None:
+    rec = record.RunRecord(small_disk / "run")
+    rec.event(kind="run", reason="before")
+    rec.write_status({"state": "RUNNING", "tasks": []})
+    fill(small_disk)  # someone else's file takes every block left
+    rec.metrics("worker-0", 0, [{"step": i, "loss": 0.5} for i in range(20_000)])  # ~1.4 MB: too much
+    rec.flush()
+    assert rec.broken is not None and "metrics.jsonl" in rec.broken and "No space left" in rec.broken
+    rec.event(kind="run", reason="x" * 100_000)  # written in the reserve's room, or not at all
+    rec.write_status({"state": "FAILED", "reason": rec.broken, "tasks": []})
+    rec.close()
+    assert json.loads((small_disk / "run" / "status.json").read_text())["state"] == "FAILED"
+    for name in ("events.jsonl", "metrics.jsonl"):  # every line whole
+        text = (small_disk / "run" / name).read_text()
+        assert text == "" or text.endswith("\n")
+        [json.loads(line) for line in text.splitlines()]
+    assert lines(small_disk / "run" / "events.jsonl")[0]["reason"] == "before"
+
+
+def test_up_on_a_read_only_disk_says_so_and_starts_nothing(
+    small_disk: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator import cli
+    from tests.unit.test_cli import LOCAL_SPEC, spec_file
+
+    spec = spec_file(tmp_path, LOCAL_SPEC)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    code = cli.main(["up", str(spec), "--run-dir", str(small_disk / "run")])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err == f"orchestrate: cannot write the run directory {small_disk / 'run'}: Read-only file system\n"
+
+
+def test_up_on_a_full_disk_says_so_and_starts_nothing(
+    small_disk: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator import cli
+    from tests.unit.test_cli import LOCAL_SPEC, spec_file
+
+    spec = spec_file(tmp_path, LOCAL_SPEC)
+    fill(small_disk)
+    code = cli.main(["up", str(spec), "--run-dir", str(small_disk / "run")])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.startswith("orchestrate: cannot write the run directory ") and "No space left on device" in err
+    assert "Traceback" not in err
