@@ -158,9 +158,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
         print(f"  command: {shlex.join(t.argv)}")
         print(f"  cwd:     {t.cwd}")
-        for k, v in t.env.items():
+        for k, v in plan.shown_env(t).items():
             print(f"  {k}={v}")
-        print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<per-run secret>")
+        print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<the task's own credential>")
     print(f"\n({note})")
     return EXIT_OK
 

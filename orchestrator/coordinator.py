@@ -31,7 +31,16 @@ from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
-from orchestrator.record import RunRecord, make_private_dir, new_run_dir, new_run_id, now_iso, private_open
+from orchestrator.record import (
+    RunRecord,
+    make_private_dir,
+    new_run_dir,
+    new_run_id,
+    now_iso,
+    private_open,
+    share_with_group,
+)
+from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.config import SupervisorConfig
@@ -81,7 +90,7 @@ def up(
         cleanup.callback(backend.close)
         if resume:
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
-        record.write_spec(spec_path.read_text(encoding="utf-8"))
+        record.write_spec(redact_text(spec_path.read_text(encoding="utf-8"), spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
         view = LiveView() if (sys.stdout.isatty() if live is None else live) else PlainView()
@@ -117,6 +126,7 @@ def up(
 
 def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunRecord]:
     """The run directory, created 0700, and its record (its lock taken: one coordinator at a time)."""
+    share_with_group(spec.record.share_with_group)
     try:
         run_dir = run_dir or new_run_dir(spec.name)
         return run_dir, RunRecord(run_dir)

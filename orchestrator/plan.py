@@ -21,6 +21,7 @@ from orchestrator.spec.roles import RolePolicy, TaskSlot, role_policies, task_sl
 from worker import wire
 
 _CLUSTER_ROLES = (Role.CHIEF, Role.WORKER, Role.PS)
+REDACTED = "<redacted>"
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class LaunchPlan:
     tasks: tuple[TaskPlan, ...] = field(default_factory=tuple)
     policy: Mapping[Role, RolePolicy] = field(default_factory=dict)
     state: StatePlan | None = None
+    secrets: frozenset[str] = frozenset()  # env names whose values are never written nor printed
+
+    def shown_env(self, task: TaskPlan) -> dict[str, str]:
+        """A task's environment as the record and the console show it: secret values redacted."""
+        return {k: REDACTED if k in self.secrets else v for k, v in task.env.items()}
 
     def task(self, name: str) -> TaskPlan:
         for t in self.tasks:
@@ -85,6 +91,7 @@ class LaunchPlan:
         out["strategy"] = self.strategy.value
         out["backend"] = self.backend.value
         out["tasks"] = list(out["tasks"])  # asdict keeps the tuple; the JSON form has lists only
+        out["secrets"] = sorted(self.secrets)
         if out["state"] is not None:
             out["state"]["readers"] = list(out["state"]["readers"])
         out["policy"] = {
@@ -93,7 +100,7 @@ class LaunchPlan:
         }
         for t, task in zip(out["tasks"], self.tasks, strict=True):
             t["role"] = task.role.value
-            t["env"] = dict(task.env)
+            t["env"] = self.shown_env(task)
             t["argv"] = list(task.argv)
             t["tf_config"] = json.loads(task.env["TF_CONFIG"])
         return out
@@ -167,6 +174,7 @@ def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement
         tuple(tasks),
         role_policies(spec),
         state_plan(spec, slots),
+        spec.secret_names(),
     )
 
 

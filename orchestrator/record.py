@@ -58,15 +58,25 @@ def new_run_dir(name: str, base: Path = RUNS_DIR) -> Path:
         path = base / (f"{name}-{stamp}" if n == 1 else f"{name}-{stamp}-{n}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700)
+            path.mkdir(mode=_MODES[1])
             return path
         except FileExistsError:
             continue
     raise RuntimeError(f"cannot create a run directory under {base}")
 
 
+#: The modes of a run directory's files and folders: the owner's alone, unless the spec shares
+#: them with the owner's group (record.share_with_group).
+_MODES = [0o600, 0o700]
+
+
+def share_with_group(on: bool) -> None:
+    """Set by `up` from the spec, before the run directory is made."""
+    _MODES[:] = [0o640, 0o750] if on else [0o600, 0o700]
+
+
 def _private(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, _MODES[0])
 
 
 def private_open(path: Path, mode: str = "ab") -> IO[Any]:
@@ -79,7 +89,7 @@ def private_open(path: Path, mode: str = "ab") -> IO[Any]:
 
 def make_private_dir(path: Path) -> None:
     """A run directory (and its parents) created 0700; one that exists keeps its mode."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.mkdir(mode=_MODES[1], parents=True, exist_ok=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -159,7 +169,11 @@ class RunRecord:
         make_private_dir(run_dir)
         self._lock_fd = _take_lock(run_dir / _LOCK)
         try:
-            self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.logs_dir.mkdir(mode=_MODES[1], parents=True, exist_ok=True)
+            if _MODES[1] != 0o700:  # shared: whatever the umask (our own folders only)
+                for folder in (run_dir, self.logs_dir):
+                    if folder.stat().st_uid == os.getuid():
+                        folder.chmod(_MODES[1])
             self._lock = threading.Lock()
             self._events = _Lines(run_dir / "events.jsonl")
             self._metrics = _Lines(run_dir / "metrics.jsonl")

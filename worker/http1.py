@@ -184,6 +184,7 @@ class HttpProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._waiting = False
         self._paused = False
+        self._head: tuple[int, bytes, dict[bytes, bytes]] | None = None  # read, its body not yet here
         self._token = b""  # the last credential checked on this connection
         self.client: Hashable | None = None  # whom it speaks for, once a credential was checked
         self.deadline = float("inf")
@@ -215,33 +216,17 @@ class HttpProtocol(asyncio.Protocol):
         self._serve()
 
     def _serve(self) -> None:
-        limits = self._limits
         while self._transport is not None and not self._waiting:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self.answer(TOO_LARGE_STATUS, b"headers too large", close=True)
+            head = self._head or self._read_head()
+            if head is None:
                 return
-            method, path, headers = parse_head(bytes(self._buffer[:end]))
-            if not self._check_token(headers.get(TOKEN_HEADER, b"")):
-                self.answer(BAD_TOKEN_STATUS, b"bad or missing token", close=True)
+            size, path, headers = head
+            if len(self._buffer) < size:
+                self._head = head  # the body is still on its way (the head is not read again)
                 return
-            largest = limits.max_body.get(path)
-            if method != b"POST" or largest is None:
-                self.answer(NOT_FOUND_STATUS, b"unknown path", close=True)
-                return
-            raw_length = headers.get(b"content-length", b"")
-            if b"transfer-encoding" in headers or not raw_length.isdigit():
-                self.answer(BAD_REQUEST_STATUS, b"a request needs a Content-Length", close=True)
-                return
-            length = int(raw_length)
-            if not 0 < length <= largest:
-                self.answer(TOO_LARGE_STATUS, b"bad body length", close=True)
-                return
-            if len(self._buffer) < end + 4 + length:
-                return  # the body is still on its way
-            body = bytes(self._buffer[end + 4 : end + 4 + length])
-            del self._buffer[: end + 4 + length]
+            self._head = None
+            body = bytes(self._buffer[size - int(headers[b"content-length"]) : size])
+            del self._buffer[:size]
             close = headers.get(b"connection", b"").lower() == b"close"
             result = self._handle(path, body, headers, self)
             if isinstance(result, tuple):
@@ -254,6 +239,32 @@ class HttpProtocol(asyncio.Protocol):
             assert self._transport is not None
             self._transport.pause_reading()  # pipelined requests wait in the socket, not here
             self._paused = True
+
+    def _read_head(self) -> tuple[int, bytes, dict[bytes, bytes]] | None:
+        """The next request's head, checked: (its size with the body's, path, headers); None when
+        it is not all here yet, or was refused (the connection then closed)."""
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                self.answer(TOO_LARGE_STATUS, b"headers too large", close=True)
+            return None
+        method, path, headers = parse_head(bytes(self._buffer[:end]))
+        if not self._check_token(headers.get(TOKEN_HEADER, b"")):
+            self.answer(BAD_TOKEN_STATUS, b"bad or missing token", close=True)
+            return None
+        largest = self._limits.max_body.get(path)
+        if method != b"POST" or largest is None:
+            self.answer(NOT_FOUND_STATUS, b"unknown path", close=True)
+            return None
+        raw_length = headers.get(b"content-length", b"")
+        if b"transfer-encoding" in headers or not raw_length.isdigit():
+            self.answer(BAD_REQUEST_STATUS, b"a request needs a Content-Length", close=True)
+            return None
+        length = int(raw_length)
+        if not 0 < length <= largest:
+            self.answer(TOO_LARGE_STATUS, b"bad body length", close=True)
+            return None
+        return end + 4 + length, path, headers
 
     def _check_token(self, token: bytes) -> bool:
         if self.client is not None and token == self._token:

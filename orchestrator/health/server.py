@@ -34,9 +34,12 @@ _PATH = wire.HEARTBEAT_PATH.encode()
 _BATCH_PATH = wire.BATCH_PATH.encode()
 
 
+#: Connections asyncio accepts in one go, before any is looked at (the listen backlog, too).
+ACCEPT_BACKLOG = 100
 #: File descriptors the coordinator keeps for itself: its record's files, the backend's sockets,
-#: pipes and locks; and per task (a port lock, a log being written and one being tailed, a pipe).
-FD_RESERVE, FD_PER_TASK = 128, 4
+#: pipes and locks, and room for two bursts of accepted connections not yet capped; and per task
+#: (a port lock, a log being written and one being tailed, a pipe).
+FD_RESERVE, FD_PER_TASK = 128 + 2 * ACCEPT_BACKLOG, 4
 
 
 def connection_cap(tasks: int, soft_limit: int | None = None) -> int:
@@ -84,7 +87,7 @@ class HeartbeatServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
-            self._sock.listen(1024)
+            self._sock.listen(ACCEPT_BACKLOG)
         except OSError:
             self._sock.close()
             raise
@@ -130,7 +133,7 @@ class HeartbeatServer:
 
         async def open_server() -> None:
             self._server = await self._loop.create_server(
-                lambda: HttpProtocol(check, handler, connections), sock=self._sock
+                lambda: HttpProtocol(check, handler, connections), sock=self._sock, backlog=ACCEPT_BACKLOG
             )
             connections.sweep()
 

@@ -13,8 +13,9 @@ problem — YAML, encoding, control characters, size — is a SpecError with a l
 from __future__ import annotations
 
 import os
+import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,40 @@ def _locate(problem: SpecProblem, lines: dict[Path_, int]) -> SpecProblem:
     while path not in lines:
         path = path[:-1]
     return SpecProblem(problem.path, problem.message, lines[path])
+
+
+def redact_text(text: str, names: Collection[str]) -> str:
+    """The spec's text with the values of `names` in job.env and hosts[].env replaced by
+    "<redacted>", everything else as written (for the run's copy of a spec already validated)."""
+    if not names:
+        return text
+    root = yaml.compose(text, Loader=yaml.SafeLoader)  # character marks (libyaml's may count bytes)
+    spans = set()
+    for env in _env_nodes(root):
+        for key, value in env.value:
+            if isinstance(key, yaml.ScalarNode) and key.value in names and isinstance(value, yaml.ScalarNode):
+                spans.add((value.start_mark.index, value.end_mark.index))
+    for start, end in sorted(spans, reverse=True):
+        value = text[start:end]
+        keep = _PROPERTIES.match(value)  # its anchor (&name) or tag stays: an alias may name it
+        start += keep.end() if keep else 0
+        text = text[:start] + '"<redacted>"' + ("\n" if value.endswith("\n") else "") + text[end:]
+    return text
+
+
+_PROPERTIES = re.compile(r"(?:[&!]\S*\s+)+")
+
+
+def _env_nodes(root: Any) -> list[yaml.MappingNode]:
+    def child(node: Any, key: str) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == key:
+                    return v
+        return None
+
+    found = [child(child(root, "job"), "env")]
+    hosts = child(root, "hosts")
+    if isinstance(hosts, yaml.SequenceNode):
+        found += [child(h, "env") for h in hosts.value]
+    return [n for n in found if isinstance(n, yaml.MappingNode)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -125,6 +126,11 @@ class JobSpec(_Strict):
     loop: Path | None = Field(default=None, description="mode 2: a module for the built-in training loop")
     args: list[str] = Field(default_factory=list)
     env: EnvMap = Field(default_factory=dict)
+    secret_env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=list,
+        description="env names whose values are secret (besides names like *TOKEN*, *PASSWORD*, *API_KEY*): "
+        "written as <redacted> in the run's record and printed so",
+    )
     files: Path | None = Field(
         default=None,
         description="ssh backend: the folder copied to every host (default: the script's folder)",
@@ -240,6 +246,20 @@ class SshSpec(_Strict):
         return [os.path.normpath(p) for p in value]
 
 
+class RecordSpec(_Strict):
+    share_with_group: bool = Field(
+        default=False,
+        description="the run directory readable by the owner's group (0750, files 0640); "
+        "default: the owner's alone (0700, files 0600)",
+    )
+
+
+#: Environment names whose values are taken for secrets (never written to the record, nor printed).
+SECRET_NAME = re.compile(
+    r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|(^|_)AUTH(_|$)", re.IGNORECASE
+)
+
+
 class ClusterSpec(_Strict):
     name: str = Field(pattern=r"^[a-z0-9-]+$", max_length=63, description="names the run: [a-z0-9-]+")
     strategy: Strategy = Strategy.MULTI_WORKER_MIRRORED
@@ -253,9 +273,15 @@ class ClusterSpec(_Strict):
         default_factory=dict, description="per role: decides, on_failure, at_end (defaults per strategy)"
     )
     ssh: SshSpec = SshSpec()
+    record: RecordSpec = RecordSpec()
 
     def role_count(self, role: Role) -> int:
         return sum(h.tasks.get(role, 0) for h in self.hosts)
+
+    def secret_names(self) -> frozenset[str]:
+        """The env names whose values are secret: job.secret_env, and those that look like it."""
+        names = set(self.job.env).union(*(h.env for h in self.hosts))
+        return frozenset(self.job.secret_env).union(n for n in names if SECRET_NAME.search(n))
 
     @property
     def shared_checkpoint_dir(self) -> Path | None:

@@ -35,16 +35,20 @@ def api_cost(calls: int = 20000, heartbeats: int = 300) -> dict[str, float]:
     """What reporting costs a task, measured in-process (no noise from other processes): one
     worker.report() call, and one heartbeat (build it, post it, the coordinator's answer)."""
     sys.path.insert(0, str(REPO))
+    from orchestrator.health.credentials import Credentials
     from orchestrator.health.server import HeartbeatServer
     from orchestrator.health.store import HealthStore
     from worker.reporter import Reporter, ReporterConfig
 
     store = HealthStore(time.monotonic)
     store.reset(0, ["worker-0"])
-    server = HeartbeatServer(store, "t").start()
+    credentials = Credentials()
+    credentials.place({"worker-0": 0})  # one host, as the local backend
+    server = HeartbeatServer(store, credentials).start()
     try:
+        token = credentials.task_token("worker-0", 0)  # the task's own, as its backend gives it
         rep = Reporter(
-            ReporterConfig("worker-0", 0, server.url, "t", interval_s=3600, coordinator_timeout_s=60)
+            ReporterConfig("worker-0", 0, server.url, token, interval_s=3600, coordinator_timeout_s=60)
         )
         t0 = time.perf_counter()
         for i in range(calls):

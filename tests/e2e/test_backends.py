@@ -59,11 +59,13 @@ class Opened:
     record: dict[str, Any]
     logs: Path
     run_id: str
+    credentials: Credentials
 
     def start(self, name: str, attempt: int = 0, *, wait_up: bool = True) -> TaskHandle:
         """Start a task; unless told not to, wait until its signal handling is in place."""
         log = self.logs / f"{name}-{attempt}.log"
-        handle = self.backend.start(self.plan.task(name), attempt, "secret", log)
+        token = self.credentials.task_token(name, attempt)  # its own: a task with another stops itself
+        handle = self.backend.start(self.plan.task(name), attempt, token, log)
         assert not wait_up or wait_until(lambda: b"\nup\n" in log.read_bytes(), 30), log.read_text()
         return handle
 
@@ -112,7 +114,7 @@ def opened(
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         plan = make_plan(spec, run_id, placements)
         credentials.place({t.name: t.host_index for t in plan.tasks})
-        yield Opened(backend, plan, backend.record(), run_dir / "logs", run_id)
+        yield Opened(backend, plan, backend.record(), run_dir / "logs", run_id, credentials)
     finally:
         for proc in run_processes(run_id):
             proc.kill()

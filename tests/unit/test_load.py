@@ -288,3 +288,29 @@ def test_any_bytes_through_the_command_line_exit_2_or_0_without_a_traceback(
     path = tmp_path_factory.getbasetemp() / "fuzz-cli.yaml"
     path.write_bytes(raw)
     assert cli.main(["validate", str(path)]) in (0, 2)
+
+
+# --- the run's copy of a spec keeps no secret (issue 13) --------------------------------------------
+
+
+def test_the_specs_copy_has_its_secret_values_redacted_and_the_rest_as_written() -> None:
+    from orchestrator.spec.load import redact_text
+
+    text = (
+        "# my lab\nname: demo\nhosts:\n  - address: 127.0.0.1   # here\n    tasks: {worker: 1}\n"
+        "    env: {HOST_TOKEN: 'h-1', KEEP: k}\n"
+        'job:\n  script: train.py\n  env:\n    API_KEY: &k "a-1"\n    OTHER_KEY: *k\n'
+        "    MULTI: |\n      line one\n      line two\n    PLAIN: p\n"
+    )
+    out = redact_text(text, {"HOST_TOKEN", "API_KEY", "MULTI"})
+    assert "h-1" not in out and "a-1" not in out and "line one" not in out
+    assert out.startswith("# my lab\nname: demo\n") and "address: 127.0.0.1   # here" in out
+    data = yaml.safe_load(out)
+    assert data["hosts"][0]["env"] == {"HOST_TOKEN": "<redacted>", "KEEP": "k"}
+    assert data["job"]["env"] == {
+        "API_KEY": "<redacted>",
+        "OTHER_KEY": "<redacted>",  # an alias of a secret's value is the secret
+        "MULTI": "<redacted>",
+        "PLAIN": "p",
+    }
+    assert redact_text(text, set()) == text

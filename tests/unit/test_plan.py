@@ -689,3 +689,22 @@ def test_mirrored_cpu_replicas_reach_the_loop(tmp_path: Path) -> None:
     )
     argv = plan_of(spec).task("worker-0").argv
     assert argv[argv.index("--cpu-replicas") + 1] == "2"
+
+
+# ---------------------------------------------------------------- secrets in the environment (issue 13)
+
+
+def test_secret_values_are_redacted_in_the_plans_record_but_given_to_the_task(tmp_path: Path) -> None:
+    job = (
+        "script: train.py\n  env: {WANDB_API_KEY: k1, DB_PASSWORD: p1, HF_TOKEN: t1, LAB_PROXY: x1, "
+        "AUTHOR: me, PLAIN: v}\n  secret_env: [LAB_PROXY]"
+    )
+    spec = spec_of(tmp_path, "- address: 127.0.0.1\n  tasks: {worker: 1}\n  env: {HOST_SECRET: h1}", job=job)
+    assert spec.secret_names() == {"WANDB_API_KEY", "DB_PASSWORD", "HF_TOKEN", "LAB_PROXY", "HOST_SECRET"}
+    plan = plan_of(spec)
+    task = plan.task("worker-0")
+    assert task.env["WANDB_API_KEY"] == "k1" and task.env["HOST_SECRET"] == "h1"  # the task gets them
+    written = json.dumps(plan.to_json())
+    assert not any(f'"{v}"' in written for v in ("k1", "p1", "t1", "x1", "h1"))
+    env = plan.to_json()["tasks"][0]["env"]
+    assert env["LAB_PROXY"] == "<redacted>" and env["AUTHOR"] == "me" and env["PLAIN"] == "v"

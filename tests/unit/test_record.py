@@ -475,3 +475,19 @@ def test_up_on_a_full_disk_says_so_and_starts_nothing(
     assert code == 3, err
     assert err.startswith("orchestrate: cannot write the run directory ") and "No space left on device" in err
     assert "Traceback" not in err
+
+
+def test_a_spec_may_share_the_run_directory_with_the_owners_group(tmp_path: Path) -> None:
+    old_umask = os.umask(0o077)  # even under a strict umask
+    record.share_with_group(True)
+    try:
+        rec = record.RunRecord(tmp_path / "run")
+        rec.write_status({"state": "RUNNING", "tasks": []})
+        rec.event(kind="run", reason="x")
+        rec.close()
+    finally:
+        record.share_with_group(False)
+        os.umask(old_umask)
+    assert _mode(tmp_path / "run") == 0o750 and _mode(tmp_path / "run" / "logs") == 0o750
+    # files: 0640 under the usual umask (022); a stricter umask still applies to them
+    assert _mode(tmp_path / "run" / "events.jsonl") & 0o7 == 0
