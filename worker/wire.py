@@ -225,7 +225,7 @@ class Heartbeat:
                 restored=_restored(restored) if restored is not None else None,
                 points_from=points_from,
             )
-        except (TypeError, KeyError, ValueError) as exc:
+        except (TypeError, KeyError, ValueError, OverflowError) as exc:  # an int too large for a float
             raise ValueError(f"malformed heartbeat: {exc}") from None
 
 

@@ -8,6 +8,8 @@ import json
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer
@@ -288,3 +290,57 @@ def test_a_known_client_may_idle_but_holds_few_connections(small_server):
     assert len(srv.connections) == 4
     time.sleep(2.0)
     assert len(srv.connections) == 0
+
+
+# --- whatever a credentialed client posts, the handler answers (hypothesis) ---
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)
+_FIELDS = (
+    "task",
+    "attempt",
+    "seq",
+    "sent_at",
+    "pid",
+    "rss_bytes",
+    "cpu_percent",
+    "step",
+    "total_steps",
+    "metrics",
+    "points",
+    "error",
+    "user_frame",
+    "restored",
+    "points_from",
+    "done",
+    "ready",
+)
+
+
+@st.composite
+def heartbeats(draw):
+    """Mostly well-formed heartbeats of worker-0, any field replaced by any JSON value."""
+    body = json.loads(hb(step=1, metrics={"loss": 0.5}, points=[{"step": 1, "loss": 0.5}]))
+    for name in draw(st.lists(st.sampled_from(_FIELDS), max_size=4)):
+        body[name] = draw(_JSON | st.integers(min_value=-(10**400), max_value=10**400))
+    return body
+
+
+class _Conn:
+    client = CREDENTIALS.check(TOKEN.encode())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=heartbeats(), batch=st.booleans())
+def test_any_heartbeat_gets_an_answer_never_an_exception(server, body, batch):
+    srv, store, _ = server
+    handler = srv._handler
+    data = json.dumps(body).encode()
+    if batch:
+        status, answer = handler(wire.BATCH_PATH.encode(), b"[" + data + b"]", {}, _Conn())[:2]
+        assert status == wire.FORBIDDEN_STATUS  # a task's credential: no batch
+    status = handler(wire.HEARTBEAT_PATH.encode(), data, {}, _Conn())[0]
+    assert status in (200, 400, 403, 404, 409, 410)
