@@ -114,6 +114,8 @@ class Relay:
         try:
             raw = json.loads(body)
             key = (raw["task"], raw["attempt"], raw["pid"])
+            if type(key[2]) is not int:
+                raise TypeError("pid")
         except (ValueError, TypeError, KeyError, RecursionError):
             return BAD_REQUEST_STATUS, b"not a heartbeat"
         if key[:2] != conn.client:
