@@ -14,6 +14,7 @@ import http.client
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -76,7 +77,7 @@ class Reporter:
         self._phase_sent: tuple[bool, ...] | None = None
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # first call primes the counter
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None  # kept alive between heartbeats
         self._thread: threading.Thread | None = None
 
     # --- called from the user's code (cheap, never touches the network) ---
@@ -275,34 +276,44 @@ class Reporter:
     def _post(self, body: bytes, urgent: bool) -> tuple[int | None, float | None]:
         """POST one heartbeat: its HTTP status (None when nobody could be reached), and when to post
         the next one if a relay said so. `urgent` (the task's phase changed): a relay forwards it
-        at once, not at its next flush."""
+        at once, not at its next flush. Head and body go in one write (http.client sends them
+        apart: two segments, two wake-ups of the coordinator per heartbeat)."""
         assert self._config is not None
-        headers = {"Content-Type": "application/json", wire.TOKEN_HEADER: self._config.token}
-        if urgent:
-            headers[wire.FLUSH_HEADER] = "1"
         url = urllib.parse.urlsplit(self._config.url)
-        for fresh in (self._conn is None, True):  # a kept-alive connection the server closed: once more
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        request = (
+            f"POST {wire.HEARTBEAT_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\n{wire.TOKEN_HEADER}: {self._config.token}\r\n"
+            + (f"{wire.FLUSH_HEADER}: 1\r\n" if urgent else "")
+            + f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        for fresh in (self._sock is None, True):  # a kept-alive connection the server closed: once more
             try:
-                if self._conn is None:
+                if self._sock is None:
                     timeout = max(1.0, min(5.0, self._config.interval_s * 2))
-                    self._conn = http.client.HTTPConnection(
-                        url.hostname or "127.0.0.1", url.port, timeout=timeout
-                    )
-                self._conn.request("POST", wire.HEARTBEAT_PATH, body=body, headers=headers)
-                resp = self._conn.getresponse()
+                    self._sock = socket.create_connection((host, port), timeout=timeout)
+                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sock.sendall(request)
+                resp = http.client.HTTPResponse(self._sock)
+                resp.begin()
                 resp.read()
+                if resp.will_close:
+                    self._close()
                 post_in = resp.getheader(wire.POST_IN_HEADER)
                 return resp.status, float(post_in) if post_in else None
             except (OSError, http.client.HTTPException, ValueError) as exc:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
+                self._close()
                 stale = isinstance(
                     exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
                 )
                 if fresh or not stale:
                     return None, None
         return None, None
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _die(self, why: str) -> None:
         print(f"[orchestrate] {why}; this task exits now", file=sys.stderr, flush=True)

@@ -258,10 +258,12 @@ def test_strangers_holding_every_connection_make_room_for_a_task(small_server):
     srv, store = small_server
     strangers = raw_connections(srv.url, 200)  # ten times the cap, idle
     try:
-        time.sleep(0.1)
-        assert len(srv.connections) <= 20
+        deadline = time.monotonic() + 5  # all of them accepted (the machine may be busy)
+        gone = lambda: srv.connections.evicted + srv.connections.expired  # noqa: E731
+        while gone() < 180 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gone() >= 180 and len(srv.connections) <= 20
         assert post(srv.url, hb(step=1), TOKEN) == 200  # its own connection is the newest
-        assert srv.connections.evicted >= 180
         assert store.snapshot()["worker-0"].step == 1
     finally:
         for s in strangers:
