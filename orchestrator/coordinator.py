@@ -33,6 +33,7 @@ from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.record import (
     RunRecord,
+    ensure_free,
     make_private_dir,
     new_run_dir,
     new_run_id,
@@ -300,6 +301,7 @@ class _stop_on_signals:
 
 def detach(argv: list[str], run_dir: Path) -> int:
     """Start `orchestrate up` again in the background, in its own session; return its pid."""
+    ensure_free(run_dir)
     make_private_dir(run_dir)
     with private_open(run_dir / "coordinator.log") as out:
         proc = psutil.Popen(

@@ -266,7 +266,14 @@ class RunRecord:
             return False
 
 
-def _take_lock(path: Path) -> int:
+def ensure_free(run_dir: Path) -> None:
+    """Raise RunDirBusy when a live coordinator holds `run_dir` (`up --detach` asks before it
+    starts one in the background, which would only find out in its log)."""
+    if (run_dir / _LOCK).exists():
+        os.close(_take_lock(run_dir / _LOCK, write_pid=False))
+
+
+def _take_lock(path: Path, write_pid: bool = True) -> int:
     """The run directory's lock, held for the coordinator's life (the kernel lets go when it dies)."""
     fd = _private(str(path), os.O_RDWR | os.O_CREAT)
     try:
@@ -281,8 +288,9 @@ def _take_lock(path: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if write_pid:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

@@ -491,3 +491,21 @@ def test_a_spec_may_share_the_run_directory_with_the_owners_group(tmp_path: Path
     assert _mode(tmp_path / "run") == 0o750 and _mode(tmp_path / "run" / "logs") == 0o750
     # files: 0640 under the usual umask (022); a stricter umask still applies to them
     assert _mode(tmp_path / "run" / "events.jsonl") & 0o7 == 0
+
+
+def test_up_detach_on_a_run_directory_in_use_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator import cli
+    from tests.unit.test_cli import LOCAL_SPEC, spec_file
+
+    spec = spec_file(tmp_path, LOCAL_SPEC)
+    live = record.RunRecord(tmp_path / "run")  # as a live coordinator holds it
+    try:
+        code = cli.main(["up", str(spec), "--detach", "--run-dir", str(tmp_path / "run")])
+    finally:
+        live.close()
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert f"in use by a live coordinator (pid {os.getpid()})" in err
+    assert not (tmp_path / "run" / "coordinator.log").exists()
