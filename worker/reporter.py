@@ -211,8 +211,8 @@ class Reporter:
                     self._die(f"the coordinator refuses this task's heartbeats: {_REFUSED[status]}")
                 if time.monotonic() - last_ok > cfg.coordinator_timeout_s:
                     self._die(f"no coordinator reachable at {cfg.url} for {cfg.coordinator_timeout_s:g} s")
-            if final:
-                return
+            if final and (status != wire.OK_STATUS or not self._points):
+                return  # the last word said (and every point with it, a heartbeat's worth at a time)
             # A host's relay names when to post next, so that its tasks' heartbeats land just before
             # one of its flushes (one request per host and interval); kept near one interval.
             wait_s = (

@@ -139,3 +139,21 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_what_a_task_reports_stays_within_what_a_heartbeat_may_carry(server, caplog):
+    srv, store, points = server
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
+    # before the thread starts: 2,500 points wait, more than one heartbeat may carry
+    for step in range(1, 2501):
+        rep.report(step, loss=0.5, task=1.0, **{"x" * 101: 1.0})
+    for i in range(wire.MAX_METRICS + 5):
+        rep.progress(**{f"m{i}": float(i)})
+    rep.start()
+    rep.finish()
+    assert [p["step"] for p in points] == list(range(1, 2501))  # in three heartbeats, each point once
+    assert all("task" not in p and "x" * 101 not in p for p in points)
+    kept = store.snapshot()["worker-0"].metrics
+    assert len(kept) == wire.MAX_METRICS and "loss" in kept and "m0" in kept
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 2 + 6  # task, the long name, and the names past 64: each said once
