@@ -23,6 +23,8 @@ class SpecProblem:
     def key(self) -> str:
         out = ""
         for part in self.path:
+            if isinstance(part, str) and not (part.isprintable() and part.strip() == part and part):
+                part = repr(part)  # a key with a newline, a control character: one line, visible
             out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
         return out or "(top level)"
 

@@ -5,6 +5,9 @@ Each problem is reported at the key the user should change; `load.py` adds the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 from orchestrator.errors import SpecProblem
 from orchestrator.spec.model import MAX_TASKS, AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
 from orchestrator.spec.roles import role_policies
@@ -132,11 +135,11 @@ def _check_job(spec: ClusterSpec) -> list[SpecProblem]:
     problems = []
     job = spec.job
     for key, path in (("script", job.script), ("loop", job.loop)):
-        if path is not None and not path.is_file():
+        if path is not None and not _is(path, Path.is_file):
             problems.append(SpecProblem(("job", key), f"no such file: {path}"))
     entry = job.script or job.loop
     if job.files is not None:
-        if not job.files.is_dir():
+        if not _is(job.files, Path.is_dir):
             problems.append(SpecProblem(("job", "files"), f"no such folder: {job.files}"))
         elif entry is not None and not entry.is_relative_to(job.files):
             key = "script" if job.script is not None else "loop"
@@ -221,3 +224,12 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
 
 def _key(path: tuple[str | int, ...]) -> str:
     return SpecProblem(path, "").key
+
+
+def _is(path: Path, test: Callable[[Path], bool]) -> bool:
+    """`path.is_file()` and the like, False where the path cannot even be looked at (a name too
+    long, a folder we may not enter)."""
+    try:
+        return test(path)
+    except OSError:
+        return False

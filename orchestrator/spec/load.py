@@ -100,7 +100,7 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
         raise SpecError(file, [SpecProblem((), f"the spec has more than {MAX_SPEC_BYTES:,} bytes", 1)])
     try:
         _check_nesting(text, file)
-        loader = yaml.CSafeLoader(text) if _LIBYAML else yaml.SafeLoader(text)
+        loader = _CLoader(text) if _LIBYAML else _PyLoader(text)
         try:
             node = loader.get_single_node()
             if node is None:
@@ -123,7 +123,8 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
         line = mark.line + 1 if mark is not None else 1
         line = min(line, max(1, len(text.rstrip().splitlines())))  # never past the last line
         msg = " ".join(filter(None, [exc.context, exc.problem])) or str(exc)
-        raise SpecError(file, [SpecProblem((), f"YAML syntax error: {msg}", line)]) from None
+        kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise SpecError(file, [SpecProblem((), f"{kind}: {msg}", line)]) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow, written as itself
         if _LIBYAML:  # libyaml counts bytes of UTF-8, PyYAML's own reader characters
             line = text.encode("utf-8", "surrogatepass").count(b"\n", 0, exc.position) + 1
@@ -139,6 +140,29 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
 
 
 _LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
+
+
+class _Located:
+    """A value YAML parses but cannot build (`2001-02-30`, `!!bool maybe`, `!!int`, a sexagesimal
+    number too large for a float, an integer of over 4,300 digits) is a ConstructorError at its
+    own line, like any other YAML problem, not a ValueError, KeyError, … from PyYAML's inside."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)  # type: ignore[misc]
+        except (ValueError, KeyError, IndexError, AttributeError, OverflowError, TypeError) as exc:
+            problem = f"this value cannot be read ({type(exc).__name__}: {str(exc)[:100]})"
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+class _CLoader(_Located, yaml.CSafeLoader if _LIBYAML else yaml.SafeLoader):  # type: ignore[misc]
+    pass
+
+
+class _PyLoader(_Located, yaml.SafeLoader):
+    pass
+
+
 _OPENS = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
 _CLOSES = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
 
@@ -209,6 +233,8 @@ _CONTROL = {chr(c) for c in (*range(0x20), 0x7F)} - {"\t", "\n"}
 def _control_characters(value: Any, path: Path_) -> list[SpecProblem]:
     """Control characters (NUL, ESC, …) written as escapes: no environment, argument or path can
     carry a NUL, and the others only garble a terminal. Tabs and newlines are fine."""
+    if len(path) > _INDEX_DEPTH:
+        return []  # deeper than any key of the schema: refused by it anyway
     if isinstance(value, str):
         bad = sorted({c for c in value if c in _CONTROL})
         if bad:
@@ -226,8 +252,16 @@ def _control_characters(value: Any, path: Path_) -> list[SpecProblem]:
     return out
 
 
+#: Keys and items are located (and checked for control characters) this deep: the schema's
+#: deepest key is 4 down (hosts[0].env.NAME); below, a problem takes its ancestor's line, and
+#: walking a tree of aliases 100,000 values large at every depth cost seconds (path tuples grow).
+_INDEX_DEPTH = 8
+
+
 def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list[SpecProblem]) -> None:
     """Record the line of every key and list item below `node`."""
+    if len(path) >= _INDEX_DEPTH:
+        return
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
         for key_node, value_node in node.value:

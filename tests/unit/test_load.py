@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,44 @@ def test_the_worst_inputs_stay_within_a_second_and_100_mb(tmp_path: Path) -> Non
         assert code == 2 and "Traceback" not in err, (path, err)
         assert took_s < 5.0, (path, took_s)
     assert max_rss_kb < 500 * 1024, max_rss_kb
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [  # found by scripts/bench/spec_fuzz.py: each was a traceback
+        (GOOD.replace("127.0.0.1", "!!timestamp x"), 3),  # AttributeError inside PyYAML
+        (GOOD + "restart:\n  max_restarts: !!int\n", 10),  # IndexError
+        (GOOD.replace("train.py", "!!bool maybe"), 6),  # KeyError
+        (GOOD.replace("{worker: 2}", "{worker: 0x_}"), 4),  # ValueError
+        (GOOD.replace("demo", "9" * 5000), 1),  # ValueError: over 4,300 digits
+        (GOOD.replace("train.py", ":".join(["1"] * 400) + ".5"), 6),  # OverflowError: sexagesimal
+        (GOOD.replace("train.py", "2001-02-30"), 6),  # ValueError: no such day
+        (GOOD.replace("train.py", "2001-12-14 25:00:00"), 6),
+        (GOOD.replace("127.0.0.1", "!!float x"), 3),
+    ],
+)
+def test_a_value_yaml_cannot_build_is_a_spec_error_at_its_line(tmp_path: Path, text: str, line: int) -> None:
+    at, message = problem(spec_at(tmp_path, text))
+    assert at == line and "this value cannot be read" in message
+
+
+def test_a_script_path_that_cannot_even_be_looked_at_is_no_such_file(tmp_path: Path) -> None:
+    at, message = problem(spec_at(tmp_path, GOOD.replace("train.py", "x" * 300)))
+    assert at == 6 and "job.script: no such file" in message  # ENAMETOOLONG, not a traceback
+
+
+def test_a_key_with_a_newline_is_shown_on_one_line(tmp_path: Path) -> None:
+    at, message = problem(spec_at(tmp_path, "? |\n  x\n: 1\n" + GOOD))
+    assert at == 1 and "'x\\n': unknown key" in message and message.count("\n") == 0
+
+
+def test_deep_alias_chains_are_walked_only_as_deep_as_the_schema(tmp_path: Path) -> None:
+    # 16 anchors each nesting the previous 8 deeper: 128 deep once expanded, 3.5 KB of text
+    defs = "defs: [&d0 [1]" + "".join(f", &d{i} {'[' * 8}*d{i - 1}{']' * 8}" for i in range(1, 16)) + "]\n"
+    started = time.monotonic()
+    at, message = problem(spec_at(tmp_path, defs + GOOD))
+    assert at == 1 and "defs: unknown key" in message
+    assert time.monotonic() - started < 0.5  # was 1.7 s and 220 MB: the line index followed every path
 
 
 # --- fuzzing ----------------------------------------------------------------------------------
