@@ -142,12 +142,20 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
 _LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 class _Located:
     """A value YAML parses but cannot build (`2001-02-30`, `!!bool maybe`, `!!int`, a sexagesimal
     number too large for a float, an integer of over 4,300 digits) is a ConstructorError at its
     own line, like any other YAML problem, not a ValueError, KeyError, … from PyYAML's inside."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if node.tag in _NUMBER_TAGS and isinstance(node, yaml.ScalarNode) and len(node.value) > 100:
+            # no spec key wants one; and PyYAML builds `1:1:…` (base 60) in quadratic time
+            raise yaml.constructor.ConstructorError(
+                None, None, "a number of more than 100 characters", node.start_mark
+            )
         try:
             return super().construct_object(node, deep)  # type: ignore[misc]
         except (ValueError, KeyError, IndexError, AttributeError, OverflowError, TypeError) as exc:
