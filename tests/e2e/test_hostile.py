@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -53,6 +54,8 @@ def test_a_flood_of_idle_connections_cannot_stop_a_run(job_factory):
         cwd=job.root,
     )
     held: list[socket.socket] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))  # room for the flood
     try:
         host, port = coordinator_url(job).removeprefix("http://").split(":")
         assert wait_until(lambda: job.status().get("state") == "RUNNING", 60), job.status()
@@ -67,6 +70,7 @@ def test_a_flood_of_idle_connections_cannot_stop_a_run(job_factory):
     finally:
         for s in held:
             s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         if proc.poll() is None:
             proc.kill()
     print("held up to 3,000 idle connections; the coordinator's open-files limit 1,024")
