@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from orchestrator.errors import SpecError, SpecProblem
 from orchestrator.spec.checks import check_spec
-from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.spec.model import MAX_HOSTS, Backend, ClusterSpec
 
 Path_ = tuple[str | int, ...]
 
@@ -106,6 +106,7 @@ def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
             if node is None:
                 raise SpecError(file, [SpecProblem((), "the spec is empty", 1)])
             _check_size(node, file)
+            _check_hosts(node, file)
             lines: dict[Path_, int] = {(): node.start_mark.line + 1}
             problems: list[SpecProblem] = []
             _index(node, (), lines, problems)
@@ -190,41 +191,59 @@ def _check_nesting(text: str, file: str) -> None:
 
 def _check_size(root: yaml.Node, file: str) -> None:
     """The tree's size with every alias expanded (counted once per node, iteratively): at most
-    MAX_VALUES, and no alias inside the node it names (`a: &x [*x]` never ends)."""
+    MAX_VALUES, and no alias inside the node it names (`a: &x [*x]` never ends). Scalars count 1
+    and are never pushed (a spec of 65,000 list items took 0.45 s here otherwise)."""
     size: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+
+    def never_ends(node: yaml.Node) -> SpecError:
+        message = "a YAML alias inside the value it names never ends"
+        return SpecError(file, [SpecProblem((), message, node.start_mark.line + 1)])
+
     while stack:
         node, done = stack.pop()
         key = id(node)
-        children = _children(node)
         if done:
             on_path.discard(key)
-            size[key] = min(MAX_VALUES + 1, 1 + sum(size[id(c)] for c in children))
-            if size[key] > MAX_VALUES:
-                line = node.start_mark.line + 1
-                raise SpecError(
-                    file,
-                    [SpecProblem((), f"expands to more than {MAX_VALUES:,} values (YAML aliases?)", line)],
-                )
+            total = 1
+            for child in _children(node):
+                total += size.get(id(child), 1)  # a scalar: 1
+                if total > MAX_VALUES:
+                    line = node.start_mark.line + 1
+                    raise SpecError(
+                        file,
+                        [
+                            SpecProblem(
+                                (), f"expands to more than {MAX_VALUES:,} values (YAML aliases?)", line
+                            )
+                        ],
+                    )
+            size[key] = total
             continue
-        if key in size:
+        if key in size or isinstance(node, yaml.ScalarNode):
             continue
         if key in on_path:
-            line = node.start_mark.line + 1
-            raise SpecError(
-                file, [SpecProblem((), "a YAML alias inside the value it names never ends", line)]
-            )
+            raise never_ends(node)
         on_path.add(key)
         stack.append((node, True))
-        for child in children:
+        for child in _children(node):
+            if isinstance(child, yaml.ScalarNode):
+                continue
             if id(child) in on_path:
-                line = child.start_mark.line + 1
-                raise SpecError(
-                    file, [SpecProblem((), "a YAML alias inside the value it names never ends", line)]
-                )
+                raise never_ends(child)
             if id(child) not in size:
                 stack.append((child, False))
+
+
+def _check_hosts(root: yaml.Node, file: str) -> None:
+    """More than MAX_HOSTS hosts is said before any is built or validated (65,000 took a second)."""
+    pairs = root.value if isinstance(root, yaml.MappingNode) else []
+    for key, value in pairs:
+        named = isinstance(key, yaml.ScalarNode) and key.value == "hosts"
+        if named and isinstance(value, yaml.SequenceNode) and len(value.value) > MAX_HOSTS:
+            message = f"{len(value.value):,} hosts; a spec may have at most {MAX_HOSTS:,}"
+            raise SpecError(file, [SpecProblem(("hosts",), message, key.start_mark.line + 1)])
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

@@ -192,8 +192,16 @@ def test_hosts_are_bounded(tmp_path: Path) -> None:
         for i in range(MAX_HOSTS + 1)
     )
     text = f"name: demo\nbackend: ssh\nhosts:\n{hosts}job:\n  script: train.py\n"
-    with pytest.raises(SpecError, match=f"at most {MAX_HOSTS} items"):
-        load_spec(spec_at(tmp_path, text))
+    at, message = problem(spec_at(tmp_path, text))
+    assert at == 3 and "hosts: 1,025 hosts; a spec may have at most 1,024" in message
+
+
+def test_sixty_thousand_hosts_are_refused_before_each_is_validated(tmp_path: Path) -> None:
+    text = "name: x\njob: {script: train.py}\nhosts:\n" + "- 1\n" * 65_000
+    started = time.monotonic()
+    at, message = problem(spec_at(tmp_path, text))
+    assert at == 3 and "65,000 hosts" in message
+    assert time.monotonic() - started < 1.0  # over 1 s before: every item built and validated first
 
 
 def test_the_worst_inputs_stay_within_a_second_and_100_mb(tmp_path: Path) -> None:
