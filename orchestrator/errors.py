@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 
@@ -34,13 +35,22 @@ class SpecError(OrchestrateError):
 
     exit_code = 2
 
+    #: Problems shown: a spec of 20,000 unknown keys is not answered with 20,000 lines (2 MB).
+    SHOWN = 50
+
     def __init__(self, file: str, problems: list[SpecProblem]):
         self.file = file
-        self.problems = sorted(problems, key=lambda p: (p.line or 0, p.key))
+        by_line = heapq.nsmallest(self.SHOWN, problems, key=lambda p: p.line or 0)  # stable
+        self.problems = sorted(by_line, key=lambda p: (p.line or 0, p.key))
+        self.more = len(problems) - len(self.problems)
         super().__init__(self.render())
 
     def render(self) -> str:
-        return "\n".join(f"{self.file}:{p.line or 1}: {p.key}: {p.message}" for p in self.problems)
+        lines = [f"{self.file}:{p.line or 1}: {p.key}: {p.message}" for p in self.problems]
+        if self.more:
+            last = self.problems[-1].line or 1
+            lines.append(f"{self.file}:{last}: (and {self.more:,} more problems below this line)")
+        return "\n".join(lines)
 
 
 class UsageError(OrchestrateError):

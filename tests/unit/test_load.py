@@ -375,7 +375,8 @@ def test_overlapping_port_ranges_of_a_thousand_hosts_are_found_without_walking_e
     tmp_path: Path,
 ) -> None:
     hosts = "".join(
-        f"  - {{address: 10.0.{i // 250}.{i % 250 + 1}, base_port: 1024, tasks: {{worker: 1024, ps: 1024}}}}\n"
+        f"  - {{address: 10.0.{i // 250}.{i % 250 + 1}, base_port: 1024, "
+        f"tasks: {{worker: 1024, ps: 1024}}}}\n"
         for i in range(1024)
     )
     text = f"name: p\nbackend: ssh\nstrategy: parameter_server\njob: {{script: train.py}}\nhosts:\n{hosts}"
@@ -384,3 +385,14 @@ def test_overlapping_port_ranges_of_a_thousand_hosts_are_found_without_walking_e
         load_spec(spec_at(tmp_path, text))
     assert time.monotonic() - started < 1.0  # was 3 s and 580 MB
     assert "2,097,152 tasks; a spec may have at most 1,024" in str(info.value)
+
+
+def test_twenty_thousand_problems_are_not_twenty_thousand_lines(tmp_path: Path) -> None:
+    text = GOOD + "".join(f"k{i:07d}: 1\n" for i in range(20_000))
+    with pytest.raises(SpecError) as info:
+        load_spec(spec_at(tmp_path, text))
+    lines = str(info.value).splitlines()
+    assert len(lines) == SpecError.SHOWN + 1 and lines[0].endswith(
+        ":9: k0000000: unknown key " + lines[0].split("unknown key ")[1]
+    )
+    assert lines[-1].endswith(":58: (and 19,950 more problems below this line)")
