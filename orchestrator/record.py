@@ -249,6 +249,8 @@ class RunRecord:
         """Run one write. When it fails the record is broken (the first reason is kept: the job is
         to stop), the reserve is given back, and the write tried once more in its room. Whether
         it was written."""
+        if self.closed:  # its files are closed, their descriptors perhaps another file's by now
+            return False
         try:
             write()
             return True
