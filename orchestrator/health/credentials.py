@@ -35,11 +35,13 @@ class Credentials:
     def __init__(self, secret: bytes | None = None):
         self._secret = secret or secrets.token_bytes(32)
         self._scopes: dict[str, int] = {}
+        self._hosts: frozenset[int] = frozenset()  # the scopes a relay may speak for
         self._keys: dict[int, bytes] = {}
 
     def place(self, scopes: Mapping[str, int]) -> None:
         """Where each task runs (task -> host index), from the plan; again when it changes."""
         self._scopes = dict(scopes)  # replaced whole: the server thread reads it unlocked
+        self._hosts = frozenset(self._scopes.values())
 
     def scope_of(self, task: str) -> int | None:
         return self._scopes.get(task)
@@ -69,7 +71,8 @@ class Credentials:
             client = Client(scope, *named) if scope is not None else None
         else:
             kind, _, rest = who.partition("/")
-            client = Client(int(rest)) if kind == RELAY and rest.isdigit() and len(rest) < 9 else None
+            known = kind == RELAY and rest.isdigit() and len(rest) < 9 and int(rest) in self._hosts
+            client = Client(int(rest)) if known else None  # (no key is made for a stranger's scope)
         if client is None or verify(self.scope_key(client.scope), token) is None:
             return None
         return client

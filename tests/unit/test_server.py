@@ -346,3 +346,10 @@ def test_any_heartbeat_gets_an_answer_never_an_exception(server, body, batch):
         assert status == wire.FORBIDDEN_STATUS  # a task's credential: no batch
     status = handler(wire.HEARTBEAT_PATH.encode(), data, {}, _Conn())[0]
     assert status in (200, 400, 403, 404, 409, 410)
+
+
+def test_a_stranger_cannot_make_the_server_derive_keys():
+    before = len(CREDENTIALS._keys)
+    for scope in range(1000, 1500):  # hosts the run does not have
+        assert CREDENTIALS.check(f"relay/{scope}:{'0' * 40}".encode()) is None
+    assert len(CREDENTIALS._keys) == before
