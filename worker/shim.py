@@ -9,7 +9,7 @@ Protocol (one SSH channel per task attempt):
   attempt, grace_s}. The shim first fills the run's folder from the cache (`files`: [relpath,
   sha256, mode] — the job's files and the worker runtime), then starts the task. The
   environment travels here rather than on a command line: no shell ever parses a value (a JSON
-  TF_CONFIG or `$(...)` stays literal) and the per-run secret does not show in `ps`.
+  TF_CONFIG or `$(...)` stays literal) and the task's credential does not show in `ps`.
 - stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL".
   End of file — the coordinator closed the channel, died, or lost the connection — means the same
   as TERM, then SIGKILL after grace_s: a task never outlives its SSH connection.

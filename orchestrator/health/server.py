@@ -1,6 +1,7 @@
 """Health layer: the HTTP endpoint where tasks post heartbeats (one per interval, batched progress).
 
-Every request must carry the run's secret token; anything else is rejected before it is parsed.
+Every request must carry a credential of this run (health/credentials.py), checked before its
+body is read.
 
 An asyncio protocol on a thread of its own, with just the HTTP/1.1 a heartbeat needs (POST with
 Content-Length, keep-alive, pipelining; worker/http1.py, shared with the per-host relay): one
