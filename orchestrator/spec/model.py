@@ -77,7 +77,10 @@ EnvMap = dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], EnvVal
 def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
     if value is None:
         return None
-    value = value.expanduser()
+    try:
+        value = value.expanduser()
+    except RuntimeError:  # `~name/…` of a user this machine does not have
+        raise ValueError(f"{value}: {str(value).split('/')[0]} names no user of this machine") from None
     base = (info.context or {}).get("base_dir")
     if base is not None and not value.is_absolute():
         value = Path(base) / value

@@ -397,3 +397,10 @@ def test_twenty_thousand_problems_are_not_twenty_thousand_lines(tmp_path: Path) 
         ":9: k0000000: unknown key " + lines[0].split("unknown key ")[1]
     )
     assert lines[-1].endswith(":58: (and 19,950 more problems below this line)")
+
+
+def test_a_path_naming_a_user_this_machine_lacks_is_a_spec_error(tmp_path: Path) -> None:
+    # found by hypothesis in CI: `~train.py` is the home of a user `train.py`
+    at, message = problem(spec_at(tmp_path, GOOD.replace("train.py", "~nosuchuser-x/train.py")))
+    assert at == 6
+    assert "job.script: ~nosuchuser-x/train.py: ~nosuchuser-x names no user of this machine" in message
