@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -35,6 +38,20 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+@contextlib.contextmanager
+def tmpfs_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax) of its own at `folder`: a disk that can really fill up
+    (root only; the test is skipped otherwise)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 class CliRun:

@@ -33,9 +33,11 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.conftest import wait_until
+from tests.lab import _ns_id
 
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo", "scontrol")
 NS_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname")
@@ -206,7 +208,7 @@ class SlurmLab:
             )
         self._procs["munged"] = proc
         if (
-            not _wait(lambda: self.munge_socket.exists() or proc.poll() is not None, 10)
+            not wait_until(lambda: self.munge_socket.exists() or proc.poll() is not None, 10, interval_s=0.05)
             or proc.poll() is not None
         ):
             raise RuntimeError(
@@ -269,7 +271,7 @@ class SlurmLab:
             "slurmctld", self.ctld_netns, CTLD_HOST, [exe, "-D", "-i", "-f", str(self.conf)]
         )
         self._wait_exec(proc, exe, "slurmctld")
-        if not _wait(lambda: proc.poll() is not None or self._ctld_answers(), 20, interval_s=0.1):
+        if not wait_until(lambda: proc.poll() is not None or self._ctld_answers(), 20, interval_s=0.1):
             raise RuntimeError(f"slurmctld did not answer in 20 s: {self._tail('log/slurmctld.log')}")
         if proc.poll() is not None:
             raise RuntimeError(f"slurmctld exited ({proc.returncode}): {self._tail('log/slurmctld.log')}")
@@ -292,7 +294,10 @@ class SlurmLab:
                 return os.path.realpath(f"/proc/{proc.pid}/exe") == os.path.realpath(exe)
             return False
 
-        if not _wait(lambda: proc.poll() is not None or there(), 10) or proc.poll() is not None:
+        if (
+            not wait_until(lambda: proc.poll() is not None or there(), 10, interval_s=0.05)
+            or proc.poll() is not None
+        ):
             name = "slurmctld" if what == "slurmctld" else f"slurmd-{what.split()[-1]}"
             raise RuntimeError(f"{what} did not start: {self._tail(f'log/{name}.stderr')}")
 
@@ -338,7 +343,7 @@ class SlurmLab:
             states = self.node_states()
             return set(states) >= names and all(states[n] == "idle" for n in names)
 
-        if not _wait(ready, timeout_s, interval_s=0.2):
+        if not wait_until(ready, timeout_s, interval_s=0.2):
             raise RuntimeError(
                 f"nodes not idle after {timeout_s} s: {states}; {self._tail('log/slurmctld.log')}"
             )
@@ -376,7 +381,7 @@ class SlurmLab:
             states = self.node_states()
             return states.get(name) == "idle"
 
-        if not _wait(idle, timeout_s, interval_s=0.2):
+        if not wait_until(idle, timeout_s, interval_s=0.2):
             raise RuntimeError(f"{name} not idle {timeout_s} s after rejoin: {states.get(name)}")
 
     def leftovers(self) -> list[str]:
@@ -402,7 +407,7 @@ class SlurmLab:
             for pid in self.node_pids(node.name):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        _wait(lambda: not any(self.node_pids(n.name) for n in self.nodes), 5)
+        wait_until(lambda: not any(self.node_pids(n.name) for n in self.nodes), 5, interval_s=0.05)
         # a namespace's links go when the kernel frees it, a moment after `ip netns del`: delete
         # each veth pair now (either end takes the other), so none is left when close returns
         for i, ns in enumerate(self._netns_made):
@@ -425,23 +430,6 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 5) -> None:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout_s)
-
-
-def _wait(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
-
-
-def _ns_id(pid: int, kind: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(f"/proc/{pid}/ns/{kind}")
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def _free_subnet() -> int:

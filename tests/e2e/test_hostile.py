@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import socket
 import subprocess
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_processes, wait_until
+from tests.conftest import run_processes, tmpfs_disk, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -131,15 +130,8 @@ def test_a_task_cannot_speak_for_another(job_factory):
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)], check=True)
-    try:
+    with tmpfs_disk(tmp_path / "disk", "4m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_run_directory_that_fills_up_stops_the_job_cleanly(job_factory, small_disk):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
 
 pytestmark = [
@@ -67,15 +68,6 @@ def sleepers(lab: SlurmLab, marker: str) -> list[int]:
     return found
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
-
-
 def test_srun_runs_on_two_different_nodes(lab: SlurmLab) -> None:
     res = lab.run(["srun", "-N2", "hostname"], timeout_s=30)
     assert res.returncode == 0, res.stderr
@@ -119,11 +111,11 @@ def test_scancel_ends_a_batch_job_on_its_node(lab: SlurmLab) -> None:
     def state() -> str:
         return str(lab.run(["squeue", "-h", "-j", job, "-o", "%T"], timeout_s=10).stdout).strip()
 
-    assert wait_for(lambda: state() == "RUNNING" and sleepers(lab, marker), 20), state()
+    assert wait_until(lambda: state() == "RUNNING" and sleepers(lab, marker), 20), state()
     lab.run(["scancel", job], timeout_s=10, check=True)
     started = time.monotonic()
-    assert wait_for(lambda: not lab.run(["squeue", "-h"], timeout_s=10).stdout.strip(), KILL_WAIT_S + 5)
-    assert wait_for(lambda: not sleepers(lab, marker), KILL_WAIT_S + 5 - (time.monotonic() - started)), (
+    assert wait_until(lambda: not lab.run(["squeue", "-h"], timeout_s=10).stdout.strip(), KILL_WAIT_S + 5)
+    assert wait_until(lambda: not sleepers(lab, marker), KILL_WAIT_S + 5 - (time.monotonic() - started)), (
         sleepers(lab, marker)
     )
 
@@ -133,7 +125,7 @@ def test_a_cut_node_stops_responding_and_rejoins(lab: SlurmLab) -> None:
     within ~10-18 s); `restore` + `rejoin` bring it back to idle."""
     lab.cut("n3")
     try:
-        assert wait_for(lambda: lab.node_states().get("n3", "").endswith("*"), 30, interval_s=0.5), (
+        assert wait_until(lambda: lab.node_states().get("n3", "").endswith("*"), 30, interval_s=0.5), (
             lab.node_states()
         )
     finally:
@@ -152,7 +144,7 @@ def test_close_leaves_nothing_behind() -> None:
         marker = str(300 + int(lab.tag, 16) % 600 + 1)
         res = lab.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", f"sleep {marker}"], timeout_s=20)
         assert res.returncode == 0, res.stderr
-        assert wait_for(lambda: sleepers(lab, marker), 20)
+        assert wait_until(lambda: sleepers(lab, marker), 20)
         pids = [pid for node in lab.nodes for pid in lab.node_pids(node.name)]
         assert lab.leftovers()  # it was all there
     finally:

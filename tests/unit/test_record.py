@@ -8,7 +8,6 @@ import datetime as dt
 import json
 import os
 import re
-import shutil
 import subprocess
 import types
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from orchestrator.record import (
     write_json_atomic,
     write_text_atomic,
 )
+from tests.conftest import tmpfs_disk
 
 ISO_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -408,15 +408,8 @@ def test_a_run_directory_in_use_is_refused_naming_its_coordinator(tmp_path: Path
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs of 1.5 MiB of its own (root only): a disk that can really fill up."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k,mode=0700", "tmpfs", str(disk)], check=True)
-    try:
+    with tmpfs_disk(tmp_path / "disk", "1536k") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def fill(disk: Path) -> None:
