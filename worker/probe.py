@@ -18,6 +18,12 @@ be installed there first). Standard library only; each mode prints one JSON obje
                           files not there yet), then remove what is not in the list on stdin (JSON).
 - shared write|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
                           file there, then reads the others'.
+- mesh PORT WAIT_S ADDR:PORT…   as `node 0`, and while listening on PORT for WAIT_S seconds, try
+                          a connection to each peer (one task per node of a Slurm step).
+- node COUNT [PORT…]      a Slurm node (one probe step per node): its facts as `facts` gives them,
+                          which of the given TF ports are still free, COUNT more free ports (below
+                          the ephemeral range, at random), and which of the files named on stdin
+                          (JSON {path: expected text}) it sees with that content (a shared filesystem).
 
 The coordinator runs the same modes on its own machine (as a subprocess), so a state folder is
 read and written one way everywhere.
@@ -30,6 +36,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -126,6 +133,77 @@ def port_free(port: int) -> bool:
                 continue
             return False
     return True
+
+
+def node(count: str, *ports: str) -> dict[str, Any]:
+    wanted = json.loads(sys.stdin.read() or "{}")
+    seen = {}
+    for path, text in wanted.items():
+        try:
+            with open(path, encoding="utf-8") as f:
+                seen[path] = f.read(4096) == text
+        except (OSError, ValueError):
+            seen[path] = False
+    high = 32768  # the kernel's ephemeral range starts here unless it says otherwise
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
+    ):
+        high = int(f.read().split()[0])
+    high = max(16000, high)
+    chosen: list[int] = []
+    rng = random.SystemRandom()
+    taken = {int(p) for p in ports}
+    for _ in range(500 + 100 * int(count)):
+        if len(chosen) >= int(count):
+            break
+        port = rng.randrange(15000, high)  # as the local backend's ports (orchestrator/launch/ports.py)
+        if port not in taken and port not in chosen and port_free(port):
+            chosen.append(port)
+    return {
+        "hostname": socket.gethostname(),
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+        "tensorflow": version("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"),
+        "gpus": _gpus(),
+        "ports": {p: port_free(int(p)) for p in ports},
+        "free": chosen,
+        "seen": seen,
+    }
+
+
+def mesh(port: str, wait_s: str, *peers: str) -> dict[str, Any]:
+    out = node("0")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        server.bind(("0.0.0.0", int(port)))
+        server.listen(64)
+        server.settimeout(0.2)
+    except OSError as exc:
+        out["listen_error"] = str(exc)
+    end = time.monotonic() + float(wait_s)
+
+    def accept() -> None:
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                server.accept()[0].close()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    time.sleep(min(1.0, float(wait_s) / 3))  # the peers' tasks start about together
+    reached = {}
+    for peer in peers:
+        host, _, p = peer.rpartition(":")
+        try:
+            with socket.create_connection((host, int(p)), timeout=max(0.5, end - time.monotonic() - 0.5)):
+                reached[peer] = True
+        except OSError:
+            reached[peer] = False
+    t.join()
+    server.close()
+    out["reached"] = reached
+    return out
 
 
 def listen(*ports: str) -> None:
@@ -284,6 +362,8 @@ def main(argv: list[str]) -> int:
         "tree": tree,
         "commit": commit,
         "shared": shared,
+        "node": node,
+        "mesh": mesh,
     }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0

@@ -6,7 +6,8 @@ and it imports nothing of this package: it is what puts the package in place.
 
 Protocol (one SSH channel per task attempt):
 - stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
-  attempt, grace_s}. The shim first fills the run's folder from the cache (`files`: [relpath,
+  attempt, grace_s, and optionally follow and forward_signals}.
+  The shim first fills the run's folder from the cache (`files`: [relpath,
   sha256, mode] — the job's files and the worker runtime), then starts the task. The
   environment travels here rather than on a command line: no shell ever parses a value (a JSON
   TF_CONFIG or `$(...)` stays literal) and the task's credential does not show in `ps`.
@@ -15,7 +16,11 @@ Protocol (one SSH channel per task attempt):
   as TERM, then SIGKILL after grace_s: a task never outlives its SSH connection.
 - stdout: the task's output, followed live from its log file on the host (the task writes to the
   file itself, so a slow or dead connection never blocks it and the host keeps the full log).
-- stderr: one JSON line per event: {"event": "started", pid, pgid, create_time}, then
+- The slurm backend runs the same shim as a job step (`srun … python -S worker/shim.py`), with
+  `follow: false` (the log file is on a filesystem the coordinator shares: nothing is streamed)
+  and `forward_signals: false` (Slurm signals every process of the step itself, the task included:
+  a time limit's SIGTERM must reach the task once, not twice).
+- stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then
   {"event": "exit", "code": N} (negative N: killed by signal -N). Anything else on stderr comes
   from a failed start (e.g. the shell's "python3: not found").
 
@@ -31,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,18 +93,28 @@ def main(argv: list[str]) -> int:
     pgid = child.pid
     info = {"pid": child.pid, "pgid": pgid, "create_time": _create_time(child.pid)}
     _write_json(job["pidfile"], {**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()})
-    _emit({"event": "started", **info})
+    step = os.environ.get("SLURM_STEP_ID")
+    where = {
+        "node": socket.gethostname(),
+        "step": f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None,
+    }
+    _emit({"event": "started", **info, **where})
 
-    follower = _Follower(job["log"], offset)
-    follower.start()
+    follower = _Follower(job["log"], offset) if job.get("follow", True) else None
+    if follower is not None:
+        follower.start()
     control = threading.Thread(target=_control, args=(pgid, float(job["grace_s"])), daemon=True)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        # sshd or an admin stopping the shim: the task goes too
-        signal.signal(sig, lambda *_: _terminate_group(pgid, float(job["grace_s"])))
+        if job.get("forward_signals", True):
+            # sshd or an admin stopping the shim: the task goes too
+            signal.signal(sig, lambda *_: _terminate_group(pgid, float(job["grace_s"])))
+        else:
+            signal.signal(sig, signal.SIG_IGN)  # the task had it too; the shim reports its exit
     code = child.wait()
     _terminate_group(pgid, grace_s=2.0)  # nothing of the task outlives it (its own children included)
-    follower.finish()
+    if follower is not None:
+        follower.finish()
     _emit({"event": "exit", "code": code})
     return code if code >= 0 else 128 - code
 

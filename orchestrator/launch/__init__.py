@@ -18,9 +18,8 @@ from orchestrator.spec.model import Backend as BackendName
 from orchestrator.spec.model import ClusterSpec
 
 if TYPE_CHECKING:
-    from orchestrator.launch.api import Backend, Leftovers
+    from orchestrator.launch.api import Backend, CheckReport, Leftovers
     from orchestrator.launch.placement import Placement
-    from orchestrator.launch.preflight import CheckReport
 
 
 def open_backend(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
@@ -29,6 +28,10 @@ def open_backend(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) 
         from orchestrator.launch.local import LocalBackend
 
         return LocalBackend(spec, run_dir, spec_dir)
+    if spec.backend is BackendName.SLURM:
+        from orchestrator.launch.slurm import SlurmBackend
+
+        return SlurmBackend(spec, run_id, run_dir, spec_dir)
     from orchestrator.launch.ssh import SshBackend
 
     return SshBackend(spec, run_id, run_dir)
@@ -45,6 +48,10 @@ def reattach(record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping
         from orchestrator.launch.ssh import SshLeftovers
 
         return SshLeftovers(record, plan)
+    if name == BackendName.SLURM.value:
+        from orchestrator.launch.slurm import SlurmLeftovers
+
+        return SlurmLeftovers(record)
     raise RunDirError(f"backend.json names an unknown backend {name!r}")
 
 
@@ -67,6 +74,11 @@ def preview(
                 python=sys.executable,
             )
         return places, "local ports are free now and chosen again at launch unless the spec fixes base_port"
+    if spec.backend is BackendName.SLURM:
+        from orchestrator.launch.slurm import preview_lines
+
+        places = placement.slurm_preview(spec, run_dir, spec_dir, python=sys.executable)
+        return places, "\n".join(preview_lines(spec, run_id, run_dir))
     note = "work folders as written; `orchestrate check` tries the hosts, their ports and their folders"
     return placement.ssh_preview(spec, run_id), note
 
@@ -76,6 +88,10 @@ def check(spec: ClusterSpec) -> CheckReport | None:
     task runs on this machine)."""
     if spec.backend is BackendName.LOCAL:
         return None
+    if spec.backend is BackendName.SLURM:
+        from orchestrator.launch import slurm
+
+        return slurm.check(spec)
     from orchestrator.launch import preflight
     from orchestrator.launch.placement import ssh_ports
 

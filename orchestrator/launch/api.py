@@ -157,6 +157,16 @@ def unconfirmed_reason(handles: Sequence[TaskHandle]) -> str:
     return f"{names}: exit not confirmed; {handles[0].unconfirmed_hint}"
 
 
+@dataclass(frozen=True)
+class CheckReport:
+    """`orchestrate check`'s findings: one table row per host, then warnings and problems."""
+
+    title: str
+    rows: list[dict[str, str]]
+    warnings: list[str]
+    problems: list[str]
+
+
 class Backend(abc.ABC):
     """Where the tasks of one run execute. One instance per run; see the module docstring."""
 
@@ -194,6 +204,12 @@ class Backend(abc.ABC):
             except LaunchError as exc:
                 out.append(exc)
         return out
+
+    def ended_outside(self) -> str | None:
+        """Why the run must end INTERRUPTED when what the backend runs in was taken away from
+        outside (a Slurm allocation cancelled); None while it was not. Asked once per supervisor
+        iteration: it must be cheap."""
+        return None
 
     @abc.abstractmethod
     def record(self) -> dict[str, Any]:

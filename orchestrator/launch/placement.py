@@ -106,6 +106,25 @@ def ssh_preview(spec: ClusterSpec, run_id: str) -> dict[str, Placement]:
     return ssh_placements(spec, run_id, workdirs, {i: url for i in indexes})
 
 
+def slurm_preview(spec: ClusterSpec, run_dir: Path, spec_dir: Path, *, python: str) -> dict[str, Placement]:
+    """Before allocating (`orchestrate plan`): nodes and ports are known at launch."""
+    assert spec.slurm is not None
+    interpreter = tuple(shlex.split(spec.slurm.python)) if spec.slurm.python else (python,)
+    url = f"http://{spec.slurm.coordinator_address or '<this machine, on the route to the nodes>'}"
+    return {
+        slot.name: Placement(
+            host=spec.hosts[slot.host_index].address,
+            port=0,
+            run_folder=str(run_dir),
+            python=interpreter,
+            cwd=str(spec_dir),
+            coordinator_url=url,
+            host_index=slot.host_index,
+        )
+        for slot in task_slots(spec)
+    }
+
+
 def job_files_root(spec: ClusterSpec) -> Path:
     """The folder copied to hosts that share no disk with this one (job.files, or the job's own
     folder)."""

@@ -22,6 +22,7 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.api import CheckReport
 from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, on_all, probe
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
@@ -106,16 +107,6 @@ def inspect(
     if peers:
         _check_peers(spec, reports, ports)
     return reports
-
-
-@dataclass(frozen=True)
-class CheckReport:
-    """`orchestrate check`'s findings: one table row per host, then warnings and problems."""
-
-    title: str
-    rows: list[dict[str, str]]
-    warnings: list[str]
-    problems: list[str]
 
 
 def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:

@@ -17,6 +17,12 @@ _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
 
 
 def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
+    if spec.backend is Backend.SLURM and spec.slurm is None:
+        return [SpecProblem(("backend",), "backend slurm needs a slurm: section (nodes, tasks_per_node)")]
+    if not spec.hosts:
+        return [
+            SpecProblem(("hosts",), "give at least one host, e.g. - {address: 127.0.0.1, tasks: {worker: 2}}")
+        ]
     problems: list[SpecProblem] = []
     problems += _check_counts(spec)
     problems += _check_strategy_roles(spec)
@@ -27,7 +33,18 @@ def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
 
 
 def _where(spec: ClusterSpec, role: Role) -> list[tuple[str | int, ...]]:
-    return [("hosts", i, "tasks", role.value) for i, h in enumerate(spec.hosts) if h.tasks.get(role, 0) > 0]
+    return [_tasks_key(spec, i, role) for i, h in enumerate(spec.hosts) if h.tasks.get(role, 0) > 0]
+
+
+def _tasks_key(spec: ClusterSpec, host: int, role: Role | None = None) -> tuple[str | int, ...]:
+    """Where a host's task counts are written: hosts[i].tasks, or slurm.tasks_per_node (its
+    nodes stand for hosts)."""
+    tail: tuple[str, ...] = (role.value,) if role is not None else ()
+    if spec.backend is Backend.SLURM and spec.slurm is not None:
+        if isinstance(spec.slurm.tasks_per_node, list):
+            return ("slurm", "tasks_per_node", host, *tail)
+        return ("slurm", "tasks_per_node", *tail)
+    return ("hosts", host, "tasks", *tail)
 
 
 def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
@@ -37,15 +54,25 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
             if count < 1:
                 problems.append(
                     SpecProblem(
-                        ("hosts", i, "tasks", role.value),
-                        "count must be at least 1 (leave the role out for none)",
+                        _tasks_key(spec, i, role), "count must be at least 1 (leave the role out for none)"
                     )
                 )
         if not host.tasks:
-            problems.append(
-                SpecProblem(("hosts", i, "tasks"), "this host runs no task; give e.g. {worker: 1}")
-            )
+            problems.append(SpecProblem(_tasks_key(spec, i), "this host runs no task; give e.g. {worker: 1}"))
+        if spec.backend is Backend.SLURM and not isinstance(spec.slurm.tasks_per_node, list):  # type: ignore[union-attr]
+            break  # the same counts on every node: said once
     for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
+        slurm_mapping = spec.slurm is not None and not isinstance(spec.slurm.tasks_per_node, list)
+        if spec.role_count(role) > 1 and spec.backend is Backend.SLURM and slurm_mapping:
+            problems.append(
+                SpecProblem(
+                    _tasks_key(spec, 0, role),
+                    f"a cluster has at most one {noun}; this mapping puts one on each of "
+                    f"{len(spec.hosts)} nodes: give a list, one entry per node, e.g. "
+                    f"[{{{noun}: 1, worker: 1}}, {{worker: 1}}]",
+                )
+            )
+            continue
         if spec.role_count(role) > 1:
             where = _where(spec, role)
             others = ", ".join(_key(p) for p in where[:3]) + (

@@ -33,6 +33,7 @@ class Strategy(str, enum.Enum):
 class Backend(str, enum.Enum):
     LOCAL = "local"
     SSH = "ssh"
+    SLURM = "slurm"
 
 
 class Role(str, enum.Enum):
@@ -249,6 +250,82 @@ class SshSpec(_Strict):
         return [os.path.normpath(p) for p in value]
 
 
+#: Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+SLURM_TIME = r"^([0-9]{1,5}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|[0-9]{1,7}(:[0-9]{1,2}){0,2})$"
+RoleCounts = dict[Role, Annotated[int, Field(le=MAX_TASKS)]]
+
+
+class SlurmSpec(_Strict):
+    """backend: slurm — an allocation of `nodes` nodes on a Slurm cluster; the same tasks on each
+    node used (or one entry per node), the rest kept as spares for a restart."""
+
+    nodes: int = Field(ge=1, le=MAX_HOSTS, description="nodes to allocate (more than used: spares)")
+    tasks_per_node: RoleCounts | Annotated[list[RoleCounts], Field(min_length=1, max_length=MAX_HOSTS)] = (
+        Field(
+            description="counts per role on every node used, e.g. {worker: 1}; or a list, one entry per "
+            "node used, e.g. [{chief: 1, ps: 1}, {worker: 2}]"
+        )
+    )
+    spare_nodes: int = Field(
+        default=0,
+        ge=0,
+        description="with the mapping form of tasks_per_node: nodes kept free for a restart "
+        "(the list form uses len(list) nodes and keeps the rest spare)",
+    )
+    partition: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.+-]+$", max_length=128)
+    account: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.+-]+$", max_length=128)
+    time: str | None = Field(
+        default=None, pattern=SLURM_TIME, description='time limit of the allocation, e.g. "02:00:00"'
+    )
+    extra_args: list[Annotated[str, Field(max_length=1000)]] = Field(
+        default_factory=list, max_length=100, description="more salloc options, e.g. [--gres=gpu:1]"
+    )
+    queue_timeout_s: float = Field(
+        default=600.0, gt=0, description="give up (and cancel the request) if not allocated within this"
+    )
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="how long a Slurm command may wait for slurmctld"
+    )
+    python: str | None = Field(
+        default=None, min_length=1, description="interpreter on the nodes (default: the coordinator's own)"
+    )
+    coordinator_address: str | None = Field(
+        default=None,
+        pattern=r"^[^\s:/]+(:[0-9]{1,5})?$",
+        description="host[:port] of this machine that the nodes reach (default: this machine's address "
+        "on the route to the nodes)",
+    )
+
+    def layout(self) -> list[dict[Role, int]]:
+        """The tasks of each node used, in node order."""
+        if isinstance(self.tasks_per_node, list):
+            return [dict(t) for t in self.tasks_per_node]
+        return [dict(self.tasks_per_node) for _ in range(max(0, self.nodes - self.spare_nodes))]
+
+    @model_validator(mode="after")
+    def _fits(self) -> SlurmSpec:
+        used = (
+            len(self.tasks_per_node)
+            if isinstance(self.tasks_per_node, list)
+            else self.nodes - self.spare_nodes
+        )
+        if isinstance(self.tasks_per_node, list) and self.spare_nodes:
+            raise ValueError(
+                "slurm.spare_nodes goes with the mapping form of tasks_per_node; with a list, "
+                "slurm.nodes beyond its length are the spares"
+            )
+        if used < 1:
+            raise ValueError(
+                f"slurm.spare_nodes ({self.spare_nodes}) leaves no node of slurm.nodes ({self.nodes})"
+            )
+        if used > self.nodes:
+            raise ValueError(
+                f"slurm.tasks_per_node lists {used} nodes, slurm.nodes allocates {self.nodes}; "
+                "allocate at least as many"
+            )
+        return self
+
+
 class RecordSpec(_Strict):
     share_with_group: bool = Field(
         default=False,
@@ -267,7 +344,11 @@ class ClusterSpec(_Strict):
     name: str = Field(pattern=r"^[a-z0-9-]+$", max_length=63, description="names the run: [a-z0-9-]+")
     strategy: Strategy = Strategy.MULTI_WORKER_MIRRORED
     backend: Backend = Backend.LOCAL
-    hosts: list[HostSpec] = Field(min_length=1, max_length=MAX_HOSTS)
+    hosts: list[HostSpec] = Field(
+        default_factory=list,
+        max_length=MAX_HOSTS,
+        description="backends local and ssh: the hosts and their tasks (backend slurm: see slurm)",
+    )
     job: JobSpec
     train: TrainSpec | None = None
     health: HealthSpec = HealthSpec()
@@ -276,7 +357,17 @@ class ClusterSpec(_Strict):
         default_factory=dict, description="per role: decides, on_failure, at_end (defaults per strategy)"
     )
     ssh: SshSpec = SshSpec()
+    slurm: SlurmSpec | None = None
     record: RecordSpec = RecordSpec()
+
+    @model_validator(mode="after")
+    def _slurm_nodes(self) -> ClusterSpec:
+        # backend slurm: the nodes used stand where hosts stand for the others (the planner, the
+        # checks and the placement rules read hosts); their addresses are known once allocated.
+        if self.backend is Backend.SLURM and self.slurm is not None:
+            nodes = [HostSpec(address=f"<node {i}>", tasks=t) for i, t in enumerate(self.slurm.layout(), 1)]
+            object.__setattr__(self, "hosts", nodes)  # frozen: set once, while validating
+        return self
 
     def role_count(self, role: Role) -> int:
         return sum(h.tasks.get(role, 0) for h in self.hosts)

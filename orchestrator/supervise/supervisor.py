@@ -152,6 +152,8 @@ class Supervisor:
 
     def step(self) -> tuple[ClusterState, ClusterState]:
         before = self.state
+        if self._interrupt is None and not before.is_terminal:
+            self._interrupt = self._backend.ended_outside()
         if self._abort is not None and self.state is not ClusterState.STOPPING and not before.is_terminal:
             self._begin_stop(_Stop(ClusterState.FAILED, self._abort))
         elif (
@@ -227,7 +229,11 @@ class Supervisor:
         for task in self.plan.tasks:
             self.tasks[task.name].plan = task
         for name, place in moved.items():
-            note = f"port {old.task(name).port} of {name} is in use by another program; moved to {place.port}"
+            was = old.task(name)
+            if was.host != place.host:
+                note = f"{name} moved from {was.host}:{was.port} to {place.host}:{place.port}"
+            else:
+                note = f"port {was.port} of {name} is in use by another program; moved to {place.port}"
             self._sink.event(kind="port", attempt=self.attempt, reason=note)
             log.warning("%s", note)
 
