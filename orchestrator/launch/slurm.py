@@ -236,6 +236,9 @@ class Allocation:
         self._holder = holder
         self._log_path = log_path
         self.released = False
+        self.granted = not owned  # ours: once salloc's command runs
+        self._log_size = -1
+        self._revoked = False
 
     @classmethod
     def surrounding(cls, slurm: Slurm, env: Mapping[str, str]) -> Allocation | None:
@@ -272,7 +275,7 @@ class Allocation:
                 line = out.read_text(errors="replace").strip()
                 if line.startswith("ALLOCATED "):
                     _, job, nodelist = line.split(maxsplit=2)
-                    alloc.job_id = job
+                    alloc.job_id, alloc.granted = job, True
                     alloc.nodes = slurm.hostnames(nodelist)
                     return alloc
                 alloc.job_id = alloc.job_id or _pending_job(err)
@@ -312,23 +315,38 @@ class Allocation:
         return None
 
     def ended(self) -> str | None:
-        """Ours, and gone without us releasing it: why (Slurm's words)."""
-        if not self.owned or self.released or self._holder is None or self._holder.poll() is None:
+        """Ours, and gone without us releasing it: why (salloc's words). Cheap: salloc's log is
+        read only when it grew."""
+        if not self.owned or self.released or self._holder is None or self._log_path is None:
             return None
-        said = " ".join(_salloc_errors(self._log_path)) if self._log_path else ""
-        return said or f"salloc exited ({self._holder.returncode})"
+        try:
+            size = self._log_path.stat().st_size
+        except OSError:
+            return None
+        if size != self._log_size:
+            self._log_size = size
+            self._revoked = any(
+                "revoked" in line or "time limit" in line for line in _salloc_errors(self._log_path)
+            )
+        if not self._revoked and self._holder.poll() is None:
+            return None
+        return " ".join(_salloc_errors(self._log_path)) or f"salloc exited ({self._holder.returncode})"
 
     def release(self, slurm: Slurm) -> None:
-        """Ours: close the holder's pipe (salloc relinquishes), then scancel to be sure. The
-        surrounding one is left alone."""
+        """Ours: close the holder's pipe (salloc relinquishes it), or while it is still pending
+        SIGTERM salloc (it withdraws the request); then scancel, to be sure. The surrounding
+        allocation is left alone."""
         if not self.owned or self.released:
             return
         self.released = True
         holder = self._holder
-        if holder is not None:
-            if holder.stdin is not None:
+        if holder is not None and holder.poll() is None:
+            if self.granted:
                 with contextlib.suppress(OSError):
+                    assert holder.stdin is not None
                     holder.stdin.close()
+            else:
+                holder.terminate()
             try:
                 holder.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -440,6 +458,7 @@ class SlurmTaskHandle(TaskHandle):
         self._started = threading.Event()
         self._ended = threading.Event()  # stderr closed: srun is done
         self._exit_code: int | None = None
+        self._given_up = False  # its srun killed by us, the task's end unknown
         self._info: ProcessInfo | None = None
         self.step: str | None = None
         self.messages: list[str] = []
@@ -457,6 +476,8 @@ class SlurmTaskHandle(TaskHandle):
     def poll(self) -> int | None:
         if self._exit_code is not None:
             return self._exit_code
+        if self._given_up:
+            return None  # srun was stopped by us: nothing is known of the task
         if self._ended.is_set() and self._popen.poll() is not None:
             return self._popen.returncode or 1  # the step ended with no word from the shim (node failure)
         return None
@@ -493,6 +514,7 @@ class SlurmTaskHandle(TaskHandle):
             self._popen.stdin.close()  # end of file: the shim stops the task, if it is still there
         if self._popen.poll() is None and not self.exited:
             # its node did not answer: cancel the step (Slurm cleans the node once it is back)
+            self._given_up = True
             if self.step is not None:
                 with contextlib.suppress(LaunchError):
                     self._slurm.run(["scancel", self.step], "cancelling a step", timeout_s=5)
