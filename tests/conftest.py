@@ -86,9 +86,12 @@ class CliRun:
             "--plain",
         ]
 
+    def env(self) -> dict[str, str]:
+        return _env()
+
     def up(self, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root, env=_env()
+            self.command(), capture_output=True, text=True, timeout=timeout_s, cwd=self.root, env=self.env()
         )
 
     def start(self) -> subprocess.Popen[str]:
@@ -98,7 +101,7 @@ class CliRun:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=self.root,
-            env=_env(),
+            env=self.env(),
         )
 
     def status(self) -> dict:

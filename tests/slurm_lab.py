@@ -384,6 +384,23 @@ class SlurmLab:
         if not wait_until(idle, timeout_s, interval_s=0.2):
             raise RuntimeError(f"{name} not idle {timeout_s} s after rejoin: {states.get(name)}")
 
+    def pause_controller(self) -> None:
+        """slurmctld stops answering (SIGSTOP): every client command waits on it."""
+        self._procs["slurmctld"].send_signal(signal.SIGSTOP)
+
+    def resume_controller(self) -> None:
+        self._procs["slurmctld"].send_signal(signal.SIGCONT)
+
+    def jobs(self) -> list[str]:
+        """`squeue` of every job (id, name, state) on the lab's cluster."""
+        out = self.run(["squeue", "-h", "-o", "%i %j %T"], timeout_s=10).stdout
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
+    def steps(self) -> list[str]:
+        """`squeue -s`: every step (id, name) on the lab's cluster."""
+        out = self.run(["squeue", "-h", "-s", "-o", "%i %j"], timeout_s=10).stdout
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
     def leftovers(self) -> list[str]:
         """What of this lab still exists on the machine (empty after close)."""
         found = [f"{name} (pid {p.pid})" for name, p in self._procs.items() if p.poll() is None]

@@ -1011,12 +1011,15 @@ def check(spec: ClusterSpec) -> CheckReport:
     with contextlib.suppress(OSError):
         seen[str(entry)] = entry.read_text(encoding="utf-8", errors="replace")[:4096]
     port = secrets.SystemRandom().randrange(15000, 32000)
-    addresses = [n.get("NodeAddr") or n.get("NodeName", "") for n in nodes]
+    # the step runs on nodes we name, so that each knows its peers: idle ones first
+    ready = sorted(nodes, key=lambda n: not n.get("State", "").startswith(("IDLE", "MIXED")))[: conf.nodes]
+    addresses = [n.get("NodeAddr") or n.get("NodeName", "") for n in ready]
     argv = [
         "srun",
         f"--immediate={max(1, math.ceil(conf.connect_timeout_s))}",
-        f"--nodes={conf.nodes}",
+        f"--nodes={len(ready)}",
         "--ntasks-per-node=1",
+        f"--nodelist={','.join(n.get('NodeName', '') for n in ready)}",
         f"--partition={partition}",
         *([f"--account={conf.account}"] if conf.account else []),
         f"--job-name=orchestrate-check-{secrets.token_hex(4)}",

@@ -1,0 +1,443 @@
+"""The slurm backend end to end, on a real Slurm cluster built on this machine (tests/slurm_lab.py:
+slurmctld and three slurmd nodes, each in namespaces of its own with its own address and name).
+Real salloc/srun/scancel, real TensorFlow where the case needs it, real signals, a real link cut.
+After every case: nothing of ours queued (`squeue`) and no process of the run on any node."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import CliRun, run_processes, wait_until
+from tests.slurm_lab import SlurmLab, why_no_slurm
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_slurm() is not None, reason=why_no_slurm() or "")]
+
+# Two tasks on two nodes sum into one variable: 2 replicas x 20 steps = 40 on both.
+MWMS = """
+    import socket
+    import tensorflow as tf
+    import worker
+    print("HOST " + socket.gethostname(), flush=True)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        v = tf.Variable(0.0, aggregation=tf.VariableAggregation.SUM)
+    step = tf.function(lambda: strategy.run(lambda: v.assign_add(1.0)))
+    worker.set_total_steps(20)
+    for i in range(1, 21):
+        step()
+        worker.report(step=i)
+    print("FINAL", float(v.numpy()), flush=True)
+"""
+
+# No TensorFlow (teardown and placement cases): STEPS steps, forever when 0; attempt 0 may run
+# forever while the next ones end (FIRST_STEPS).
+PLAIN = """
+    import os, socket, time
+    import worker
+    print("HOST " + socket.gethostname(), flush=True)
+    attempt = int(os.environ["ORCHESTRATE_ATTEMPT"])
+    steps = int(os.environ.get("FIRST_STEPS" if attempt == 0 else "STEPS", "0"))
+    i = 0
+    while steps == 0 or i < steps:
+        i += 1
+        worker.report(step=i)
+        time.sleep(0.05)
+"""
+
+
+class SlurmRun(CliRun):
+    """`orchestrate up` of a slurm spec on the lab, from the login node (this machine)."""
+
+    def __init__(
+        self,
+        lab: SlurmLab,
+        root: Path,
+        spec: dict[str, Any],
+        script: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.lab = lab
+        self.root = root
+        self.run_dir = root / "run"
+        if script is not None:
+            (root / "job.py").write_text(textwrap.dedent(script))
+        self.spec = root / "spec.yaml"
+        self.spec.write_text(yaml.safe_dump(spec))
+        self.extra_env = env or {}
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "SLURM_CONF": str(self.lab.conf), **self.extra_env}
+
+    def backend(self) -> dict[str, Any]:
+        return dict(json.loads((self.run_dir / "backend.json").read_text()))
+
+    def log(self, task: str) -> str:
+        return (self.run_dir / "logs" / f"{task}.log").read_text(errors="replace")
+
+    def wait_steps(self, task: str, at_least: int, timeout_s: float = 90) -> None:
+        assert wait_until(lambda: (self.task(task).get("last_step") or 0) >= at_least, timeout_s), (
+            self.status()
+        )
+
+
+def spec(name: str, slurm: dict[str, Any], job: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": name,
+        "backend": "slurm",
+        "slurm": {"queue_timeout_s": 60, "connect_timeout_s": 10, **slurm},
+        "job": job or {"script": "job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
+        "health": {"stop_grace_s": 3, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5},
+    }
+    for key, value in extra.items():
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def loop_job() -> dict[str, Any]:
+    return {"loop": str(REPO / "examples" / "digits_loop.py"), "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}}
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[SlurmLab]:
+    with SlurmLab(nodes=3) as lab:
+        lab.wait_ready(timeout_s=30)
+        yield lab
+
+
+@pytest.fixture
+def runs(lab: SlurmLab, tmp_path: Path) -> Iterator[list[SlurmRun]]:
+    """Runs made by a test; afterwards nothing of theirs may be queued or running anywhere."""
+    made: list[SlurmRun] = []
+    yield made
+    left = [p for r in made for p in run_processes(r.run_id)]
+    ours = [j for j in lab.jobs() if " orchestrate-" in j]
+    for proc in left:
+        proc.kill()
+    for job in ours:
+        lab.run(["scancel", job.split()[0]])
+    assert not left and not ours, (left, ours)
+
+
+def make(runs: list[SlurmRun], lab: SlurmLab, root: Path, *args: Any, **kw: Any) -> SlurmRun:
+    run = SlurmRun(lab, root, *args, **kw)
+    runs.append(run)
+    return run
+
+
+def nothing_left(lab: SlurmLab, run: SlurmRun) -> bool:
+    return not [j for j in lab.jobs() if " orchestrate-" in j] and not run_processes(run.run_id)
+
+
+def node_address(lab: SlurmLab, name: str) -> str:
+    return lab.node(name).address
+
+
+def test_mwms_script_runs_a_task_per_node_and_releases_its_allocation(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(runs, lab, tmp_path, spec("mwms", {"nodes": 2, "tasks_per_node": {"worker": 1}}), MWMS)
+    res = run.up(timeout_s=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    plan = json.loads((run.run_dir / "plan.json").read_text())
+    assert plan["cluster"]["worker"][0].split(":")[0] == node_address(lab, "n1")  # the real node addresses
+    assert plan["cluster"]["worker"][1].split(":")[0] == node_address(lab, "n2")
+    assert "HOST n1" in run.log("worker-0") and "HOST n2" in run.log("worker-1")
+    assert "FINAL 40.0" in run.log("worker-0") and "FINAL 40.0" in run.log("worker-1")
+    assert run.backend()["owned"] is True
+    assert nothing_left(lab, run)
+
+
+def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "loop",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}},
+            loop_job(),
+            train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
+        ),
+    )
+    proc = run.start()
+    try:
+        run.wait_steps("worker-1", 30)
+        os.kill(run.task("worker-1")["pid"], signal.SIGKILL)  # the lab's nodes share this pid space
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["attempt"] == 1
+    assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0")), run.log("worker-0")[
+        -2000:
+    ]
+    assert (run.run_dir / "model").is_dir()
+    assert nothing_left(lab, run)
+
+
+def test_ps_job_places_chief_and_ps_on_one_node_and_workers_on_another(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "ps",
+            {"nodes": 2, "tasks_per_node": [{"chief": 1, "ps": 1}, {"worker": 2}]},
+            loop_job(),
+            strategy="parameter_server",
+            train={"steps": 60, "checkpoint_every": 30, "global_batch_size": 32},
+        ),
+    )
+    res = run.up(timeout_s=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    hosts = {t["task"]: t["host"] for t in run.status()["tasks"]}
+    n1, n2 = node_address(lab, "n1"), node_address(lab, "n2")
+    assert hosts == {"chief-0": n1, "ps-0": n1, "worker-0": n2, "worker-1": n2}
+    assert nothing_left(lab, run)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "down", "sigkill"])
+def test_a_stop_leaves_nothing_on_any_node_and_nothing_queued(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path, how: str
+) -> None:
+    run = make(runs, lab, tmp_path, spec("stop", {"nodes": 2, "tasks_per_node": {"worker": 1}}), PLAIN)
+    proc = run.start()
+    try:
+        run.wait_steps("worker-1", 5)
+        assert len(run_processes(run.run_id)) >= 2
+        started = time.monotonic()
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        elif how == "sigkill":
+            proc.kill()
+        else:
+            down = subprocess.run(
+                [*run.command()[:3], "down", str(run.run_dir)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=run.env(),
+            )
+            assert down.returncode == 0, down.stdout + down.stderr
+        grace_s = 3
+        assert wait_until(lambda: nothing_left(lab, run), grace_s + 5, interval_s=0.2), (
+            lab.jobs(),
+            run_processes(run.run_id),
+        )
+        took_s = time.monotonic() - started
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert took_s < 8
+    if how != "sigkill":
+        assert proc.returncode == 130
+        assert run.status()["state"] == "INTERRUPTED"
+
+
+def test_an_allocation_cancelled_from_outside_ends_the_run_interrupted(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(runs, lab, tmp_path, spec("cancel", {"nodes": 2, "tasks_per_node": {"worker": 1}}), PLAIN)
+    proc = run.start()
+    try:
+        run.wait_steps("worker-0", 5)
+        lab.run(["scancel", run.backend()["job_id"]], check=True)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-2000:]
+    status = run.status()
+    assert status["state"] == "INTERRUPTED" and "ended from outside" in status["reason"], status["reason"]
+    assert status["restarts"] == 0
+    assert wait_until(lambda: nothing_left(lab, run), 10)
+
+
+def test_inside_an_existing_allocation_it_is_used_and_left_alone(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    got = lab.run(["salloc", "--no-shell", "-N2", "-J", "outer"], check=True)
+    job = re.search(r"Granted job allocation (\d+)", got.stderr)
+    assert job, got.stderr
+    job_id = job.group(1)
+    try:
+        nodelist = lab.run(["squeue", "-h", "-j", job_id, "-o", "%N"], check=True).stdout.strip()
+        env = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": nodelist, "STEPS": "20", "FIRST_STEPS": "20"}
+        run = make(
+            runs, lab, tmp_path, spec("inside", {"nodes": 2, "tasks_per_node": {"worker": 1}}), PLAIN, env=env
+        )
+        res = run.up(timeout_s=120)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert run.backend()["owned"] is False and run.backend()["job_id"] == job_id
+        assert f"{job_id} outer RUNNING" in lab.jobs()  # left as it was
+        assert not [s for s in lab.steps() if "orchestrate-" in s]  # our steps are gone
+    finally:
+        lab.run(["scancel", job_id])
+
+
+def test_a_cut_node_is_detected_in_time_and_the_job_restarts_on_the_spare(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    timeout_s = 4.0
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "cut",
+            {"nodes": 3, "spare_nodes": 1, "tasks_per_node": {"worker": 1}},
+            health={"heartbeat_timeout_s": timeout_s},
+        ),
+        PLAIN,
+        env={"STEPS": "40"},
+    )
+    proc = run.start()
+    try:
+        run.wait_steps("worker-1", 5)
+        assert run.task("worker-1")["host"] == node_address(lab, "n2")
+        cut_at = time.time()
+        lab.cut("n2")
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        lab.restore("n2")
+    assert proc.returncode == 0, out[-3000:]
+    lost = next(e for e in run.events() if e.get("task") == "worker-1" and e.get("new") == "LOST")
+    detected_s = dt.datetime.fromisoformat(lost["time"].replace("Z", "+00:00")).timestamp() - cut_at
+    assert detected_s <= timeout_s + 2, detected_s  # ours, not Slurm's SlurmdTimeout (20 s here)
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
+    assert run.task("worker-1")["host"] == node_address(lab, "n3")  # the spare
+    assert "HOST n3" in run.log("worker-1")
+    reasons = " | ".join(e.get("reason", "") for e in run.events())
+    assert "node n2 is left out" in reasons and "worker-1 moves from n2 to n3" in reasons
+    # the task on the cut node stopped by itself (its coordinator out of reach)
+    assert wait_until(lambda: not run_processes(run.run_id), 20), run_processes(run.run_id)
+    lab.rejoin("n2", timeout_s=60)
+
+
+@pytest.mark.parametrize(
+    ("slurm", "said"),
+    [
+        ({"nodes": 5}, "slurm.nodes asks for 5 nodes; partition lab has 3"),
+        ({"partition": "gpu"}, "slurm.partition 'gpu' does not exist on this cluster (partitions: lab)"),
+    ],
+)
+def test_a_request_the_cluster_cannot_run_is_exit_3_and_nothing_is_queued(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path, slurm: dict[str, Any], said: str
+) -> None:
+    run = make(
+        runs, lab, tmp_path, spec("bad", {"nodes": 2, "tasks_per_node": {"worker": 1}, **slurm}), PLAIN
+    )
+    res = run.up(timeout_s=60)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert said in res.stderr
+    assert lab.jobs() == []
+
+
+def test_without_slurms_commands_up_is_exit_3_and_says_so(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec("nocmd", {"nodes": 2, "tasks_per_node": {"worker": 1}}),
+        PLAIN,
+        env={"PATH": str(empty)},
+    )
+    res = run.up(timeout_s=60)
+    assert res.returncode == 3 and "Slurm's commands are not installed here" in res.stderr, res.stderr
+
+
+def test_a_controller_that_does_not_answer_is_exit_3_within_the_connect_timeout(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec("ctld", {"nodes": 2, "tasks_per_node": {"worker": 1}, "connect_timeout_s": 2}),
+        PLAIN,
+    )
+    lab.pause_controller()
+    try:
+        started = time.monotonic()
+        res = run.up(timeout_s=60)
+        took_s = time.monotonic() - started
+    finally:
+        lab.resume_controller()
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "got no answer within 2 s" in res.stderr and "slurmctld" in res.stderr
+    assert took_s < 2 + 6  # the CLI's own start included
+    assert wait_until(lambda: lab.jobs() == [], 10)
+
+
+def test_a_request_pending_past_the_queue_timeout_is_cancelled(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    got = lab.run(["salloc", "--no-shell", "--exclusive", "-N3", "-J", "other"], check=True)
+    other = re.search(r"Granted job allocation (\d+)", got.stderr)
+    assert other, got.stderr
+    try:
+        run = make(
+            runs,
+            lab,
+            tmp_path,
+            spec("queue", {"nodes": 2, "tasks_per_node": {"worker": 1}, "queue_timeout_s": 2}),
+            PLAIN,
+        )
+        started = time.monotonic()
+        res = run.up(timeout_s=60)
+        took_s = time.monotonic() - started
+        assert res.returncode == 3, res.stdout + res.stderr
+        assert "still pending after 2 s (slurm.queue_timeout_s)" in res.stderr
+        assert "the request is cancelled" in res.stderr
+        assert took_s < 2 + 10
+        assert [j for j in lab.jobs() if "orchestrate-" in j] == []
+    finally:
+        lab.run(["scancel", other.group(1)])
+
+
+def test_plan_shows_the_slurm_lines_and_check_probes_the_nodes(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(runs, lab, tmp_path, spec("look", {"nodes": 2, "tasks_per_node": {"worker": 1}}), PLAIN)
+    base = run.command()[:3]
+    plan = subprocess.run(
+        [*base, "plan", str(run.spec)], capture_output=True, text=True, timeout=60, env=run.env()
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "salloc --no-kill --nodes=2 --ntasks-per-node=1" in plan.stdout and "srun" in plan.stdout
+    check = subprocess.run(
+        [*base, "check", str(run.spec)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**run.env(), "COLUMNS": "250"},
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    for name in ("n1", "n2", "n3"):
+        assert name in check.stdout
+    assert check.stdout.count("all reached") == 2, check.stdout  # the two nodes probed reach each other
+    assert lab.jobs() == []
