@@ -90,7 +90,7 @@ def job_name(run_id: str) -> str:
 
 def signal_lead_s(spec: ClusterSpec) -> int:
     """How long before a time limit Slurm warns the tasks (SIGTERM: a final checkpoint, exit 42)."""
-    return max(60, math.ceil(spec.health.stop_grace_s) + 30)
+    return SlurmSpec.warning_lead_s(spec.health.stop_grace_s)
 
 
 class Slurm:
@@ -255,7 +255,8 @@ class Allocation:
         """salloc, holding the allocation with a pipe from us; waits up to slurm.queue_timeout_s."""
         assert spec.slurm is not None
         argv = salloc_argv(spec, run_id)
-        out, err = folder / "salloc.out", folder / "salloc.log"
+        n = 1 + sum(1 for _ in folder.glob("salloc-*.log"))  # one pair of files per request
+        out, err = folder / f"salloc-{n}.out", folder / f"salloc-{n}.log"
         with open(out, "wb") as o, open(err, "wb") as e:
             try:
                 holder = subprocess.Popen(
@@ -797,7 +798,7 @@ class SlurmBackend(Backend):
         before = {t: self._node_of.get(t) for t in self._placements}
         moved = self._place(answers)
         for task in moved:
-            if before.get(task) != self._node_of[task]:
+            if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
         return Prepared(notes=notes, moved=moved)
 
@@ -812,7 +813,6 @@ class SlurmBackend(Backend):
         old = self._alloc.job_id
         self._alloc = Allocation.request(self._slurm, self._spec, self._run_id, self._folder, self._cancel)
         self._addresses = self._node_addresses(self._alloc.nodes)
-        self._node_of = {}
         notes.append(
             f"a new allocation (job {self._alloc.job_id} on {','.join(self._alloc.nodes)}): job {old}: {why}"
         )
@@ -968,7 +968,7 @@ def preview_lines(
     else:
         alloc = f"allocation: {shlex.join(salloc_argv(spec, run_id))}"
     python = tuple(shlex.split(spec.slurm.python)) if spec.slurm and spec.slurm.python else (sys.executable,)
-    step = shlex.join(srun_argv(job or "<job>", "<node>", f"{job_name(run_id)}-<task>", python))
+    step = shlex.join(srun_argv(job or "JOB", "NODE", f"{job_name(run_id)}-TASK", python))
     return [
         alloc,
         f"each task, one step: {step}",

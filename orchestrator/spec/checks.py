@@ -24,12 +24,29 @@ def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
             SpecProblem(("hosts",), "give at least one host, e.g. - {address: 127.0.0.1, tasks: {worker: 2}}")
         ]
     problems: list[SpecProblem] = []
+    problems += _check_slurm(spec)
     problems += _check_counts(spec)
     problems += _check_strategy_roles(spec)
     problems += _check_ports(spec)
     problems += _check_job(spec)
     problems += _check_policy(spec)
     return problems
+
+
+def _check_slurm(spec: ClusterSpec) -> list[SpecProblem]:
+    slurm = spec.slurm
+    if spec.backend is not Backend.SLURM or slurm is None or slurm.time is None:
+        return []
+    limit_s, lead_s = slurm.time_s() or 0.0, slurm.warning_lead_s(spec.health.stop_grace_s)
+    if limit_s > 2 * lead_s:
+        return []
+    return [
+        SpecProblem(
+            ("slurm", "time"),
+            f"{limit_s:g} s is too short: Slurm is asked for SIGTERM {lead_s} s before the limit (a final "
+            f"checkpoint: health.stop_grace_s + 30 s, at least 60), so give more than {2 * lead_s} s",
+        )
+    ]
 
 
 def _where(spec: ClusterSpec, role: Role) -> list[tuple[str | int, ...]]:

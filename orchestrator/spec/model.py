@@ -8,6 +8,7 @@ in `checks.py`, so each problem can be reported at the key the user must change.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 from pathlib import Path
@@ -295,6 +296,25 @@ class SlurmSpec(_Strict):
         description="host[:port] of this machine that the nodes reach (default: this machine's address "
         "on the route to the nodes)",
     )
+
+    def time_s(self) -> float | None:
+        """slurm.time in seconds (Slurm's formats: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])."""
+        if self.time is None:
+            return None
+        days, _, rest = self.time.rpartition("-")
+        parts = [int(p) for p in rest.split(":")]
+        if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+            parts += [0] * (3 - len(parts))
+            hours, minutes, seconds = parts
+            return float(((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds)
+        scale = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]  # minutes | MM:SS | HH:MM:SS
+        return float(sum(p * k for p, k in zip(parts, scale, strict=True)))
+
+    @staticmethod
+    def warning_lead_s(stop_grace_s: float) -> int:
+        """How long before the time limit Slurm is asked to send SIGTERM (`--signal=TERM@lead`):
+        the stop's grace period for a final checkpoint, and some margin (Slurm checks every ~30 s)."""
+        return max(60, math.ceil(stop_grace_s) + 30)
 
     def layout(self) -> list[dict[Role, int]]:
         """The tasks of each node used, in node order."""

@@ -1,5 +1,6 @@
 """The backend contract (orchestrator/launch/api.py): the same cases against every backend — local
-subprocesses and real sshd hosts (tests/lab.py) — with real processes and real signals, no
+subprocesses, real sshd hosts (tests/lab.py) and a real Slurm cluster (tests/slurm_lab.py) — with
+real processes and real signals, no
 TensorFlow. What the supervisor and `orchestrate down` rely on: placements for every task, a
 backend record, exit codes, TERM → grace → KILL through `stop_all` with what could not be
 confirmed returned as data, and `reattach` finding a run's processes from its records alone.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import textwrap
 import time
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from orchestrator.record import new_run_id
 from orchestrator.spec.load import load_spec
 from tests.conftest import run_processes, wait_until
 from tests.lab import make_lab, why_no_lab
+from tests.slurm_lab import SlurmLab, why_no_slurm
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +83,25 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     lab.close()
 
 
-@pytest.fixture(scope="module", params=["local", "ssh"])
+@pytest.fixture(scope="module")
+def slurm_lab() -> Iterator[SlurmLab | None]:
+    if why_no_slurm() is not None:
+        yield None
+        return
+    with SlurmLab(nodes=3) as lab:
+        lab.wait_ready(timeout_s=30)
+        old = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(lab.conf)  # the backend and `reattach` find the cluster here
+        try:
+            yield lab
+        finally:
+            if old is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(scope="module", params=["local", "ssh", "slurm"])
 def opened(
     request: pytest.FixtureRequest, lab: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Opened]:
@@ -99,6 +120,10 @@ def opened(
             pytest.skip(why_no_lab() or "")
         data["hosts"] = [lab.host_spec(0, tasks={"worker": 3})]
         data["ssh"] = lab.ssh_spec()
+    elif request.param == "slurm":
+        if request.getfixturevalue("slurm_lab") is None:
+            pytest.skip(why_no_slurm() or "")
+        data["slurm"] = {"nodes": 3, "tasks_per_node": {"worker": 1}, "queue_timeout_s": 60}
     else:
         data["hosts"] = [{"address": "127.0.0.1", "tasks": {"worker": 3}}]
     (root / "spec.yaml").write_text(yaml.safe_dump(data))

@@ -441,3 +441,62 @@ def test_plan_shows_the_slurm_lines_and_check_probes_the_nodes(
         assert name in check.stdout
     assert check.stdout.count("all reached") == 2, check.stdout  # the two nodes probed reach each other
     assert lab.jobs() == []
+
+
+def test_a_time_limit_warning_checkpoints_and_goes_on_in_a_new_allocation_outside_the_budget(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    """What Slurm does near a time limit (`--signal=TERM@lead`), without waiting for the clock:
+    the limit is brought within the lead (scontrol), and the warning sent (scancel --signal)."""
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "limit",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}, "time": "10:00"},
+            loop_job(),
+            train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
+        ),
+    )
+    proc = run.start()
+    try:
+        run.wait_steps("worker-0", 30)
+        first = run.backend()["job_id"]
+        lab.run(["scontrol", "update", f"JobId={first}", "TimeLimit=1"], check=True)  # < the lead left
+        lab.run(["scancel", "--signal=TERM", first], check=True)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["attempt"] == 1 and status["restarts"] == 0
+    reasons = " | ".join(e.get("reason", "") for e in run.events())
+    assert "exited with code 42; preempted" in reasons
+    assert f"job {first}: its time limit is" in reasons and "a new allocation" in reasons
+    assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0"))
+    assert not [j for j in lab.jobs() if j.startswith(f"{first} ")]
+
+
+def test_a_detached_run_goes_on_after_the_terminal_is_gone(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec("detached", {"nodes": 2, "tasks_per_node": {"worker": 1}}),
+        PLAIN,
+        env={"FIRST_STEPS": "40"},
+    )
+    res = subprocess.run(
+        [*run.command(), "--detach"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=run.env(),
+        start_new_session=True,  # as a terminal that closes: the run must not depend on this session
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert wait_until(lambda: run.status().get("state") == "SUCCEEDED", 120), run.status()
+    assert wait_until(lambda: nothing_left(lab, run), 15)

@@ -798,3 +798,22 @@ def test_a_failure_to_ship_state_before_a_restart_is_a_launch_failure_of_that_at
     sup.step()  # attempt 2 ships and starts
     assert launcher.attempts == [0, 1, 2] and ("worker-0", 2) in launcher.started
     assert any(e.get("reason") == "attempt 2: checkpoint copied" for e in sink.events)
+
+
+def test_what_the_backend_runs_in_taken_away_from_outside_ends_the_run_interrupted(tmp_path: Path) -> None:
+    class Revocable(FakeBackend):
+        why: str | None = None
+
+        def ended_outside(self) -> str | None:
+            return self.why
+
+    sup, launcher, store, clock, _ = make(tmp_path, launcher=Revocable())
+    start_running(sup, launcher, store, clock)
+    sup.step()
+    assert sup.state is ClusterState.RUNNING
+    launcher.why = "the allocation (Slurm job 7) ended from outside: revoked"
+    launcher.handles["worker-0"].code = -15  # Slurm's SIGTERM reached the task as well
+    for _ in range(3):
+        sup.step()
+    assert sup.state is ClusterState.INTERRUPTED
+    assert sup.reason == launcher.why and sup.restarts == 0
