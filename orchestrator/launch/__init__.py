@@ -75,7 +75,7 @@ def preview(
             )
         return places, "local ports are free now and chosen again at launch unless the spec fixes base_port"
     if spec.backend is BackendName.SLURM:
-        from orchestrator.launch.slurm import preview_lines
+        from orchestrator.launch.slurm_check import preview_lines
 
         places = placement.slurm_preview(spec, run_dir, spec_dir, python=sys.executable)
         return places, "\n".join(preview_lines(spec, run_id, run_dir))
@@ -89,9 +89,9 @@ def check(spec: ClusterSpec) -> CheckReport | None:
     if spec.backend is BackendName.LOCAL:
         return None
     if spec.backend is BackendName.SLURM:
-        from orchestrator.launch import slurm
+        from orchestrator.launch import slurm_check
 
-        return slurm.check(spec)
+        return slurm_check.check(spec)
     from orchestrator.launch import preflight
     from orchestrator.launch.placement import ssh_ports
 

@@ -24,21 +24,16 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
-import math
 import os
-import re
 import secrets
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,7 +41,6 @@ from typing import Any
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     Backend,
-    CheckReport,
     Heartbeats,
     Leftovers,
     Prepared,
@@ -55,6 +49,22 @@ from orchestrator.launch.api import (
     TaskHandle,
 )
 from orchestrator.launch.placement import Placement
+from orchestrator.launch.slurm_cluster import (
+    NOT_INSTALLED,
+    PROBE_SOURCE,
+    RUNTIME_ROOT,
+    SHIM,
+    Allocation,
+    Request,
+    Slurm,
+    cancel_steps,
+    check_cluster,
+    guarded,
+    job_name,
+    route_address,
+    signal_lead_s,
+    srun_argv,
+)
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import make_private_dir
 from orchestrator.spec.model import Backend as BackendName
@@ -62,378 +72,6 @@ from orchestrator.spec.model import ClusterSpec, SlurmSpec
 from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.slurm")
-
-COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol")
-NOT_INSTALLED = "Slurm's commands are not installed here"
-_RUNTIME_ROOT = Path(__file__).resolve().parents[2]  # the folder holding worker/
-SHIM = _RUNTIME_ROOT / "worker" / "shim.py"
-PROBE_SOURCE = (_RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
-# srun reads these as its own options; inside an allocation they describe the allocation, not a step
-_STEP_OPTION_ENV = (
-    "SLURM_NTASKS",
-    "SLURM_NPROCS",
-    "SLURM_NNODES",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_CPUS_PER_TASK",
-    "SLURM_DISTRIBUTION",
-    "SLURM_EXACT",
-    "SLURM_EXCLUSIVE",
-    "SLURM_MEM_PER_CPU",
-    "SLURM_MEM_PER_NODE",
-)
-
-
-def job_name(run_id: str) -> str:
-    """The allocation's name (and its steps' prefix): found again by `orchestrate down`."""
-    return f"orchestrate-{run_id}"
-
-
-def signal_lead_s(spec: ClusterSpec) -> int:
-    """How long before a time limit Slurm warns the tasks (SIGTERM: a final checkpoint, exit 42)."""
-    return SlurmSpec.warning_lead_s(spec.health.stop_grace_s)
-
-
-class Slurm:
-    """Slurm's client commands, each bounded: with slurmctld down they retry for minutes."""
-
-    def __init__(self, timeout_s: float, env: Mapping[str, str] | None = None):
-        self.timeout_s = timeout_s
-        self.env = dict(env if env is not None else os.environ)
-        for name in _STEP_OPTION_ENV:
-            self.env.pop(name, None)
-
-    @staticmethod
-    def missing() -> list[str]:
-        return [c for c in COMMANDS if shutil.which(c) is None]
-
-    def run(
-        self, argv: Sequence[str], what: str, *, timeout_s: float | None = None, stdin: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        limit = timeout_s or self.timeout_s
-        try:
-            return subprocess.run(
-                list(argv),
-                input=stdin,
-                capture_output=True,
-                text=True,
-                timeout=limit,
-                env=self.env,
-                check=False,
-                start_new_session=True,  # a Ctrl-C in the terminal is ours to handle, not srun's
-            )
-        except FileNotFoundError:
-            raise LaunchError(f"{NOT_INSTALLED} ({argv[0]} not found on PATH)") from None
-        except subprocess.TimeoutExpired:
-            raise LaunchError(
-                f"{what}: `{argv[0]}` got no answer within {limit:g} s — is slurmctld up? "
-                "(slurm.connect_timeout_s)"
-            ) from None
-
-    def checked(self, argv: Sequence[str], what: str, **kw: Any) -> str:
-        res = self.run(argv, what, **kw)
-        if res.returncode != 0:
-            said = " ".join(res.stderr.split()) or f"exit {res.returncode}"
-            raise LaunchError(f"{what}: {said}")
-        return res.stdout
-
-    def hostnames(self, nodelist: str) -> list[str]:
-        """`n[1-3],m5` → [n1, n2, n3, m5] (Slurm's own expansion)."""
-        out = self.checked(["scontrol", "show", "hostnames", nodelist], "expanding the node list")
-        return [line.strip() for line in out.splitlines() if line.strip()]
-
-    def records(self, kind: str, *names: str) -> list[dict[str, str]]:
-        """`scontrol show KIND -o`: one dict per partition or node (values without spaces)."""
-        out = self.checked(["scontrol", "show", kind, "-o", *names], f"asking slurmctld for its {kind}s")
-        return [_fields(line) for line in out.splitlines() if line.strip()]
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(re.findall(r"(?:^|\s)([A-Za-z]+)=(\S*)", line))
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """What the spec asks of Slurm."""
-
-    nodes: int
-    tasks_per_node: int  # the most tasks any node runs
-    partition: str | None
-
-    @classmethod
-    def of(cls, spec: ClusterSpec) -> Request:
-        assert spec.slurm is not None
-        most = max(sum(t.values()) for t in spec.slurm.layout())
-        return cls(spec.slurm.nodes, most, spec.slurm.partition)
-
-
-def check_cluster(slurm: Slurm, request: Request) -> tuple[str, list[dict[str, str]]]:
-    """The partition the request goes to and its nodes; LaunchError when it cannot be satisfied."""
-    missing = Slurm.missing()
-    if missing:
-        raise LaunchError(f"{NOT_INSTALLED} (missing: {', '.join(missing)}); install Slurm's client tools")
-    parts = slurm.records("partition")
-    names = [p.get("PartitionName", "?") for p in parts]
-    if request.partition is not None:
-        chosen = next((p for p in parts if p.get("PartitionName") == request.partition), None)
-        if chosen is None:
-            raise LaunchError(
-                f"slurm.partition {request.partition!r} does not exist on this cluster "
-                f"(partitions: {', '.join(names) or 'none'})"
-            )
-    else:
-        chosen = next((p for p in parts if p.get("Default") == "YES"), None)
-        if chosen is None:
-            raise LaunchError(
-                f"this cluster has no default partition; set slurm.partition (one of {', '.join(names)})"
-            )
-    name = chosen.get("PartitionName", "?")
-    if chosen.get("State", "UP") != "UP":
-        raise LaunchError(f"partition {name} is {chosen.get('State')}: it runs no job now")
-    total = int(chosen.get("TotalNodes", "0") or 0)
-    if request.nodes > total:
-        raise LaunchError(
-            f"slurm.nodes asks for {request.nodes} nodes; partition {name} has {total}: "
-            "ask for fewer, or another partition"
-        )
-    nodelist = chosen.get("Nodes", "")
-    nodes = slurm.records("node", *([nodelist] if nodelist and nodelist != "(null)" else []))
-    return name, nodes
-
-
-def route_address(targets: Sequence[str]) -> str:
-    """This machine's address on the route to the first target (no packet is sent)."""
-    for target in targets:
-        try:
-            infos = socket.getaddrinfo(target, 9, socket.AF_INET, socket.SOCK_DGRAM)
-        except OSError:
-            continue
-        for *_, addr in infos:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    s.connect(addr)
-                    return str(s.getsockname()[0])
-                except OSError:
-                    continue
-    raise LaunchError(
-        f"no route from this machine to the nodes ({', '.join(targets[:3])}); set slurm.coordinator_address"
-    )
-
-
-class Allocation:
-    """The Slurm job the tasks run in: ours (released at the end) or the surrounding one."""
-
-    def __init__(
-        self,
-        job_id: str,
-        nodes: list[str],
-        owned: bool,
-        holder: subprocess.Popen[bytes] | None = None,
-        log_path: Path | None = None,
-    ):
-        self.job_id = job_id
-        self.nodes = nodes
-        self.owned = owned
-        self._holder = holder
-        self._log_path = log_path
-        self.released = False
-        self.granted = not owned  # ours: once salloc's command runs
-        self._log_size = -1
-        self._revoked = False
-
-    @classmethod
-    def surrounding(cls, slurm: Slurm, env: Mapping[str, str]) -> Allocation | None:
-        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if not job or not nodelist:
-            return None
-        return cls(job, slurm.hostnames(nodelist), owned=False)
-
-    @classmethod
-    def request(
-        cls, slurm: Slurm, spec: ClusterSpec, run_id: str, folder: Path, cancel: threading.Event
-    ) -> Allocation:
-        """salloc, holding the allocation with a pipe from us; waits up to slurm.queue_timeout_s."""
-        assert spec.slurm is not None
-        argv = salloc_argv(spec, run_id)
-        n = 1 + sum(1 for _ in folder.glob("salloc-*.log"))  # one pair of files per request
-        out, err = folder / f"salloc-{n}.out", folder / f"salloc-{n}.log"
-        with open(out, "wb") as o, open(err, "wb") as e:
-            try:
-                holder = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.PIPE,
-                    stdout=o,
-                    stderr=e,
-                    env=slurm.env,
-                    start_new_session=True,
-                )
-            except FileNotFoundError:
-                raise LaunchError(f"{NOT_INSTALLED} (salloc not found on PATH)") from None
-        alloc = cls("", [], owned=True, holder=holder, log_path=err)
-        deadline = time.monotonic() + spec.slurm.queue_timeout_s
-        try:
-            while True:
-                line = out.read_text(errors="replace").strip()
-                if line.startswith("ALLOCATED "):
-                    _, job, nodelist = line.split(maxsplit=2)
-                    alloc.job_id, alloc.granted = job, True
-                    alloc.nodes = slurm.hostnames(nodelist)
-                    return alloc
-                alloc.job_id = alloc.job_id or _pending_job(err)
-                if holder.poll() is not None:
-                    said = " ".join(_salloc_errors(err)) or f"salloc exited with {holder.returncode}"
-                    raise LaunchError(f"Slurm refused the allocation: {said}")
-                if cancel.is_set():
-                    raise LaunchError("interrupted while waiting for the allocation")
-                if time.monotonic() > deadline:
-                    why = alloc.pending_reason(slurm)
-                    raise LaunchError(
-                        f"the allocation (job {alloc.job_id or '?'}) was still pending after "
-                        f"{spec.slurm.queue_timeout_s:g} s (slurm.queue_timeout_s){why}; "
-                        "the request is cancelled"
-                    )
-                time.sleep(0.05)
-        except BaseException:
-            alloc.release(slurm)
-            raise
-
-    def pending_reason(self, slurm: Slurm) -> str:
-        if not self.job_id:
-            return ""
-        with contextlib.suppress(LaunchError):
-            out = slurm.checked(["squeue", "-h", "-j", self.job_id, "-o", "%r"], "asking why").strip()
-            if out:
-                return f" (Slurm's reason: {out})"
-        return ""
-
-    def time_left_s(self, slurm: Slurm) -> float | None:
-        """Seconds until the allocation's time limit; None without a limit (or when unknown)."""
-        with contextlib.suppress(LaunchError):
-            out = slurm.checked(
-                ["squeue", "-h", "-j", self.job_id, "-o", "%L"], "asking the time left"
-            ).strip()
-            return _duration_s(out)
-        return None
-
-    def ended(self) -> str | None:
-        """Ours, and gone without us releasing it: why (salloc's words). Cheap: salloc's log is
-        read only when it grew."""
-        if not self.owned or self.released or self._holder is None or self._log_path is None:
-            return None
-        try:
-            size = self._log_path.stat().st_size
-        except OSError:
-            return None
-        if size != self._log_size:
-            self._log_size = size
-            self._revoked = any(
-                "revoked" in line or "time limit" in line for line in _salloc_errors(self._log_path)
-            )
-        if not self._revoked and self._holder.poll() is None:
-            return None
-        return " ".join(_salloc_errors(self._log_path)) or f"salloc exited ({self._holder.returncode})"
-
-    def release(self, slurm: Slurm) -> None:
-        """Ours: close the holder's pipe (salloc relinquishes it), or while it is still pending
-        SIGTERM salloc (it withdraws the request); then scancel, to be sure. The surrounding
-        allocation is left alone."""
-        if not self.owned or self.released:
-            return
-        self.released = True
-        holder = self._holder
-        if holder is not None and holder.poll() is None:
-            if self.granted:
-                with contextlib.suppress(OSError):
-                    assert holder.stdin is not None
-                    holder.stdin.close()
-            else:
-                holder.terminate()
-            try:
-                holder.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                holder.kill()
-                holder.wait(timeout=10)
-        job = self.job_id or (_pending_job(self._log_path) if self._log_path else "")
-        if job:
-            with contextlib.suppress(LaunchError):
-                slurm.run(["scancel", job], "releasing the allocation")
-
-
-def salloc_argv(spec: ClusterSpec, run_id: str) -> list[str]:
-    assert spec.slurm is not None
-    s: SlurmSpec = spec.slurm
-    request = Request.of(spec)
-    argv = [
-        "salloc",
-        "--no-kill",  # a node lost leaves the others (and the spares) allocated
-        f"--nodes={s.nodes}",
-        f"--ntasks-per-node={request.tasks_per_node}",
-        f"--job-name={job_name(run_id)}",
-    ]
-    if s.partition:
-        argv.append(f"--partition={s.partition}")
-    if s.account:
-        argv.append(f"--account={s.account}")
-    if s.time:
-        argv += [f"--time={s.time}", f"--signal=TERM@{signal_lead_s(spec)}"]
-    argv += s.extra_args
-    # the allocation lives as long as this reads our pipe
-    holder = 'echo "ALLOCATED $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
-    return [*argv, "sh", "-c", holder]
-
-
-def srun_argv(job_id: str, node: str, name: str, python: Sequence[str]) -> list[str]:
-    return [
-        "srun",
-        f"--jobid={job_id}",
-        "--overlap",  # the tasks of a node share its CPUs, as on a lab machine
-        "--nodes=1",
-        "--ntasks=1",
-        f"--nodelist={node}",
-        f"--job-name={name}",
-        "--quiet",
-        *python,
-        "-S",  # the shim needs only the standard library
-        str(SHIM),
-    ]
-
-
-def _pending_job(log_path: Path | None) -> str:
-    if log_path is None:
-        return ""
-    with contextlib.suppress(OSError):
-        m = re.search(
-            r"(?:Pending|Granted) job allocation (\d+)|[Jj]ob (\d+) queued",
-            log_path.read_text(errors="replace"),
-        )
-        if m:
-            return m.group(1) or m.group(2)
-    return ""
-
-
-def _salloc_errors(log_path: Path | None) -> list[str]:
-    if log_path is None:
-        return []
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    keep = [ln.removeprefix("salloc: ").strip() for ln in lines]
-    routine = (
-        r"(Pending|Granted) job allocation|Relinquishing|Waiting for|Nodes .* are ready"
-        r"|job \d+ (queued|has been allocated)"
-    )
-    keep = [ln for ln in keep if ln and not re.match(routine, ln)]
-    return keep[-4:]
-
-
-def _duration_s(text: str) -> float | None:
-    """Slurm's `[D-]HH:MM:SS` (or MM:SS) as seconds; None for UNLIMITED or not a duration."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
-    if not m:
-        return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
 class SlurmTaskHandle(TaskHandle):
@@ -682,7 +320,7 @@ class SlurmBackend(Backend):
         problems: list[str] = []
         try:
             with ThreadPoolExecutor(max_workers=min(32, len(nodes)) or 1) as pool:
-                results = list(zip(nodes, pool.map(_guarded(one), nodes), strict=True))
+                results = list(zip(nodes, pool.map(guarded(one), nodes), strict=True))
         finally:
             nonce_path.unlink(missing_ok=True)
         for node, answer in results:
@@ -725,7 +363,7 @@ class SlurmBackend(Backend):
                 )
         moved: dict[str, Placement] = {}
         free = {n: list(a.get("free", [])) for n, a in answers.items()}
-        pythonpath = () if self._conf.python is None else (str(_RUNTIME_ROOT),)
+        pythonpath = () if self._conf.python is None else (str(RUNTIME_ROOT),)
         for slot in task_slots(self._spec):
             node = nodes[slot.host_index]
             old = self._placements.get(slot.name)
@@ -841,7 +479,7 @@ class SlurmBackend(Backend):
             return self.start(tasks[i], attempt, tokens[i], log_paths[i])
 
         with ThreadPoolExecutor(max_workers=min(32, len(tasks)) or 1) as pool:
-            results = list(pool.map(_guarded(one), range(len(tasks))))
+            results = list(pool.map(guarded(one), range(len(tasks))))
         out: list[TaskHandle | LaunchError] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, LaunchError):
@@ -900,29 +538,6 @@ class SlurmBackend(Backend):
             cancel_steps(self._slurm, alloc.job_id, job_name(self._run_id))
 
 
-def cancel_steps(slurm: Slurm, job_id: str, prefix: str) -> list[str]:
-    """Cancel this run's steps left in an allocation that is not ours; their ids."""
-    out = slurm.checked(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], "listing the steps")
-    ours = [
-        line.split()[0]
-        for line in out.splitlines()
-        if len(line.split()) == 2 and line.split()[1].startswith(prefix)
-    ]
-    if ours:
-        slurm.run(["scancel", *ours], "cancelling this run's steps")
-    return ours
-
-
-def _guarded(fn: Any) -> Any:
-    def call(arg: Any) -> Any:
-        try:
-            return fn(arg)
-        except Exception as exc:  # noqa: BLE001 - handed back as the item's result
-            return exc
-
-    return call
-
-
 class SlurmLeftovers(Leftovers):
     """`orchestrate down` with the coordinator gone: its allocation (found by name: a renewed one
     too) is cancelled; inside an allocation that is not ours, only this run's steps."""
@@ -955,118 +570,3 @@ class SlurmLeftovers(Leftovers):
             return [(f"Slurm: {what}", True)]
         except LaunchError as exc:
             return [(f"Slurm: {exc}", False)]
-
-
-def preview_lines(
-    spec: ClusterSpec, run_id: str, run_dir: Path, env: Mapping[str, str] | None = None
-) -> list[str]:
-    """`orchestrate plan`: the Slurm commands `up` will use."""
-    env = env if env is not None else os.environ
-    job = env.get("SLURM_JOB_ID")
-    if job:
-        alloc = f"inside Slurm job {job} (SLURM_JOB_ID): its nodes are used, the allocation is left as it is"
-    else:
-        alloc = f"allocation: {shlex.join(salloc_argv(spec, run_id))}"
-    python = tuple(shlex.split(spec.slurm.python)) if spec.slurm and spec.slurm.python else (sys.executable,)
-    step = shlex.join(srun_argv(job or "JOB", "NODE", f"{job_name(run_id)}-TASK", python))
-    return [
-        alloc,
-        f"each task, one step: {step}",
-        "  (the task's command and environment reach worker/shim.py on its stdin, never on a command line)",
-        "nodes, their addresses and free TF ports are known once allocated; the nodes must see this "
-        f"machine's files (the job's folder, {run_dir}, orchestrate): checked at launch",
-    ]
-
-
-def check(spec: ClusterSpec) -> CheckReport:
-    """`orchestrate check`: the partition can run the request; one short step on the nodes
-    (Python, TensorFlow, the files they see); the nodes reach each other on a TF port."""
-    assert spec.slurm is not None
-    conf = spec.slurm
-    title = f"{spec.name}: Slurm, {conf.nodes} node(s)"
-    slurm = Slurm(conf.connect_timeout_s)
-    try:
-        partition, nodes = check_cluster(slurm, Request.of(spec))
-    except LaunchError as exc:
-        return CheckReport(title, [{"node": "-", "problem": str(exc)}], [], [str(exc)])
-    rows = {
-        n.get("NodeName", "?"): {
-            "node": n.get("NodeName", "?"),
-            "address": n.get("NodeAddr", "?"),
-            "state": n.get("State", "?"),
-            "cpus": n.get("CPUTot", "?"),
-            "python": "-",
-            "tensorflow": "-",
-            "files": "-",
-            "peers": "-",
-        }
-        for n in nodes
-    }
-    problems: list[str] = []
-    warnings: list[str] = []
-    python = tuple(shlex.split(conf.python)) if conf.python else (sys.executable,)
-    entry = spec.job.script or spec.job.loop
-    assert entry is not None
-    seen = {str(SHIM): SHIM.read_text(encoding="utf-8")[:4096]}
-    with contextlib.suppress(OSError):
-        seen[str(entry)] = entry.read_text(encoding="utf-8", errors="replace")[:4096]
-    port = secrets.SystemRandom().randrange(15000, 32000)
-    # the step runs on nodes we name, so that each knows its peers: idle ones first
-    ready = sorted(nodes, key=lambda n: not n.get("State", "").startswith(("IDLE", "MIXED")))[: conf.nodes]
-    addresses = [n.get("NodeAddr") or n.get("NodeName", "") for n in ready]
-    argv = [
-        "srun",
-        f"--immediate={max(1, math.ceil(conf.connect_timeout_s))}",
-        f"--nodes={len(ready)}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(n.get('NodeName', '') for n in ready)}",
-        f"--partition={partition}",
-        *([f"--account={conf.account}"] if conf.account else []),
-        f"--job-name=orchestrate-check-{secrets.token_hex(4)}",
-        "--quiet",
-        *python,
-        "-c",
-        PROBE_SOURCE,
-        "mesh",
-        str(port),
-        "3",
-        *(f"{a}:{port}" for a in addresses),
-    ]
-    res = slurm.run(
-        argv, "a probe step on the nodes", timeout_s=conf.connect_timeout_s + 60, stdin=json.dumps(seen)
-    )
-    answers = []
-    for line in res.stdout.splitlines():
-        with contextlib.suppress(ValueError):
-            answers.append(json.loads(line))
-    if res.returncode != 0 or not answers:
-        problems.append(
-            f"a probe step on {conf.nodes} node(s) of {partition} failed: "
-            + (" ".join(res.stderr.split())[-400:] or f"exit {res.returncode}")
-        )
-    versions = set()
-    for a in answers:
-        row = rows.get(a.get("hostname", ""))
-        if row is None:
-            continue
-        row["python"] = f"{a.get('python')} ({a.get('executable')})"
-        row["tensorflow"] = str(a.get("tensorflow") or "MISSING")
-        versions.add((a.get("python"), a.get("tensorflow")))
-        if not a.get("tensorflow"):
-            problems.append(
-                f"{row['node']}: TensorFlow is not installed for {shlex.join(python)} (slurm.python)"
-            )
-        unseen = [p for p, ok in a.get("seen", {}).items() if not ok]
-        row["files"] = "shared" if not unseen else "NOT SEEN"
-        if unseen:
-            problems.append(
-                f"{row['node']} does not see {', '.join(unseen)}: the slurm backend needs this "
-                "machine's files on a filesystem the nodes share"
-            )
-        unreached = [peer for peer, ok in a.get("reached", {}).items() if not ok]
-        row["peers"] = "all reached" if not unreached else f"cannot reach {', '.join(unreached)}"
-        if unreached:
-            problems.append(f"{row['node']} cannot reach {', '.join(unreached)} (TF ports between nodes)")
-    if len(versions) > 1:
-        warnings.append(f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}")
-    return CheckReport(title, list(rows.values()), warnings, problems)

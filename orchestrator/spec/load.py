@@ -85,10 +85,15 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None 
         raise SpecError(file, [_locate(p, lines) for p in controls])
     if backend is not None:
         data = {**data, "backend": backend.value}
+    # hosts may be left out only where the slurm: section places the tasks; said with the rest
+    no_hosts = "hosts" not in data and data.get("backend") != "slurm"
+    hosts_missing = [_locate(SpecProblem(("hosts",), "required key is missing"), lines)] if no_hosts else []
     try:
         spec = ClusterSpec.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
-        raise SpecError(file, [_problem(err, lines) for err in exc.errors()]) from None
+        raise SpecError(file, hosts_missing + [_problem(err, lines) for err in exc.errors()]) from None
+    if hosts_missing:
+        raise SpecError(file, hosts_missing)
     problems = check_spec(spec)
     if problems:
         raise SpecError(file, [_locate(p, lines) for p in problems])

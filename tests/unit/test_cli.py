@@ -95,7 +95,7 @@ def test_validate_an_unknown_backend_is_a_usage_error(
     code, out, err = run(capsys, "validate", str(spec_file(tmp_path, LOCAL_SPEC)), "--backend", "k8s")
     assert code == 2
     assert out == ""
-    assert err == "orchestrate: --backend k8s: no such backend (one of: local, ssh)\n"
+    assert err == "orchestrate: --backend k8s: no such backend (one of: local, ssh, slurm)\n"
 
 
 def test_validate_a_malformed_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

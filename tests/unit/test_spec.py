@@ -242,7 +242,7 @@ BAD_SPECS = [
         """,
         2,
         "hosts",
-        "at least 1",
+        "give at least one host",
     ),
     (
         "only-evaluator-no-training-task",

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import LaunchError, SpecError
-from orchestrator.launch import slurm
-from orchestrator.launch.slurm import Request, Slurm, check_cluster, route_address
+from orchestrator.launch import slurm_check
+from orchestrator.launch import slurm_cluster as slurm
+from orchestrator.launch.slurm_cluster import Request, Slurm, check_cluster, route_address
 from orchestrator.spec.load import parse_spec
 from orchestrator.spec.model import Backend, ClusterSpec, Role
 
@@ -94,7 +95,7 @@ def test_backend_slurm_needs_a_slurm_section_and_the_others_need_hosts(tmp_path:
     (tmp_path / "job.py").write_text("")
     with pytest.raises(SpecError, match=r"s.yaml:2: backend: backend slurm needs a slurm: section"):
         parse_spec("name: s\nbackend: slurm\njob: {script: job.py}\n", file="s.yaml", base_dir=tmp_path)
-    with pytest.raises(SpecError, match=r"hosts: give at least one host"):
+    with pytest.raises(SpecError, match=r"s.yaml:1: hosts: required key is missing"):
         parse_spec("name: s\njob: {script: job.py}\n", file="s.yaml", base_dir=tmp_path)
 
 
@@ -168,10 +169,10 @@ def test_inside_an_allocation_srun_reads_no_option_of_it_from_the_environment() 
 
 def test_plan_lines_name_the_allocation_or_the_surrounding_one(tmp_path: Path) -> None:
     spec = load(tmp_path, "nodes: 2\ntasks_per_node: {worker: 1}\n")
-    lines = slurm.preview_lines(spec, "s-1", tmp_path, env={})
+    lines = slurm_check.preview_lines(spec, "s-1", tmp_path, env={})
     assert lines[0].startswith("allocation: salloc --no-kill --nodes=2")
     assert "srun --jobid=JOB --overlap --nodes=1 --ntasks=1 --nodelist=NODE" in lines[1]
-    inside = slurm.preview_lines(spec, "s-1", tmp_path, env={"SLURM_JOB_ID": "33"})
+    inside = slurm_check.preview_lines(spec, "s-1", tmp_path, env={"SLURM_JOB_ID": "33"})
     assert inside[0].startswith("inside Slurm job 33") and "--jobid=33" in inside[1]
 
 

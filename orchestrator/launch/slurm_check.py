@@ -1,0 +1,146 @@
+"""Launch layer, slurm backend: what `orchestrate plan` and `orchestrate check` show of it —
+the Slurm command lines `up` will use, and one short probe step on the nodes (Python, TensorFlow,
+the files they see, and whether they reach each other on a TF port)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.api import (
+    CheckReport,
+)
+from orchestrator.launch.slurm_cluster import (
+    PROBE_SOURCE,
+    SHIM,
+    Request,
+    Slurm,
+    check_cluster,
+    job_name,
+    salloc_argv,
+    srun_argv,
+)
+from orchestrator.spec.model import ClusterSpec
+
+
+def preview_lines(
+    spec: ClusterSpec, run_id: str, run_dir: Path, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """`orchestrate plan`: the Slurm commands `up` will use."""
+    env = env if env is not None else os.environ
+    job = env.get("SLURM_JOB_ID")
+    if job:
+        alloc = f"inside Slurm job {job} (SLURM_JOB_ID): its nodes are used, the allocation is left as it is"
+    else:
+        alloc = f"allocation: {shlex.join(salloc_argv(spec, run_id))}"
+    python = tuple(shlex.split(spec.slurm.python)) if spec.slurm and spec.slurm.python else (sys.executable,)
+    step = shlex.join(srun_argv(job or "JOB", "NODE", f"{job_name(run_id)}-TASK", python))
+    return [
+        alloc,
+        f"each task, one step: {step}",
+        "  (the task's command and environment reach worker/shim.py on its stdin, never on a command line)",
+        "nodes, their addresses and free TF ports are known once allocated; the nodes must see this "
+        f"machine's files (the job's folder, {run_dir}, orchestrate): checked at launch",
+    ]
+
+
+def check(spec: ClusterSpec) -> CheckReport:
+    """`orchestrate check`: the partition can run the request; one short step on the nodes
+    (Python, TensorFlow, the files they see); the nodes reach each other on a TF port."""
+    assert spec.slurm is not None
+    conf = spec.slurm
+    title = f"{spec.name}: Slurm, {conf.nodes} node(s)"
+    slurm = Slurm(conf.connect_timeout_s)
+    try:
+        partition, nodes = check_cluster(slurm, Request.of(spec))
+    except LaunchError as exc:
+        return CheckReport(title, [{"node": "-", "problem": str(exc)}], [], [str(exc)])
+    rows = {
+        n.get("NodeName", "?"): {
+            "node": n.get("NodeName", "?"),
+            "address": n.get("NodeAddr", "?"),
+            "state": n.get("State", "?"),
+            "cpus": n.get("CPUTot", "?"),
+            "python": "-",
+            "tensorflow": "-",
+            "files": "-",
+            "peers": "-",
+        }
+        for n in nodes
+    }
+    problems: list[str] = []
+    warnings: list[str] = []
+    python = tuple(shlex.split(conf.python)) if conf.python else (sys.executable,)
+    entry = spec.job.script or spec.job.loop
+    assert entry is not None
+    seen = {str(SHIM): SHIM.read_text(encoding="utf-8")[:4096]}
+    with contextlib.suppress(OSError):
+        seen[str(entry)] = entry.read_text(encoding="utf-8", errors="replace")[:4096]
+    port = secrets.SystemRandom().randrange(15000, 32000)
+    # the step runs on nodes we name, so that each knows its peers: idle ones first
+    ready = sorted(nodes, key=lambda n: not n.get("State", "").startswith(("IDLE", "MIXED")))[: conf.nodes]
+    addresses = [n.get("NodeAddr") or n.get("NodeName", "") for n in ready]
+    argv = [
+        "srun",
+        f"--immediate={max(1, math.ceil(conf.connect_timeout_s))}",
+        f"--nodes={len(ready)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(n.get('NodeName', '') for n in ready)}",
+        f"--partition={partition}",
+        *([f"--account={conf.account}"] if conf.account else []),
+        f"--job-name=orchestrate-check-{secrets.token_hex(4)}",
+        "--quiet",
+        *python,
+        "-c",
+        PROBE_SOURCE,
+        "mesh",
+        str(port),
+        "3",
+        *(f"{a}:{port}" for a in addresses),
+    ]
+    res = slurm.run(
+        argv, "a probe step on the nodes", timeout_s=conf.connect_timeout_s + 60, stdin=json.dumps(seen)
+    )
+    answers = []
+    for line in res.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            answers.append(json.loads(line))
+    if res.returncode != 0 or not answers:
+        problems.append(
+            f"a probe step on {conf.nodes} node(s) of {partition} failed: "
+            + (" ".join(res.stderr.split())[-400:] or f"exit {res.returncode}")
+        )
+    versions = set()
+    for a in answers:
+        row = rows.get(a.get("hostname", ""))
+        if row is None:
+            continue
+        row["python"] = f"{a.get('python')} ({a.get('executable')})"
+        row["tensorflow"] = str(a.get("tensorflow") or "MISSING")
+        versions.add((a.get("python"), a.get("tensorflow")))
+        if not a.get("tensorflow"):
+            problems.append(
+                f"{row['node']}: TensorFlow is not installed for {shlex.join(python)} (slurm.python)"
+            )
+        unseen = [p for p, ok in a.get("seen", {}).items() if not ok]
+        row["files"] = "shared" if not unseen else "NOT SEEN"
+        if unseen:
+            problems.append(
+                f"{row['node']} does not see {', '.join(unseen)}: the slurm backend needs this "
+                "machine's files on a filesystem the nodes share"
+            )
+        unreached = [peer for peer, ok in a.get("reached", {}).items() if not ok]
+        row["peers"] = "all reached" if not unreached else f"cannot reach {', '.join(unreached)}"
+        if unreached:
+            problems.append(f"{row['node']} cannot reach {', '.join(unreached)} (TF ports between nodes)")
+    if len(versions) > 1:
+        warnings.append(f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}")
+    return CheckReport(title, list(rows.values()), warnings, problems)

@@ -1,0 +1,426 @@
+"""Launch layer, slurm backend: talking to Slurm — its client commands under timeouts, the
+cluster checked against a request, the allocation (requested and held, or the surrounding one),
+and the command lines the backend runs (salloc, srun, scancel).
+
+An allocation of ours is held by the command salloc runs on this machine, which only reads a pipe
+from the coordinator: it is released when the coordinator closes the pipe — at the end, or when
+the coordinator dies, even by SIGKILL. A request still pending after `slurm.queue_timeout_s` is
+withdrawn. Every command runs under a timeout: with slurmctld down, Slurm's commands retry for
+minutes, and a launch must fail within `slurm.connect_timeout_s` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import LaunchError
+from orchestrator.spec.model import ClusterSpec, SlurmSpec
+
+log = logging.getLogger("orchestrator.slurm")
+
+COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol")
+NOT_INSTALLED = "Slurm's commands are not installed here"
+RUNTIME_ROOT = Path(__file__).resolve().parents[2]  # the folder holding worker/
+SHIM = RUNTIME_ROOT / "worker" / "shim.py"
+PROBE_SOURCE = (RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
+# srun reads these as its own options; inside an allocation they describe the allocation, not a step
+_STEP_OPTION_ENV = (
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_NNODES",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_DISTRIBUTION",
+    "SLURM_EXACT",
+    "SLURM_EXCLUSIVE",
+    "SLURM_MEM_PER_CPU",
+    "SLURM_MEM_PER_NODE",
+)
+
+
+def job_name(run_id: str) -> str:
+    """The allocation's name (and its steps' prefix): found again by `orchestrate down`."""
+    return f"orchestrate-{run_id}"
+
+
+def signal_lead_s(spec: ClusterSpec) -> int:
+    """How long before a time limit Slurm warns the tasks (SIGTERM: a final checkpoint, exit 42)."""
+    return SlurmSpec.warning_lead_s(spec.health.stop_grace_s)
+
+
+class Slurm:
+    """Slurm's client commands, each bounded: with slurmctld down they retry for minutes."""
+
+    def __init__(self, timeout_s: float, env: Mapping[str, str] | None = None):
+        self.timeout_s = timeout_s
+        self.env = dict(env if env is not None else os.environ)
+        for name in _STEP_OPTION_ENV:
+            self.env.pop(name, None)
+
+    @staticmethod
+    def missing() -> list[str]:
+        return [c for c in COMMANDS if shutil.which(c) is None]
+
+    def run(
+        self, argv: Sequence[str], what: str, *, timeout_s: float | None = None, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        limit = timeout_s or self.timeout_s
+        try:
+            return subprocess.run(
+                list(argv),
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=limit,
+                env=self.env,
+                check=False,
+                start_new_session=True,  # a Ctrl-C in the terminal is ours to handle, not srun's
+            )
+        except FileNotFoundError:
+            raise LaunchError(f"{NOT_INSTALLED} ({argv[0]} not found on PATH)") from None
+        except subprocess.TimeoutExpired:
+            raise LaunchError(
+                f"{what}: `{argv[0]}` got no answer within {limit:g} s — is slurmctld up? "
+                "(slurm.connect_timeout_s)"
+            ) from None
+
+    def checked(self, argv: Sequence[str], what: str, **kw: Any) -> str:
+        res = self.run(argv, what, **kw)
+        if res.returncode != 0:
+            said = " ".join(res.stderr.split()) or f"exit {res.returncode}"
+            raise LaunchError(f"{what}: {said}")
+        return res.stdout
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """`n[1-3],m5` → [n1, n2, n3, m5] (Slurm's own expansion)."""
+        out = self.checked(["scontrol", "show", "hostnames", nodelist], "expanding the node list")
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
+    def records(self, kind: str, *names: str) -> list[dict[str, str]]:
+        """`scontrol show KIND -o`: one dict per partition or node (values without spaces)."""
+        out = self.checked(["scontrol", "show", kind, "-o", *names], f"asking slurmctld for its {kind}s")
+        return [_fields(line) for line in out.splitlines() if line.strip()]
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(re.findall(r"(?:^|\s)([A-Za-z]+)=(\S*)", line))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the spec asks of Slurm."""
+
+    nodes: int
+    tasks_per_node: int  # the most tasks any node runs
+    partition: str | None
+
+    @classmethod
+    def of(cls, spec: ClusterSpec) -> Request:
+        assert spec.slurm is not None
+        most = max(sum(t.values()) for t in spec.slurm.layout())
+        return cls(spec.slurm.nodes, most, spec.slurm.partition)
+
+
+def check_cluster(slurm: Slurm, request: Request) -> tuple[str, list[dict[str, str]]]:
+    """The partition the request goes to and its nodes; LaunchError when it cannot be satisfied."""
+    missing = Slurm.missing()
+    if missing:
+        raise LaunchError(f"{NOT_INSTALLED} (missing: {', '.join(missing)}); install Slurm's client tools")
+    parts = slurm.records("partition")
+    names = [p.get("PartitionName", "?") for p in parts]
+    if request.partition is not None:
+        chosen = next((p for p in parts if p.get("PartitionName") == request.partition), None)
+        if chosen is None:
+            raise LaunchError(
+                f"slurm.partition {request.partition!r} does not exist on this cluster "
+                f"(partitions: {', '.join(names) or 'none'})"
+            )
+    else:
+        chosen = next((p for p in parts if p.get("Default") == "YES"), None)
+        if chosen is None:
+            raise LaunchError(
+                f"this cluster has no default partition; set slurm.partition (one of {', '.join(names)})"
+            )
+    name = chosen.get("PartitionName", "?")
+    if chosen.get("State", "UP") != "UP":
+        raise LaunchError(f"partition {name} is {chosen.get('State')}: it runs no job now")
+    total = int(chosen.get("TotalNodes", "0") or 0)
+    if request.nodes > total:
+        raise LaunchError(
+            f"slurm.nodes asks for {request.nodes} nodes; partition {name} has {total}: "
+            "ask for fewer, or another partition"
+        )
+    nodelist = chosen.get("Nodes", "")
+    nodes = slurm.records("node", *([nodelist] if nodelist and nodelist != "(null)" else []))
+    return name, nodes
+
+
+def route_address(targets: Sequence[str]) -> str:
+    """This machine's address on the route to the first target (no packet is sent)."""
+    for target in targets:
+        try:
+            infos = socket.getaddrinfo(target, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        except OSError:
+            continue
+        for *_, addr in infos:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    s.connect(addr)
+                    return str(s.getsockname()[0])
+                except OSError:
+                    continue
+    raise LaunchError(
+        f"no route from this machine to the nodes ({', '.join(targets[:3])}); set slurm.coordinator_address"
+    )
+
+
+class Allocation:
+    """The Slurm job the tasks run in: ours (released at the end) or the surrounding one."""
+
+    def __init__(
+        self,
+        job_id: str,
+        nodes: list[str],
+        owned: bool,
+        holder: subprocess.Popen[bytes] | None = None,
+        log_path: Path | None = None,
+    ):
+        self.job_id = job_id
+        self.nodes = nodes
+        self.owned = owned
+        self._holder = holder
+        self._log_path = log_path
+        self.released = False
+        self.granted = not owned  # ours: once salloc's command runs
+        self._log_size = -1
+        self._revoked = False
+
+    @classmethod
+    def surrounding(cls, slurm: Slurm, env: Mapping[str, str]) -> Allocation | None:
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not job or not nodelist:
+            return None
+        return cls(job, slurm.hostnames(nodelist), owned=False)
+
+    @classmethod
+    def request(
+        cls, slurm: Slurm, spec: ClusterSpec, run_id: str, folder: Path, cancel: threading.Event
+    ) -> Allocation:
+        """salloc, holding the allocation with a pipe from us; waits up to slurm.queue_timeout_s."""
+        assert spec.slurm is not None
+        argv = salloc_argv(spec, run_id)
+        n = 1 + sum(1 for _ in folder.glob("salloc-*.log"))  # one pair of files per request
+        out, err = folder / f"salloc-{n}.out", folder / f"salloc-{n}.log"
+        with open(out, "wb") as o, open(err, "wb") as e:
+            try:
+                holder = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=o,
+                    stderr=e,
+                    env=slurm.env,
+                    start_new_session=True,
+                )
+            except FileNotFoundError:
+                raise LaunchError(f"{NOT_INSTALLED} (salloc not found on PATH)") from None
+        alloc = cls("", [], owned=True, holder=holder, log_path=err)
+        deadline = time.monotonic() + spec.slurm.queue_timeout_s
+        try:
+            while True:
+                line = out.read_text(errors="replace").strip()
+                if line.startswith("ALLOCATED "):
+                    _, job, nodelist = line.split(maxsplit=2)
+                    alloc.job_id, alloc.granted = job, True
+                    alloc.nodes = slurm.hostnames(nodelist)
+                    return alloc
+                alloc.job_id = alloc.job_id or _pending_job(err)
+                if holder.poll() is not None:
+                    said = " ".join(_salloc_errors(err)) or f"salloc exited with {holder.returncode}"
+                    raise LaunchError(f"Slurm refused the allocation: {said}")
+                if cancel.is_set():
+                    raise LaunchError("interrupted while waiting for the allocation")
+                if time.monotonic() > deadline:
+                    why = alloc.pending_reason(slurm)
+                    raise LaunchError(
+                        f"the allocation (job {alloc.job_id or '?'}) was still pending after "
+                        f"{spec.slurm.queue_timeout_s:g} s (slurm.queue_timeout_s){why}; "
+                        "the request is cancelled"
+                    )
+                time.sleep(0.05)
+        except BaseException:
+            alloc.release(slurm)
+            raise
+
+    def pending_reason(self, slurm: Slurm) -> str:
+        if not self.job_id:
+            return ""
+        with contextlib.suppress(LaunchError):
+            out = slurm.checked(["squeue", "-h", "-j", self.job_id, "-o", "%r"], "asking why").strip()
+            if out:
+                return f" (Slurm's reason: {out})"
+        return ""
+
+    def time_left_s(self, slurm: Slurm) -> float | None:
+        """Seconds until the allocation's time limit; None without a limit (or when unknown)."""
+        with contextlib.suppress(LaunchError):
+            out = slurm.checked(
+                ["squeue", "-h", "-j", self.job_id, "-o", "%L"], "asking the time left"
+            ).strip()
+            return _duration_s(out)
+        return None
+
+    def ended(self) -> str | None:
+        """Ours, and gone without us releasing it: why (salloc's words). Cheap: salloc's log is
+        read only when it grew."""
+        if not self.owned or self.released or self._holder is None or self._log_path is None:
+            return None
+        try:
+            size = self._log_path.stat().st_size
+        except OSError:
+            return None
+        if size != self._log_size:
+            self._log_size = size
+            self._revoked = any(
+                "revoked" in line or "time limit" in line for line in _salloc_errors(self._log_path)
+            )
+        if not self._revoked and self._holder.poll() is None:
+            return None
+        return " ".join(_salloc_errors(self._log_path)) or f"salloc exited ({self._holder.returncode})"
+
+    def release(self, slurm: Slurm) -> None:
+        """Ours: close the holder's pipe (salloc relinquishes it), or while it is still pending
+        SIGTERM salloc (it withdraws the request); then scancel, to be sure. The surrounding
+        allocation is left alone."""
+        if not self.owned or self.released:
+            return
+        self.released = True
+        holder = self._holder
+        if holder is not None and holder.poll() is None:
+            if self.granted:
+                with contextlib.suppress(OSError):
+                    assert holder.stdin is not None
+                    holder.stdin.close()
+            else:
+                holder.terminate()
+            try:
+                holder.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait(timeout=10)
+        job = self.job_id or (_pending_job(self._log_path) if self._log_path else "")
+        if job:
+            with contextlib.suppress(LaunchError):
+                slurm.run(["scancel", job], "releasing the allocation")
+
+
+def salloc_argv(spec: ClusterSpec, run_id: str) -> list[str]:
+    assert spec.slurm is not None
+    s: SlurmSpec = spec.slurm
+    request = Request.of(spec)
+    argv = [
+        "salloc",
+        "--no-kill",  # a node lost leaves the others (and the spares) allocated
+        f"--nodes={s.nodes}",
+        f"--ntasks-per-node={request.tasks_per_node}",
+        f"--job-name={job_name(run_id)}",
+    ]
+    if s.partition:
+        argv.append(f"--partition={s.partition}")
+    if s.account:
+        argv.append(f"--account={s.account}")
+    if s.time:
+        argv += [f"--time={s.time}", f"--signal=TERM@{signal_lead_s(spec)}"]
+    argv += s.extra_args
+    # the allocation lives as long as this reads our pipe
+    holder = 'echo "ALLOCATED $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
+    return [*argv, "sh", "-c", holder]
+
+
+def srun_argv(job_id: str, node: str, name: str, python: Sequence[str]) -> list[str]:
+    return [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",  # the tasks of a node share its CPUs, as on a lab machine
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        f"--job-name={name}",
+        "--quiet",
+        *python,
+        "-S",  # the shim needs only the standard library
+        str(SHIM),
+    ]
+
+
+def _pending_job(log_path: Path | None) -> str:
+    if log_path is None:
+        return ""
+    with contextlib.suppress(OSError):
+        m = re.search(
+            r"(?:Pending|Granted) job allocation (\d+)|[Jj]ob (\d+) queued",
+            log_path.read_text(errors="replace"),
+        )
+        if m:
+            return m.group(1) or m.group(2)
+    return ""
+
+
+def _salloc_errors(log_path: Path | None) -> list[str]:
+    if log_path is None:
+        return []
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keep = [ln.removeprefix("salloc: ").strip() for ln in lines]
+    routine = (
+        r"(Pending|Granted) job allocation|Relinquishing|Waiting for|Nodes .* are ready"
+        r"|job \d+ (queued|has been allocated)"
+    )
+    keep = [ln for ln in keep if ln and not re.match(routine, ln)]
+    return keep[-4:]
+
+
+def _duration_s(text: str) -> float | None:
+    """Slurm's `[D-]HH:MM:SS` (or MM:SS) as seconds; None for UNLIMITED or not a duration."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def cancel_steps(slurm: Slurm, job_id: str, prefix: str) -> list[str]:
+    """Cancel this run's steps left in an allocation that is not ours; their ids."""
+    out = slurm.checked(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], "listing the steps")
+    ours = [
+        line.split()[0]
+        for line in out.splitlines()
+        if len(line.split()) == 2 and line.split()[1].startswith(prefix)
+    ]
+    if ours:
+        slurm.run(["scancel", *ours], "cancelling this run's steps")
+    return ours
+
+
+def guarded(fn: Any) -> Any:
+    def call(arg: Any) -> Any:
+        try:
+            return fn(arg)
+        except Exception as exc:  # noqa: BLE001 - handed back as the item's result
+            return exc
+
+    return call
