@@ -1,4 +1,4 @@
-"""Run every benchmark (DESIGN §9, P1-P7; P9 state across hosts), print one table, keep the figures.
+"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts), print one table, keep the figures.
 
 Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
 one after another (never side by side: they would measure each other), writes everything to
@@ -32,6 +32,7 @@ PLAN = [
     ("P6", "capacity.py", ([], ["--cases", "whole:relayed:1000", "relay:direct:8", "--measure-s", "8"])),
     ("P7", "ssh_fanout.py", (["--repeats", "3"], ["--repeats", "1"])),
     ("P9", "ship_state.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
+    ("P8", "slurm_launch.py", (["--rounds", "5"], ["--rounds", "1"])),
 ]
 
 
@@ -168,6 +169,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
     if p9.get("skipped"):
         out.append(f"| P9 state across hosts | skipped | {p9['skipped']} |")
+    p8 = results.get("P8", {})
+    if "ratio" in p8:
+        out.append(
+            f"| P8 Slurm launch, 2 nodes, up → first step | {p8['orchestrate_first_step_s']:.2f} s "
+            f"(×{p8['ratio']:.2f}) | bare srun, TF_CONFIG by hand {p8['floor_first_step_s']:.2f} s; "
+            "goal ≤ ×1.15 |"
+        )
+        out.append(
+            f"| P4 detection, Slurm node cut off | {p8['lost_detected_s']:.2f} s "
+            f"| Slurm's own NODE_FAIL {p8['slurm_node_down_s']:.1f} s (SlurmdTimeout 20 s) |"
+        )
+    if p8.get("skipped"):
+        out.append(f"| P8 Slurm launch | skipped | {p8['skipped']} |")
     for name, r in results.items():
         if "error" in r:
             out.append(f"| {name} | FAILED ({r['error']}) | see the JSON |")
