@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orchestrate: {exc}" if "\n" not in str(exc) else str(exc), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        print("orchestrate: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `orchestrate plan … | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -20,10 +20,12 @@ be installed there first). Standard library only; each mode prints one JSON obje
                           file there, then reads the others'.
 - mesh PORT WAIT_S ADDR:PORT…   as `node 0`, and while listening on PORT for WAIT_S seconds, try
                           a connection to each peer (one task per node of a Slurm step).
-- node COUNT [PORT…]      a Slurm node (one probe step per node): its facts as `facts` gives them,
+- node COUNT LOCK [PORT…] a Slurm node (one probe step per node): its facts as `facts` gives them,
                           which of the given TF ports are still free, COUNT more free ports (below
                           the ephemeral range, at random), and which of the files named on stdin
                           (JSON {path: expected text}) it sees with that content (a shared filesystem).
+                          LOCK ("-" for none): the path of a port's lock with `{port}` in it; a
+                          port whose lock another run's shim holds is not free (port_locked).
 
 The coordinator runs the same modes on its own machine (as a subprocess), so a state folder is
 read and written one way everywhere.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -135,7 +138,24 @@ def port_free(port: int) -> bool:
     return True
 
 
-def node(count: str, *ports: str) -> dict[str, Any]:
+def port_locked(template: str, port: int) -> bool:
+    """True while another process holds the port's lock (a task of another run on this node)."""
+    if template == "-":
+        return False
+    try:
+        fd = os.open(template.replace("{port}", str(port)), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: nobody has held it here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def node(count: str, lock: str = "-", *ports: str) -> dict[str, Any]:
     wanted = json.loads(sys.stdin.read() or "{}")
     seen = {}
     for path, text in wanted.items():
@@ -158,7 +178,7 @@ def node(count: str, *ports: str) -> dict[str, Any]:
         if len(chosen) >= int(count):
             break
         port = rng.randrange(15000, high)  # as the local backend's ports (orchestrator/launch/ports.py)
-        if port not in taken and port not in chosen and port_free(port):
+        if port not in taken and port not in chosen and port_free(port) and not port_locked(lock, port):
             chosen.append(port)
     return {
         "hostname": socket.gethostname(),
@@ -166,14 +186,14 @@ def node(count: str, *ports: str) -> dict[str, Any]:
         "executable": sys.executable,
         "tensorflow": version("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"),
         "gpus": _gpus(),
-        "ports": {p: port_free(int(p)) for p in ports},
+        "ports": {p: port_free(int(p)) and not port_locked(lock, int(p)) for p in ports},
         "free": chosen,
         "seen": seen,
     }
 
 
 def mesh(port: str, wait_s: str, *peers: str) -> dict[str, Any]:
-    out = node("0")
+    out = node("0", "-")
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

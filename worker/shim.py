@@ -19,7 +19,8 @@ Protocol (one SSH channel per task attempt):
 - The slurm backend runs the same shim as a job step (`srun … python -S worker/shim.py`), with
   `follow: false` (the log file is on a filesystem the coordinator shares: nothing is streamed)
   and `forward_signals: false` (Slurm signals every process of the step itself, the task included:
-  a time limit's SIGTERM must reach the task once, not twice).
+  a time limit's SIGTERM must reach the task once, not twice), and `port_lock`: a node-local
+  file the shim holds locked while the task lives, so that another run's probe avoids its port.
 - stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then
   {"event": "exit", "code": N} (negative N: killed by signal -N). Anything else on stderr comes
   from a failed start (e.g. the shell's "python3: not found").
@@ -32,11 +33,13 @@ Before starting, the shim stops a previous attempt of the same task still alive 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -67,6 +70,17 @@ def main(argv: list[str]) -> int:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     # A previous attempt of this task still running here (its host was cut off): stop it first.
     stale, _ = stop_recorded(job["pidfile"], job["run_id"], grace_s=5.0)
+    if job.get("port_lock"):
+        try:
+            held = _lock_port(job["port_lock"])
+        except OSError as exc:
+            _emit({"event": "error", "message": f"cannot lock its TF port ({job['port_lock']}): {exc}"})
+            return 1
+        if held is None:
+            _emit(
+                {"event": "error", "message": "its TF port is taken by another orchestrate run on this node"}
+            )
+            return 1
     out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write(f"===== orchestrate: {job['task']} attempt {job['attempt']} started {stamp} =====\n".encode())
@@ -117,6 +131,27 @@ def main(argv: list[str]) -> int:
         follower.finish()
     _emit({"event": "exit", "code": code})
     return code if code >= 0 else 128 - code
+
+
+def _lock_port(path: str) -> int | None:
+    """Hold the node-local lock of the task's TF port for as long as the shim lives (the task's
+    life): another run's probe on this node then chooses another port, and two TensorFlow servers
+    (which bind with SO_REUSEPORT) never share one. None when another process holds it. The
+    folders are private and ours; no symlink is followed."""
+    ports = os.path.dirname(path)
+    for folder in (os.path.dirname(ports), ports):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{folder} is not a private folder of this user")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd  # kept open (close-on-exec: the task does not inherit it)
 
 
 def _materialize(cache: str, folder: str, files: list[list[Any]]) -> None:

@@ -74,6 +74,12 @@ from orchestrator.spec.roles import task_slots
 log = logging.getLogger("orchestrator.slurm")
 
 
+def port_lock(node: str, port: str) -> str:
+    """The lock of a TF port on a node: node-local (/tmp), private to the user, named after the node
+    as well (a /tmp shared by nodes would otherwise mix theirs)."""
+    return f"/tmp/orchestrate-{os.getuid()}/ports/{node}-{port}.lock"
+
+
 class SlurmTaskHandle(TaskHandle):
     kill_wait_s = 5.0
     unconfirmed_hint = (
@@ -300,10 +306,12 @@ class SlurmBackend(Backend):
             argv = [
                 *srun_argv(job_id, node, f"{job_name(self._run_id)}-probe", ())[:-2],
                 *self._python,
+                "-S",  # standard library only: no site-packages to scan (`check` reports TensorFlow)
                 "-c",
                 PROBE_SOURCE,
                 "node",
                 str(count),
+                port_lock(node, "{port}"),
                 *mine,
             ]
             res = self._slurm.run(
@@ -504,6 +512,7 @@ class SlurmBackend(Backend):
             "task": task.name,
             "attempt": attempt,
             "grace_s": self._spec.health.stop_grace_s,
+            "port_lock": port_lock(node, str(task.port)),  # held while the task lives
             "follow": False,  # the log file is shared: the coordinator reads it in place
             "forward_signals": False,  # Slurm signals the task itself
         }

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.launch.slurm import port_lock
 from tests.conftest import CliRun, run_processes, wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
+from worker.probe import port_locked
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_slurm() is not None, reason=why_no_slurm() or "")]
@@ -224,6 +226,9 @@ def test_a_stop_leaves_nothing_on_any_node_and_nothing_queued(
     try:
         run.wait_steps("worker-1", 5)
         assert len(run_processes(run.run_id)) >= 2
+        plan = json.loads((run.run_dir / "plan.json").read_text())
+        port = int(plan["cluster"]["worker"][1].split(":")[1])
+        assert port_locked(port_lock("n2", "{port}"), port)  # another run on n2 will not choose it
         started = time.monotonic()
         if how == "ctrl-c":
             proc.send_signal(signal.SIGINT)

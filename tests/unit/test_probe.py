@@ -134,3 +134,39 @@ def test_shared_folder_nonces_are_written_read_and_removed(tmp_path):
     assert probe("shared", "write", str(tmp_path), "n1")["error"]  # never overwrites
     assert probe("shared", "remove", str(tmp_path), "n1")["error"] is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_node_chooses_free_ports_and_avoids_one_another_runs_shim_holds(tmp_path: Path) -> None:
+    from worker import shim
+
+    locks = tmp_path / "locks"
+    template = str(locks / "ports" / "n1-{port}.lock")
+    held_port = 15000
+    held = shim._lock_port(template.replace("{port}", str(held_port)))  # as a running task's shim does
+    assert held is not None
+    try:
+        assert (locks.stat().st_mode & 0o777) == 0o700
+        assert shim._lock_port(template.replace("{port}", str(held_port))) is None  # a second run's task
+        seen = str(tmp_path / "seen.txt")
+        Path(seen).write_text("nonce")
+        answer = probe("node", "3", template, str(held_port), stdin=json.dumps({seen: "nonce", "/nope": "x"}))
+        assert answer["ports"] == {str(held_port): False}  # its lock is held: not ours to take
+        assert len(set(answer["free"])) == 3 and held_port not in answer["free"]
+        assert all(15000 <= p < 65536 for p in answer["free"])
+        assert answer["seen"] == {seen: True, "/nope": False}
+    finally:
+        os.close(held)
+    assert probe("node", "0", template, str(held_port))["ports"] == {str(held_port): True}  # released
+
+
+def test_a_port_lock_folder_another_user_could_own_is_refused(tmp_path: Path) -> None:
+    from worker import shim
+
+    (tmp_path / "ports").mkdir(mode=0o777)
+    os.chmod(tmp_path / "ports", 0o777)  # not private: someone else could swap the lock files
+    try:
+        shim._lock_port(str(tmp_path / "ports" / "n1-1.lock"))
+    except OSError as exc:
+        assert "not a private folder" in str(exc)
+    else:
+        raise AssertionError("a shared lock folder was used")
