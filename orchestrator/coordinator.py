@@ -99,7 +99,7 @@ def up(
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         record.write_backend(backend.record())
-        planner = _Planner(spec, run_id, placements, record, credentials)
+        planner = _Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
         record.write_coordinator(_coordinator_info(run_id, server.url))
         if record.broken:
@@ -138,7 +138,8 @@ def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunReco
 
 class _Planner:
     """The plan from the spec and the backend's placements, made again when the backend moves a
-    task between attempts; each one written to plan.json."""
+    task between attempts; each one written to plan.json, with the backend's record (a task moved
+    to a spare node, a new allocation) to backend.json."""
 
     def __init__(
         self,
@@ -147,15 +148,19 @@ class _Planner:
         placements: Mapping[str, Placement],
         record: RunRecord,
         credentials: Credentials,
+        backend: Backend,
     ):
         self._spec, self._run_id, self._record = spec, run_id, record
         self._placements = dict(placements)
         self._credentials = credentials
+        self._backend = backend
 
     def __call__(self, moved: Mapping[str, Placement]) -> LaunchPlan:
         self._placements.update(moved)
         plan = make_plan(self._spec, self._run_id, self._placements)
         self._record.write_plan(plan.to_json())
+        if moved:
+            self._record.write_backend(self._backend.record())
         self._credentials.place({t.name: t.host_index for t in plan.tasks})  # whose key signs a task's
         return plan
 

@@ -481,6 +481,7 @@ def test_a_time_limit_warning_checkpoints_and_goes_on_in_a_new_allocation_outsid
     assert f"job {first}: its time limit is" in reasons and "a new allocation" in reasons
     assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0"))
     assert not [j for j in lab.jobs() if j.startswith(f"{first} ")]
+    assert run.backend()["job_id"] != first  # backend.json names the allocation the run ended in
 
 
 def test_a_detached_run_goes_on_after_the_terminal_is_gone(
