@@ -98,7 +98,6 @@ def up(
         cleanup.callback(view.close)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
-        record.write_backend(backend.record())
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
         record.write_coordinator(_coordinator_info(run_id, server.url))
@@ -154,13 +153,15 @@ class _Planner:
         self._placements = dict(placements)
         self._credentials = credentials
         self._backend = backend
+        self._backend_record: dict[str, Any] | None = None
 
     def __call__(self, moved: Mapping[str, Placement]) -> LaunchPlan:
         self._placements.update(moved)
         plan = make_plan(self._spec, self._run_id, self._placements)
         self._record.write_plan(plan.to_json())
-        if moved:
-            self._record.write_backend(self._backend.record())
+        if (backend := self._backend.record()) != self._backend_record:
+            self._record.write_backend(backend)
+            self._backend_record = backend
         self._credentials.place({t.name: t.host_index for t in plan.tasks})  # whose key signs a task's
         return plan
 

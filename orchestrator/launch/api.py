@@ -62,6 +62,7 @@ class Prepared:
 
     notes: list[str] = field(default_factory=list)
     moved: dict[str, Placement] = field(default_factory=dict)
+    record_changed: bool = False  # record() says something new (a new allocation): written again
 
 
 class TaskHandle(abc.ABC):

@@ -433,7 +433,8 @@ class SlurmBackend(Backend):
                     f"node {node} is left out: the end of its task could not be confirmed (cut off?)"
                 )
         self._handles = {}
-        if self._alloc.owned and self._renew_allocation(notes):
+        renewed = self._alloc.owned and self._renew_allocation(notes)
+        if renewed:
             self._excluded.clear()
         candidates = [n for n in self._alloc.nodes if n not in self._excluded]
         answers = self._healthy(candidates, reason=f"before attempt {attempt}", required=False)
@@ -446,7 +447,7 @@ class SlurmBackend(Backend):
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
-        return Prepared(notes=notes, moved=moved)
+        return Prepared(notes=notes, moved=moved, record_changed=renewed)
 
     def _renew_allocation(self, notes: list[str]) -> bool:
         assert self._alloc is not None

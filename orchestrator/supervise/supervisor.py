@@ -197,7 +197,7 @@ class Supervisor:
             failure = Failure((), FailureKind.LAUNCH, self.attempt, f"before attempt {self.attempt}: {exc}")
             self._fail(failure)
             return
-        if prepared.moved and self._replan is not None:
+        if (prepared.moved or prepared.record_changed) and self._replan is not None:
             self._move_tasks(prepared.moved)
         for note in prepared.notes:
             self._sink.event(kind="state", attempt=self.attempt, reason=note)
