@@ -12,7 +12,9 @@ tag (`sl-<hex>`), so that two labs, the SSH lab (10.77.x.x) and a system Slurm n
   tests' venv python runs on every node), but not its network or its name;
 - one munged, as the munge user, with its own key, socket, pid, seed and log files in the lab's
   folder (`AuthInfo=socket=...`), never the system's /run/munge;
-- a temporary folder (`lab.root`) with slurm.conf, cgroup.conf, the daemons' state, spool and logs.
+- a temporary folder (`lab.root`) with slurm.conf, cgroup.conf, the daemons' state, spool and logs;
+  in it `login_only/`, which the nodes do not see (each mounts an empty tmpfs over it: a cluster
+  whose nodes share no disk with the login node), and `scratch/`, a disk of each node's own.
 
 Daemons are started so that the pid we hold is the daemon's own (nsenter, unshare and `sh -c exec`
 each exec the next; munged and slurm daemons run in the foreground): `close()` stops exactly those,
@@ -88,6 +90,8 @@ class SlurmLab:
         ]
         self.ctld_port, self.slurmd_port = _free_ports(2)
         self.conf = self.root / "slurm.conf"
+        self.login_only = self.root / "login_only"  # not seen by the nodes
+        self.scratch = self.root / "scratch"  # each node's own
         self.munge_dir = self.root / "munge"
         self.munge_socket = self.munge_dir / "munge.socket"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # daemon name: the daemon itself
@@ -115,7 +119,7 @@ class SlurmLab:
     # --- building ---
     def _write_files(self) -> None:
         self.root.chmod(0o755)  # munged (as munge) must reach its folder below
-        for sub in ("state", "spool", "log", "run"):
+        for sub in ("state", "spool", "log", "run", "login_only", "scratch"):
             (self.root / sub).mkdir()
         for n in self.nodes:  # slurmd wants its spool (and socket) folder there before it starts
             (self.root / "spool" / n.name).mkdir()
@@ -283,6 +287,22 @@ class SlurmLab:
         )
         self._wait_exec(proc, exe, f"slurmd on {node.name}")
         node.pid = proc.pid
+        for folder in (self.login_only, self.scratch):  # in the node's mount namespace only
+            _run(
+                [
+                    "nsenter",
+                    f"--target={proc.pid}",
+                    "--mount",
+                    "--",
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    "size=256m,mode=0755",
+                    f"{self.prefix}-{node.name}",
+                    str(folder),
+                ]
+            )
         ids = (_ns_id(proc.pid, kind) for kind in ("net", "mnt", "uts"))
         node.namespaces = {i for i in ids if i is not None}
 

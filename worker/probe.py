@@ -18,6 +18,12 @@ be installed there first). Standard library only; each mode prints one JSON obje
                           files not there yet), then remove what is not in the list on stdin (JSON).
 - shared write|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
                           file there, then reads the others'.
+- pack FOLDER SUB…        a tar of FOLDER/SUB… on stdout (the files `tree` lists: no hidden ones, no
+                          scratch folders, no symlinks); a SUB that does not exist is left out.
+- unpack FOLDER [replace] the tar on stdin into FOLDER, received beside it first; with `replace`,
+                          each top folder of the tar is left holding exactly what the tar holds
+                          (data first, index files last, as `commit`). Members that are not plain
+                          files or folders, absolute, or with `..` are refused.
 - mesh PORT WAIT_S ADDR:PORT…   as `node 0`, and while listening on PORT for WAIT_S seconds, try
                           a connection to each peer (one task per node of a Slurm step).
 - node COUNT LOCK [PORT…] a Slurm node (one probe step per node): its facts as `facts` gives them,
@@ -37,6 +43,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import random
@@ -44,6 +51,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from typing import Any
@@ -349,6 +357,52 @@ def commit(folder: str, staging: str) -> dict[str, Any]:
     return {"moved": len(received), "removed": removed}
 
 
+def pack(folder: str, *subs: str) -> None:
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+        for sub in subs:
+            top = os.path.join(folder, sub)
+            if os.path.isdir(top):
+                for rel in sorted(_walk(top)):
+                    tar.add(os.path.join(top, rel), arcname=f"{sub}/{rel}", recursive=False)
+
+
+def unpack(folder: str, *how: str) -> dict[str, Any]:
+    staging = f"{folder.rstrip('/')}.incoming-{os.getpid()}"
+    names: list[str] = []
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+        for member in tar:
+            parts = member.name.split("/")
+            if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                raise ValueError(f"refused tar member {member.name!r}")
+            if member.isdir():
+                continue
+            target = os.path.join(staging, member.name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None
+            with open(target, "wb") as out:
+                shutil.copyfileobj(source, out)
+            os.chmod(target, member.mode & 0o755)
+            names.append(member.name)
+    os.makedirs(folder, exist_ok=True)
+    tops = sorted({n.split("/")[0] for n in names})
+    moved = removed = 0
+    for top in tops:
+        target, received = os.path.join(folder, top), os.path.join(staging, top)
+        if "replace" in how:
+            keep = [n.split("/", 1)[1] for n in names if n.startswith(f"{top}/")]
+            sys.stdin = io.StringIO(json.dumps(keep))  # commit reads what to keep on stdin
+            done = commit(target, received)
+            moved, removed = moved + done["moved"], removed + done["removed"]
+        else:
+            for rel in _walk(received):
+                os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+                os.replace(os.path.join(received, rel), os.path.join(target, rel))
+                moved += 1
+    shutil.rmtree(staging, ignore_errors=True)
+    return {"moved": moved, "removed": removed}
+
+
 def shared(action: str, folder: str, *nonces: str) -> dict[str, Any]:
     """write FOLDER NONCE: leave a file named by the nonce; read FOLDER NONCE…: which of those
     files this host sees; remove FOLDER NONCE: take ours away again."""
@@ -376,6 +430,9 @@ def main(argv: list[str]) -> int:
     if mode == "listen":
         listen(*args)
         return 0
+    if mode == "pack":
+        pack(*args)
+        return 0
     handlers: dict[str, Any] = {
         "facts": facts,
         "connect": connect,
@@ -384,6 +441,7 @@ def main(argv: list[str]) -> int:
         "shared": shared,
         "node": node,
         "mesh": mesh,
+        "unpack": unpack,
     }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0

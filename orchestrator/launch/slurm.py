@@ -24,13 +24,17 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
+import posixpath
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Mapping
@@ -48,7 +52,7 @@ from orchestrator.launch.api import (
     Sig,
     TaskHandle,
 )
-from orchestrator.launch.placement import Placement
+from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.slurm_cluster import (
     NOT_INSTALLED,
     PROBE_SOURCE,
@@ -66,12 +70,33 @@ from orchestrator.launch.slurm_cluster import (
     srun_argv,
 )
 from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import make_private_dir
+from orchestrator.record import make_private_dir, now_iso, private_open
 from orchestrator.spec.model import Backend as BackendName
-from orchestrator.spec.model import ClusterSpec, SlurmSpec
+from orchestrator.spec.model import ClusterSpec, Role, SlurmSpec
 from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.slurm")
+
+
+def _tree(folder: Path) -> list[tuple[str, Path]]:
+    """Every plain file under `folder` (relative path, path): no hidden ones, no symlinks, no
+    caches — what is copied to nodes that share no disk with this machine."""
+    out = []
+    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        rel = path.relative_to(folder).as_posix()
+        if (
+            path.is_symlink()
+            or not path.is_file()
+            or any(p.startswith(".") or p == "__pycache__" for p in rel.split("/"))
+        ):
+            continue
+        out.append((rel, path))
+    return out
+
+
+def _safe(name: str) -> bool:
+    parts = name.split("/")
+    return not name.startswith("/") and ".." not in parts
 
 
 def port_lock(node: str, port: str) -> str:
@@ -109,6 +134,15 @@ class SlurmTaskHandle(TaskHandle):
         self.messages: list[str] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events").start()
+        if popen.stdout is not None:  # the task's log, streamed from its node (nothing shared)
+            threading.Thread(target=self._pump_output, daemon=True, name=f"{task.name}-out").start()
+
+    def _pump_output(self) -> None:
+        assert self._popen.stdout is not None
+        with private_open(self.log_path) as out:
+            while data := os.read(self._popen.stdout.fileno(), 65536):
+                out.write(data)
+                out.flush()
 
     @property
     def process(self) -> ProcessInfo:
@@ -227,6 +261,7 @@ class SlurmBackend(Backend):
         self._handles: dict[str, SlurmTaskHandle] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        self._shipping = False  # the nodes do not see this machine's files: they are copied
 
     # --- opening ---
 
@@ -272,8 +307,142 @@ class SlurmBackend(Backend):
                 "(slurm.tasks_per_node)"
             )
         self._addresses = self._node_addresses(alloc.nodes)
-        self._place(self._healthy(alloc.nodes, reason="at launch", required=True))
+        answers = self._healthy(alloc.nodes, reason="at launch", required=True)
+        sees = {n: a["sees_run"] for n, a in answers.items()}
+        unseen = {n: a["unseen"] for n, a in answers.items() if a["unseen"]}
+        if all(sees.values()) and unseen:
+            node, paths = next(iter(unseen.items()))
+            raise LaunchError(
+                f"{node} sees the run directory but not {', '.join(paths[:2])}: the slurm backend needs the "
+                "job's folder and orchestrate on a filesystem the nodes share, as the run directory"
+            )
+        if any(sees.values()) and not all(sees.values()):
+            raise LaunchError(
+                f"some nodes see the run directory {self._run_dir}, others do not "
+                f"({', '.join(n for n, ok in sees.items() if not ok)}): a shared filesystem must be "
+                "mounted on every node, or on none"
+            )
+        self._shipping = not any(sees.values())
+        if self._shipping:
+            log.info("the nodes do not see %s: the job's files are copied to them", self._run_dir)
+            self._ship_code(list(answers))
+        self._place(answers)
         return dict(self._placements)
+
+    # --- files, when the nodes do not share this machine's ---
+
+    def _node_folder(self) -> str:
+        workdir = self._conf.workdir or f"/tmp/orchestrate-{os.getuid()}"
+        return posixpath.join(workdir, "runs", self._run_id)
+
+    def _ship_code(self, nodes: list[str]) -> None:
+        """The job's folder (code/) and the worker runtime (lib/worker/) to every node, at once."""
+        entry = self._spec.job.script or self._spec.job.loop
+        assert entry is not None
+        if any(s.role is Role.EVALUATOR for s in task_slots(self._spec)):
+            owner = "chief-0" if self._spec.role_count(Role.CHIEF) else "worker-0"
+            hosts = {s.name: s.host_index for s in task_slots(self._spec)}
+            if hosts["evaluator-0"] != hosts[owner]:
+                raise LaunchError(
+                    "the nodes do not share this machine's files: the evaluator must run on the node of "
+                    f"{owner} (it reads the checkpoints there; slurm.tasks_per_node)"
+                )
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for rel, path in _tree(job_files_root(self._spec)):
+                tar.add(str(path), arcname=f"code/{rel}", recursive=False)
+            for rel, path in _tree(RUNTIME_ROOT / "worker"):
+                tar.add(str(path), arcname=f"lib/worker/{rel}", recursive=False)
+        self._push(nodes, buffer.getvalue(), replace=False, what="copying the job's files")
+        log.info("copied the job's files (%d bytes) to %s", len(buffer.getvalue()), ",".join(nodes))
+
+    def _push(self, nodes: list[str], data: bytes, *, replace: bool, what: str) -> None:
+        """A tar to the run's folder on every node of `nodes` (srun hands stdin to each task)."""
+        assert self._alloc is not None
+        argv = [
+            "srun",
+            f"--jobid={self._alloc.job_id}",
+            "--overlap",
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}",
+            f"--job-name={job_name(self._run_id)}-copy",
+            "--quiet",
+            *self._python,
+            "-S",
+            "-c",
+            PROBE_SOURCE,
+            "unpack",
+            self._node_folder(),
+            *(["replace"] if replace else []),
+        ]
+        res = self._slurm.run_bytes(argv, what, data, timeout_s=self._conf.connect_timeout_s + 60)
+        if res.returncode != 0:
+            said = " ".join(res.stderr.decode(errors="replace").split())[-400:]
+            raise LaunchError(f"{what}: {said or f'exit {res.returncode}'}")
+
+    def _pull(self, node: str, subs: list[str], into: Path) -> bool:
+        """Folders of the run's folder on one node into `into` (each replaced); False if it failed."""
+        assert self._alloc is not None
+        argv = [
+            *srun_argv(self._alloc.job_id, node, f"{job_name(self._run_id)}-copy", ())[:-2],
+            *self._python,
+            "-S",
+            "-c",
+            PROBE_SOURCE,
+            "pack",
+            self._node_folder(),
+            *subs,
+        ]
+        try:
+            res = self._slurm.run_bytes(
+                argv, f"copying from {node}", b"", timeout_s=self._conf.connect_timeout_s + 60
+            )
+        except LaunchError as exc:
+            log.warning("%s", exc)
+            return False
+        if res.returncode != 0:
+            log.warning("copying from %s: %s", node, res.stderr.decode(errors="replace")[-400:])
+            return False
+        with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r") as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and _safe(m.name)]
+            for sub in subs:
+                if any(m.name.startswith(f"{sub}/") for m in members):
+                    shutil.rmtree(into / sub, ignore_errors=True)
+            for m in members:
+                target = into / m.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(m)
+                assert source is not None
+                with private_open(target, "wb") as out:
+                    shutil.copyfileobj(source, out)
+        return True
+
+    def _ship_state(self, plan: LaunchPlan, owner_node: str | None, notes: list[str]) -> None:
+        """Before a new attempt: the owner's latest checkpoints (from the node it ran on) home, then
+        to every node of a reader, so every task resumes from the same state."""
+        state = plan.state
+        if state is None or state.shared:
+            return
+        home = self._run_dir
+        if (
+            owner_node is not None
+            and owner_node not in self._excluded
+            and self._pull(owner_node, ["checkpoints"], home)
+        ):
+            notes.append(f"checkpoints of {state.owner} copied from {owner_node}")
+        else:
+            notes.append(
+                f"{state.owner}'s node is out of reach: the last checkpoints brought home are used"
+            )
+        readers = sorted({self._node_of[t] for t in state.readers})
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for rel, path in _tree(home / "checkpoints"):
+                tar.add(str(path), arcname=f"checkpoints/{rel}", recursive=False)
+        if buffer.getvalue() and readers:
+            self._push(readers, buffer.getvalue(), replace=True, what="copying the checkpoints to the nodes")
 
     def _node_addresses(self, nodes: list[str]) -> dict[str, str]:
         known = {n.get("NodeName", ""): n.get("NodeAddr", "") for n in self._cluster_nodes}
@@ -287,8 +456,10 @@ class SlurmBackend(Backend):
         return {n: known.get(n) or n for n in nodes}
 
     def _healthy(self, nodes: list[str], *, reason: str, required: bool) -> dict[str, dict[str, Any]]:
-        """Probe every node (one step each, in parallel): its answer, for those that answered and
-        see the run's files. Nodes that did not are named in the error (required) or left out."""
+        """Probe every node (one step each, in parallel): its answer, for those that answered (and
+        see the run's files, unless they are shipped). Nodes that did not are named in the error
+        (required) or left out. Each answer's `sees_run` says whether the node reads the run
+        directory."""
         assert self._alloc is not None
         nonce_path = self._folder / f"nonce-{secrets.token_hex(4)}"
         nonce = secrets.token_hex(16)
@@ -335,14 +506,8 @@ class SlurmBackend(Backend):
             if isinstance(answer, BaseException):
                 problems.append(f"{node}: {answer}")
                 continue
-            unseen = [p for p, ok in answer.get("seen", {}).items() if not ok]
-            if unseen:
-                problems.append(
-                    f"{node} does not see this machine's files ({', '.join(unseen[:2])}): the slurm backend "
-                    "needs the job's folder, the run directory and orchestrate on a filesystem the nodes "
-                    "share (run from your home or project space, or --run-dir there)"
-                )
-                continue
+            answer["sees_run"] = bool(answer.get("seen", {}).get(str(nonce_path)))
+            answer["unseen"] = [p for p, ok in answer.get("seen", {}).items() if not ok]
             answers[node] = answer
         if problems and required:
             raise LaunchError(f"node check {reason} failed:\n  " + "\n  ".join(problems))
@@ -372,6 +537,10 @@ class SlurmBackend(Backend):
         moved: dict[str, Placement] = {}
         free = {n: list(a.get("free", [])) for n, a in answers.items()}
         pythonpath = () if self._conf.python is None else (str(RUNTIME_ROOT),)
+        folder = self._node_folder() if self._shipping else str(self._run_dir)
+        code = posixpath.join(folder, "code") if self._shipping else None
+        if self._shipping:
+            pythonpath = (posixpath.join(folder, "lib"),)
         for slot in task_slots(self._spec):
             node = nodes[slot.host_index]
             old = self._placements.get(slot.name)
@@ -385,9 +554,10 @@ class SlurmBackend(Backend):
             place = Placement(
                 host=self._addresses.get(node, node),
                 port=port,
-                run_folder=str(self._run_dir),
+                run_folder=folder,
                 python=self._python,
-                cwd=str(self._spec_dir),
+                cwd=code or str(self._spec_dir),
+                code_root=code,
                 coordinator_url=self._heartbeats.url,
                 host_index=slot.host_index,
                 pythonpath=pythonpath,
@@ -444,6 +614,8 @@ class SlurmBackend(Backend):
                 notes.append(f"node {node} is left out: it did not answer a probe step")
         before = {t: self._node_of.get(t) for t in self._placements}
         moved = self._place(answers)
+        if self._shipping and plan.state is not None:
+            self._ship_state(plan, before.get(plan.state.owner), notes)
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
@@ -464,6 +636,22 @@ class SlurmBackend(Backend):
             f"a new allocation (job {self._alloc.job_id} on {','.join(self._alloc.nodes)}): job {old}: {why}"
         )
         return True
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        """Nodes that share no disk with this machine: the model, TensorBoard's files and the latest
+        checkpoints from the owner's node into the run directory."""
+        state = plan.state
+        node = self._node_of.get(state.owner) if state is not None else None
+        if not self._shipping or state is None or node is None or self._alloc is None:
+            return []
+        subs = ["model", "tensorboard"] + ([] if state.shared else ["checkpoints"])
+        try:
+            ok = self._pull(node, subs, self._run_dir)
+        except Exception as exc:  # noqa: BLE001 - never raises: the run's outcome stands
+            return [f"could not copy the results from {node}: {exc}"]
+        if not ok:
+            return [f"could not copy the results from {node}"]
+        return [f"{', '.join(subs)} copied from {node} into {self._run_dir}"]
 
     def ended_outside(self) -> str | None:
         """The allocation was cancelled from outside (scancel): the run ends INTERRUPTED. A time
@@ -500,6 +688,15 @@ class SlurmBackend(Backend):
         assert self._alloc is not None
         node = self._node_of[task.name]
         pidfile = self._folder / "nodes" / node / f"{task.name}.json"
+        log_on_node = ""
+        if self._shipping:
+            pidfile = Path(posixpath.join(self._node_folder(), "tasks", f"{task.name}.json"))
+            log_on_node = posixpath.join(self._node_folder(), "logs", task.log_name)
+            with private_open(log_path) as out:
+                marker = (
+                    f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {node} ====="
+                )
+                out.write(f"{marker}\n".encode())
         job = {
             "cache": "",
             "folder": str(self._run_dir),
@@ -507,14 +704,14 @@ class SlurmBackend(Backend):
             "argv": list(task.argv),
             "env": task.launch_env(attempt=attempt, token=token),
             "cwd": task.cwd,
-            "log": str(log_path.resolve()),
+            "log": log_on_node if self._shipping else str(log_path.resolve()),
             "pidfile": str(pidfile),
             "run_id": self._run_id,
             "task": task.name,
             "attempt": attempt,
             "grace_s": self._spec.health.stop_grace_s,
             "port_lock": port_lock(node, str(task.port)),  # held while the task lives
-            "follow": False,  # the log file is shared: the coordinator reads it in place
+            "follow": self._shipping,  # shared: the coordinator reads the log file in place
             "forward_signals": False,  # Slurm signals the task itself
         }
         argv = srun_argv(self._alloc.job_id, node, f"{job_name(self._run_id)}-{task.name}", self._python)
@@ -522,7 +719,7 @@ class SlurmBackend(Backend):
             popen = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if self._shipping else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 env=self._slurm.env,
                 start_new_session=True,

@@ -96,6 +96,25 @@ class Slurm:
                 "(slurm.connect_timeout_s)"
             ) from None
 
+    def run_bytes(
+        self, argv: Sequence[str], what: str, data: bytes, *, timeout_s: float
+    ) -> subprocess.CompletedProcess[bytes]:
+        """As `run`, with bytes in and out (files travelling through a step's stdin and stdout)."""
+        try:
+            return subprocess.run(
+                list(argv),
+                input=data,
+                capture_output=True,
+                timeout=timeout_s,
+                env=self.env,
+                check=False,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise LaunchError(f"{NOT_INSTALLED} ({argv[0]} not found on PATH)") from None
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"{what}: `{argv[0]}` did not finish within {timeout_s:g} s") from None
+
     def checked(self, argv: Sequence[str], what: str, **kw: Any) -> str:
         res = self.run(argv, what, **kw)
         if res.returncode != 0:

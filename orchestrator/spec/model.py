@@ -296,6 +296,13 @@ class SlurmSpec(_Strict):
         description="host[:port] of this machine that the nodes reach (default: this machine's address "
         "on the route to the nodes)",
     )
+    workdir: str | None = Field(
+        default=None,
+        pattern=r"^/[^\x00]*$",
+        max_length=1000,
+        description="where nodes that do not see this machine's files keep the run's copy "
+        "(default /tmp/orchestrate-<uid>; unused on a shared filesystem)",
+    )
 
     def time_s(self) -> float | None:
         """slurm.time in seconds (Slurm's formats: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])."""

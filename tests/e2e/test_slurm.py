@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -506,3 +507,45 @@ def test_a_detached_run_goes_on_after_the_terminal_is_gone(
     assert res.returncode == 0, res.stdout + res.stderr
     assert wait_until(lambda: run.status().get("state") == "SUCCEEDED", 120), run.status()
     assert wait_until(lambda: nothing_left(lab, run), 15)
+
+
+def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    """The run's folder and the job are where the nodes cannot see them (lab.login_only); each
+    node's own disk is lab.scratch. A task killed: the job resumes on every node from the owner's
+    checkpoint, copied to them; the model comes home."""
+    root = lab.login_only / tmp_path.name
+    (root / "job" / "data").mkdir(parents=True)
+    shutil.copy(REPO / "examples" / "digits_loop.py", root / "job")
+    shutil.copy(REPO / "examples" / "data" / "digits.npz", root / "job" / "data")
+    run = make(
+        runs,
+        lab,
+        root,
+        spec(
+            "ship",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(lab.scratch)},
+            {"loop": "job/digits_loop.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
+            train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
+        ),
+    )
+    proc = run.start()
+    try:
+        run.wait_steps("worker-1", 30)
+        os.kill(run.task("worker-1")["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
+    reasons = " | ".join(e.get("reason", "") for e in run.events())
+    assert "checkpoints of worker-0 copied from n1" in reasons
+    resumed = [
+        re.search(r"resumed from \S+ckpt-(\d+) at step (\d+)", run.log(t)) for t in ("worker-0", "worker-1")
+    ]
+    assert all(resumed), (run.log("worker-0")[-1500:], run.log("worker-1")[-1500:])
+    assert resumed[0].group(2) == resumed[1].group(2) != "0"  # both nodes from the same checkpoint
+    assert (run.run_dir / "model").is_dir()  # brought home from n1
+    assert json.loads((run.run_dir / "plan.json").read_text())["tasks"][0]["cwd"].startswith(str(lab.scratch))
