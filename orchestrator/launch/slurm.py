@@ -433,9 +433,7 @@ class SlurmBackend(Backend):
         ):
             notes.append(f"checkpoints of {state.owner} copied from {owner_node}")
         else:
-            notes.append(
-                f"{state.owner}'s node is out of reach: the last checkpoints brought home are used"
-            )
+            notes.append(f"{state.owner}'s node is out of reach: the last checkpoints brought home are used")
         readers = sorted({self._node_of[t] for t in state.readers})
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
