@@ -466,6 +466,17 @@ class SlurmBackend(Backend):
         entry = self._spec.job.script or self._spec.job.loop
         assert entry is not None
         paths[str(entry)] = entry.read_text(encoding="utf-8", errors="replace")[:4096]
+        declared = self._spec.shared_checkpoint_dir  # said to be shared by every node: proven so
+        declared_nonce = declared / f".orchestrate-shared-{nonce}" if declared is not None else None
+        if declared_nonce is not None:
+            try:
+                declared_nonce.parent.mkdir(parents=True, exist_ok=True)
+                declared_nonce.write_text(nonce, encoding="utf-8")
+            except OSError as exc:
+                raise LaunchError(
+                    f"cannot write in {declared} (the shared checkpoint folder): {exc}"
+                ) from None
+            paths[str(declared_nonce)] = nonce
         count = max(sum(h.tasks.values()) for h in self._spec.hosts)
 
         job_id = self._alloc.job_id
@@ -500,12 +511,20 @@ class SlurmBackend(Backend):
                 results = list(zip(nodes, pool.map(guarded(one), nodes), strict=True))
         finally:
             nonce_path.unlink(missing_ok=True)
+            if declared_nonce is not None:
+                declared_nonce.unlink(missing_ok=True)
         for node, answer in results:
             if isinstance(answer, BaseException):
                 problems.append(f"{node}: {answer}")
                 continue
             answer["sees_run"] = bool(answer.get("seen", {}).get(str(nonce_path)))
             answer["unseen"] = [p for p, ok in answer.get("seen", {}).items() if not ok]
+            if declared_nonce is not None and str(declared_nonce) in answer["unseen"]:
+                problems.append(
+                    f"{node} does not see {declared}, which the spec says every node shares "
+                    "(train.checkpoint_dir / job.checkpoint_dir)"
+                )
+                continue
             answers[node] = answer
         if problems and required:
             raise LaunchError(f"node check {reason} failed:\n  " + "\n  ".join(problems))

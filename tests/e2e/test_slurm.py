@@ -549,3 +549,25 @@ def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
     assert resumed[0].group(2) == resumed[1].group(2) != "0"  # both nodes from the same checkpoint
     assert (run.run_dir / "model").is_dir()  # brought home from n1
     assert json.loads((run.run_dir / "plan.json").read_text())["tasks"][0]["cwd"].startswith(str(lab.scratch))
+
+
+def test_a_checkpoint_folder_said_to_be_shared_that_a_node_does_not_see_is_exit_3(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    folder = lab.login_only / f"{tmp_path.name}-ckpt"  # this machine's only
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "declared",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}},
+            {"script": "job.py", "checkpoint_dir": str(folder)},
+        ),
+        PLAIN,
+    )
+    res = run.up(timeout_s=60)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"does not see {folder}, which the spec says every node shares" in res.stderr
+    assert not list(folder.glob(".orchestrate-shared-*"))  # its proof taken away again
+    assert lab.jobs() == []
