@@ -16,9 +16,12 @@
   answers, its TF ports are free (new ones are chosen where not), and that it sees the run's files.
   A node whose task's end could not be confirmed, or that no longer answers, is left out of the
   next attempt; a spare node (`slurm.nodes` beyond those used) takes its place.
-- **Files.** A Slurm cluster's nodes share a filesystem with the login node (home, project space):
-  the job's folder, the run directory and orchestrate's worker runtime are used in place. This is
-  proven at launch (a nonce file written here must be read on every node), never assumed.
+- **Files.** A Slurm cluster's nodes normally share a filesystem with the login node: then the
+  job's folder, the run directory and orchestrate's worker runtime are used in place. The launch
+  probe proves it (a nonce file written here must be read on every node). When no node sees the
+  run directory, each gets a copy under `slurm.workdir` instead (one srun hands a tar to every
+  node), logs stream back, the owner's checkpoints go to every reader's node before a new
+  attempt, and the results come home at the end (docs/slurm.md).
 """
 
 from __future__ import annotations
