@@ -170,3 +170,47 @@ def test_a_port_lock_folder_another_user_could_own_is_refused(tmp_path: Path) ->
         assert "not a private folder" in str(exc)
     else:
         raise AssertionError("a shared lock folder was used")
+
+
+def test_pack_and_unpack_carry_a_folder_and_replace_what_the_target_held(tmp_path: Path) -> None:
+    source, target = tmp_path / "node1", tmp_path / "node2"
+    (source / "checkpoints" / "sub").mkdir(parents=True)
+    (source / "checkpoints" / "checkpoint").write_text("index")
+    (source / "checkpoints" / "sub" / "data").write_bytes(b"\x00\x01")
+    (source / "checkpoints" / ".hidden").write_text("left out")
+    (target / "checkpoints").mkdir(parents=True)
+    (target / "checkpoints" / "stale").write_text("an older attempt's")
+    packed = subprocess.run(
+        [sys.executable, "-c", PROBE, "pack", str(source), "checkpoints", "model"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE, "unpack", str(target), "replace"],
+        input=packed,
+        capture_output=True,
+        check=True,
+    )
+    assert json.loads(res.stdout) == {"moved": 2, "removed": 1}
+    got = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
+    assert got == ["checkpoints/checkpoint", "checkpoints/sub/data"]
+    assert (target / "checkpoints" / "sub" / "data").read_bytes() == b"\x00\x01"
+    assert not list(tmp_path.glob("*.incoming-*"))
+
+
+def test_unpack_refuses_a_member_outside_its_folder(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("../escape")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE, "unpack", str(tmp_path / "in")],
+        input=buffer.getvalue(),
+        capture_output=True,
+    )
+    assert res.returncode != 0 and b"refused tar member '../escape'" in res.stderr
+    assert not (tmp_path / "escape").exists()

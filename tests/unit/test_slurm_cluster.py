@@ -276,3 +276,22 @@ def test_a_command_that_does_not_answer_in_time_is_a_launch_error_naming_the_key
     any_: Any = Slurm(0.2, {"PATH": "/usr/bin:/bin"})
     with pytest.raises(LaunchError, match=r"no answer within 0.2 s .*slurm.connect_timeout_s"):
         any_.run(["sleep", "5"], "waiting")
+
+
+def test_slurm_workdir_must_be_absolute(tmp_path: Path) -> None:
+    assert "slurm.workdir" in problems(tmp_path, "nodes: 1\ntasks_per_node: {worker: 1}\nworkdir: scratch\n")
+    spec = load(tmp_path, "nodes: 1\ntasks_per_node: {worker: 1}\nworkdir: /scratch/ann\n")
+    assert spec.slurm is not None and spec.slurm.workdir == "/scratch/ann"
+
+
+def test_what_is_copied_to_nodes_leaves_out_hidden_files_caches_and_symlinks(tmp_path: Path) -> None:
+    from orchestrator.launch.slurm import _tree
+
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("")
+    (tmp_path / "pkg" / "__pycache__" / "a.pyc").write_text("")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("")
+    (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "a.py")
+    (tmp_path / "train.py").write_text("")
+    assert [rel for rel, _ in _tree(tmp_path)] == ["pkg/a.py", "train.py"]
