@@ -422,28 +422,33 @@ class SlurmBackend(Backend):
                     shutil.copyfileobj(source, out)
         return True
 
-    def _ship_state(self, plan: LaunchPlan, owner_node: str | None, notes: list[str]) -> None:
-        """Before a new attempt: the owner's latest checkpoints (from the node it ran on) home, then
-        to every node of a reader, so every task resumes from the same state."""
+    def _fetch_state(self, plan: LaunchPlan, owner_node: str | None, notes: list[str]) -> None:
+        """Before a new attempt (and before an allocation is given up): the owner's latest
+        checkpoints home from the node it ran on; a node out of reach leaves the last copy."""
         state = plan.state
         if state is None or state.shared:
             return
-        home = self._run_dir
-        if (
-            owner_node is not None
-            and owner_node not in self._excluded
-            and self._pull(owner_node, ["checkpoints"], home)
-        ):
+        reachable = owner_node is not None and owner_node not in self._excluded
+        if reachable and self._pull(str(owner_node), ["checkpoints"], self._run_dir):
             notes.append(f"checkpoints of {state.owner} copied from {owner_node}")
         else:
             notes.append(f"{state.owner}'s node is out of reach: the last checkpoints brought home are used")
+
+    def _hand_out_state(self, plan: LaunchPlan) -> None:
+        """The checkpoints brought home to every reader's node (what was there replaced), so every
+        task resumes from the same state."""
+        state = plan.state
+        if state is None or state.shared:
+            return
         readers = sorted({self._node_of[t] for t in state.readers})
+        files = _tree(self._run_dir / "checkpoints")
+        if not files or not readers:
+            return
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for rel, path in _tree(home / "checkpoints"):
+            for rel, path in files:
                 tar.add(str(path), arcname=f"checkpoints/{rel}", recursive=False)
-        if buffer.getvalue() and readers:
-            self._push(readers, buffer.getvalue(), replace=True, what="copying the checkpoints to the nodes")
+        self._push(readers, buffer.getvalue(), replace=True, what="copying the checkpoints to the nodes")
 
     def _node_addresses(self, nodes: list[str]) -> dict[str, str]:
         known = {n.get("NodeName", ""): n.get("NodeAddr", "") for n in self._cluster_nodes}
@@ -623,6 +628,9 @@ class SlurmBackend(Backend):
                     f"node {node} is left out: the end of its task could not be confirmed (cut off?)"
                 )
         self._handles = {}
+        before = {t: self._node_of.get(t) for t in self._placements}
+        if self._shipping and plan.state is not None:  # while the owner's node is still ours
+            self._fetch_state(plan, before.get(plan.state.owner), notes)
         renewed = self._alloc.owned and self._renew_allocation(notes)
         if renewed:
             self._excluded.clear()
@@ -632,10 +640,11 @@ class SlurmBackend(Backend):
             if node not in answers:
                 self._excluded.add(node)
                 notes.append(f"node {node} is left out: it did not answer a probe step")
-        before = {t: self._node_of.get(t) for t in self._placements}
+        if renewed and self._shipping:
+            self._ship_code(list(answers))  # new nodes, perhaps
         moved = self._place(answers)
-        if self._shipping and plan.state is not None:
-            self._ship_state(plan, before.get(plan.state.owner), notes)
+        if self._shipping:
+            self._hand_out_state(plan)
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")

@@ -509,12 +509,14 @@ def test_a_detached_run_goes_on_after_the_terminal_is_gone(
     assert wait_until(lambda: nothing_left(lab, run), 15)
 
 
+@pytest.mark.parametrize("how", ["kill -9", "time limit"])
 def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
-    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path, how: str
 ) -> None:
     """The run's folder and the job are where the nodes cannot see them (lab.login_only); each
-    node's own disk is lab.scratch. A task killed: the job resumes on every node from the owner's
-    checkpoint, copied to them; the model comes home."""
+    node's own disk is lab.scratch. A task killed, or a time limit's warning (a new allocation):
+    the job resumes on every node from the owner's checkpoint, copied to them; the model comes
+    home."""
     root = lab.login_only / tmp_path.name
     (root / "job" / "data").mkdir(parents=True)
     shutil.copy(REPO / "examples" / "digits_loop.py", root / "job")
@@ -525,7 +527,7 @@ def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
         root,
         spec(
             "ship",
-            {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(lab.scratch)},
+            {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(lab.scratch), "time": "10:00"},
             {"loop": "job/digits_loop.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
@@ -533,13 +535,19 @@ def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
     proc = run.start()
     try:
         run.wait_steps("worker-1", 30)
-        os.kill(run.task("worker-1")["pid"], signal.SIGKILL)
+        if how == "kill -9":
+            os.kill(run.task("worker-1")["pid"], signal.SIGKILL)
+        else:
+            first = run.backend()["job_id"]
+            lab.run(["scontrol", "update", f"JobId={first}", "TimeLimit=1"], check=True)
+            lab.run(["scancel", "--signal=TERM", first], check=True)
         out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-3000:]
     status = run.status()
-    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
+    assert status["state"] == "SUCCEEDED" and status["attempt"] == 1
+    assert status["restarts"] == (1 if how == "kill -9" else 0)
     reasons = " | ".join(e.get("reason", "") for e in run.events())
     assert "checkpoints of worker-0 copied from n1" in reasons
     resumed = [
