@@ -26,18 +26,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
 import posixpath
 import secrets
 import shlex
-import shutil
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from collections.abc import Mapping
@@ -51,11 +47,9 @@ from orchestrator.launch.api import (
     Heartbeats,
     Leftovers,
     Prepared,
-    ProcessInfo,
-    Sig,
     TaskHandle,
 )
-from orchestrator.launch.placement import Placement, job_files_root
+from orchestrator.launch.placement import Placement
 from orchestrator.launch.slurm_cluster import (
     NOT_INSTALLED,
     PROBE_SOURCE,
@@ -72,163 +66,15 @@ from orchestrator.launch.slurm_cluster import (
     signal_lead_s,
     srun_argv,
 )
+from orchestrator.launch.slurm_files import NodeFiles
+from orchestrator.launch.slurm_step import SlurmTaskHandle, port_lock
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import make_private_dir, now_iso, private_open
 from orchestrator.spec.model import Backend as BackendName
-from orchestrator.spec.model import ClusterSpec, Role, SlurmSpec
+from orchestrator.spec.model import ClusterSpec, SlurmSpec
 from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.slurm")
-
-
-def _tree(folder: Path) -> list[tuple[str, Path]]:
-    """Every plain file under `folder` (relative path, path): no hidden ones, no symlinks, no
-    caches — what is copied to nodes that share no disk with this machine."""
-    out = []
-    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
-        rel = path.relative_to(folder).as_posix()
-        if (
-            path.is_symlink()
-            or not path.is_file()
-            or any(p.startswith(".") or p == "__pycache__" for p in rel.split("/"))
-        ):
-            continue
-        out.append((rel, path))
-    return out
-
-
-def _safe(name: str) -> bool:
-    parts = name.split("/")
-    return not name.startswith("/") and ".." not in parts
-
-
-def port_lock(node: str, port: str) -> str:
-    """The lock of a TF port on a node: node-local (/tmp), private to the user, named after the node
-    as well (a /tmp shared by nodes would otherwise mix theirs)."""
-    return f"/tmp/orchestrate-{os.getuid()}/ports/{node}-{port}.lock"
-
-
-class SlurmTaskHandle(TaskHandle):
-    kill_wait_s = 5.0
-    unconfirmed_hint = (
-        "its node did not confirm (cut off?); it was left out of later attempts, its step goes with "
-        "the allocation, and its task stops by itself once the coordinator is out of reach"
-    )
-
-    def __init__(
-        self,
-        task: TaskPlan,
-        attempt: int,
-        log_path: Path,
-        node: str,
-        popen: subprocess.Popen[bytes],
-        slurm: Slurm,
-    ):
-        super().__init__(task, attempt, log_path)
-        self.node = node
-        self._popen = popen
-        self._slurm = slurm
-        self._started = threading.Event()
-        self._ended = threading.Event()  # stderr closed: srun is done
-        self._exit_code: int | None = None
-        self._given_up = False  # its srun killed by us, the task's end unknown
-        self._info: ProcessInfo | None = None
-        self.step: str | None = None
-        self.messages: list[str] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events").start()
-        if popen.stdout is not None:  # the task's log, streamed from its node (nothing shared)
-            threading.Thread(target=self._pump_output, daemon=True, name=f"{task.name}-out").start()
-
-    def _pump_output(self) -> None:
-        assert self._popen.stdout is not None
-        with private_open(self.log_path) as out:
-            while data := os.read(self._popen.stdout.fileno(), 65536):
-                out.write(data)
-                out.flush()
-
-    @property
-    def process(self) -> ProcessInfo:
-        return self._info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
-
-    @property
-    def where(self) -> str:
-        return self.node
-
-    def poll(self) -> int | None:
-        if self._exit_code is not None:
-            return self._exit_code
-        if self._given_up:
-            return None  # srun was stopped by us: nothing is known of the task
-        if self._ended.is_set() and self._popen.poll() is not None:
-            return self._popen.returncode or 1  # the step ended with no word from the shim (node failure)
-        return None
-
-    def signal(self, sig: Sig) -> None:
-        self.send(f"{sig.value}\n".encode())  # the shim signals the group (TERM with CONT)
-
-    def send(self, data: bytes) -> None:
-        """To the shim's stdin; a step already gone is fine (the shim stops the task by itself)."""
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            assert self._popen.stdin is not None
-            self._popen.stdin.write(data)
-            self._popen.stdin.flush()
-
-    @property
-    def exited(self) -> bool:
-        return self.poll() is not None
-
-    def wait_started(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._started.is_set() and not self._ended.is_set() and time.monotonic() < deadline:
-            self._started.wait(0.05)
-        if self._started.is_set():
-            return
-        said = "; ".join(self.messages[-3:]) or (
-            "its step ended" if self._ended.is_set() else f"no answer within {timeout_s:g} s"
-        )
-        self.release()
-        raise LaunchError(f"cannot start {self.task.name} on {self.node}: {said}")
-
-    def release(self) -> None:
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            assert self._popen.stdin is not None
-            self._popen.stdin.close()  # end of file: the shim stops the task, if it is still there
-        if self._popen.poll() is None and not self.exited:
-            # its node did not answer: cancel the step (Slurm cleans the node once it is back)
-            self._given_up = True
-            if self.step is not None:
-                with contextlib.suppress(LaunchError):
-                    self._slurm.run(["scancel", self.step], "cancelling a step", timeout_s=5)
-            self._popen.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout=5)
-
-    def _pump_events(self) -> None:
-        assert self._popen.stderr is not None
-        for raw in self._popen.stderr:
-            self._on_line(raw.decode(errors="replace").rstrip("\n"))
-        self._popen.wait()
-        self._ended.set()
-
-    def _on_line(self, line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict) or "event" not in event:
-            if line.strip():
-                self.messages.append(line.strip()[:500])
-                del self.messages[:-20]
-            return
-        if event["event"] == "started":
-            self._info = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
-            self.step = event.get("step")
-            self._started.set()
-        elif event["event"] == "exit":
-            self._exit_code = int(event["code"])
-        elif event["event"] == "error":
-            self.messages.append(str(event.get("message"))[:500])
 
 
 class SlurmBackend(Backend):
@@ -265,6 +111,9 @@ class SlurmBackend(Backend):
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._shipping = False  # the nodes do not see this machine's files: they are copied
+        self._files = NodeFiles(
+            self._slurm, spec, run_id, self._run_dir, self._python, self._conf.connect_timeout_s + 60
+        )
 
     # --- opening ---
 
@@ -328,127 +177,9 @@ class SlurmBackend(Backend):
         self._shipping = not any(sees.values())
         if self._shipping:
             log.info("the nodes do not see %s: the job's files are copied to them", self._run_dir)
-            self._ship_code(list(answers))
+            self._files.ship_code(alloc.job_id, list(answers))
         self._place(answers)
         return dict(self._placements)
-
-    # --- files, when the nodes do not share this machine's ---
-
-    def _node_folder(self) -> str:
-        workdir = self._conf.workdir or f"/tmp/orchestrate-{os.getuid()}"
-        return posixpath.join(workdir, "runs", self._run_id)
-
-    def _ship_code(self, nodes: list[str]) -> None:
-        """The job's folder (code/) and the worker runtime (lib/worker/) to every node, at once."""
-        entry = self._spec.job.script or self._spec.job.loop
-        assert entry is not None
-        if any(s.role is Role.EVALUATOR for s in task_slots(self._spec)):
-            owner = "chief-0" if self._spec.role_count(Role.CHIEF) else "worker-0"
-            hosts = {s.name: s.host_index for s in task_slots(self._spec)}
-            if hosts["evaluator-0"] != hosts[owner]:
-                raise LaunchError(
-                    "the nodes do not share this machine's files: the evaluator must run on the node of "
-                    f"{owner} (it reads the checkpoints there; slurm.tasks_per_node)"
-                )
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for rel, path in _tree(job_files_root(self._spec)):
-                tar.add(str(path), arcname=f"code/{rel}", recursive=False)
-            for rel, path in _tree(RUNTIME_ROOT / "worker"):
-                tar.add(str(path), arcname=f"lib/worker/{rel}", recursive=False)
-        self._push(nodes, buffer.getvalue(), replace=False, what="copying the job's files")
-        log.info("copied the job's files (%d bytes) to %s", len(buffer.getvalue()), ",".join(nodes))
-
-    def _push(self, nodes: list[str], data: bytes, *, replace: bool, what: str) -> None:
-        """A tar to the run's folder on every node of `nodes` (srun hands stdin to each task)."""
-        assert self._alloc is not None
-        argv = [
-            "srun",
-            f"--jobid={self._alloc.job_id}",
-            "--overlap",
-            f"--nodes={len(nodes)}",
-            f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1",
-            f"--nodelist={','.join(nodes)}",
-            f"--job-name={job_name(self._run_id)}-copy",
-            "--quiet",
-            *self._python,
-            "-S",
-            "-c",
-            PROBE_SOURCE,
-            "unpack",
-            self._node_folder(),
-            *(["replace"] if replace else []),
-        ]
-        res = self._slurm.run_bytes(argv, what, data, timeout_s=self._conf.connect_timeout_s + 60)
-        if res.returncode != 0:
-            said = " ".join(res.stderr.decode(errors="replace").split())[-400:]
-            raise LaunchError(f"{what}: {said or f'exit {res.returncode}'}")
-
-    def _pull(self, node: str, subs: list[str], into: Path) -> bool:
-        """Folders of the run's folder on one node into `into` (each replaced); False if it failed."""
-        assert self._alloc is not None
-        argv = [
-            *srun_argv(self._alloc.job_id, node, f"{job_name(self._run_id)}-copy", ())[:-2],
-            *self._python,
-            "-S",
-            "-c",
-            PROBE_SOURCE,
-            "pack",
-            self._node_folder(),
-            *subs,
-        ]
-        try:
-            res = self._slurm.run_bytes(
-                argv, f"copying from {node}", b"", timeout_s=self._conf.connect_timeout_s + 60
-            )
-        except LaunchError as exc:
-            log.warning("%s", exc)
-            return False
-        if res.returncode != 0:
-            log.warning("copying from %s: %s", node, res.stderr.decode(errors="replace")[-400:])
-            return False
-        with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r") as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and _safe(m.name)]
-            for sub in subs:
-                if any(m.name.startswith(f"{sub}/") for m in members):
-                    shutil.rmtree(into / sub, ignore_errors=True)
-            for m in members:
-                target = into / m.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(m)
-                assert source is not None
-                with private_open(target, "wb") as out:
-                    shutil.copyfileobj(source, out)
-        return True
-
-    def _fetch_state(self, plan: LaunchPlan, owner_node: str | None, notes: list[str]) -> None:
-        """Before a new attempt (and before an allocation is given up): the owner's latest
-        checkpoints home from the node it ran on; a node out of reach leaves the last copy."""
-        state = plan.state
-        if state is None or state.shared:
-            return
-        reachable = owner_node is not None and owner_node not in self._excluded
-        if reachable and self._pull(str(owner_node), ["checkpoints"], self._run_dir):
-            notes.append(f"checkpoints of {state.owner} copied from {owner_node}")
-        else:
-            notes.append(f"{state.owner}'s node is out of reach: the last checkpoints brought home are used")
-
-    def _hand_out_state(self, plan: LaunchPlan) -> None:
-        """The checkpoints brought home to every reader's node (what was there replaced), so every
-        task resumes from the same state."""
-        state = plan.state
-        if state is None or state.shared:
-            return
-        readers = sorted({self._node_of[t] for t in state.readers})
-        files = _tree(self._run_dir / "checkpoints")
-        if not files or not readers:
-            return
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for rel, path in files:
-                tar.add(str(path), arcname=f"checkpoints/{rel}", recursive=False)
-        self._push(readers, buffer.getvalue(), replace=True, what="copying the checkpoints to the nodes")
 
     def _node_addresses(self, nodes: list[str]) -> dict[str, str]:
         known = {n.get("NodeName", ""): n.get("NodeAddr", "") for n in self._cluster_nodes}
@@ -562,7 +293,7 @@ class SlurmBackend(Backend):
         moved: dict[str, Placement] = {}
         free = {n: list(a.get("free", [])) for n, a in answers.items()}
         pythonpath = () if self._conf.python is None else (str(RUNTIME_ROOT),)
-        folder = self._node_folder() if self._shipping else str(self._run_dir)
+        folder = self._files.folder if self._shipping else str(self._run_dir)
         code = posixpath.join(folder, "code") if self._shipping else None
         if self._shipping:
             pythonpath = (posixpath.join(folder, "lib"),)
@@ -630,7 +361,10 @@ class SlurmBackend(Backend):
         self._handles = {}
         before = {t: self._node_of.get(t) for t in self._placements}
         if self._shipping and plan.state is not None:  # while the owner's node is still ours
-            self._fetch_state(plan, before.get(plan.state.owner), notes)
+            owner = before.get(plan.state.owner)
+            self._files.fetch_state(
+                self._alloc.job_id, plan, owner if owner not in self._excluded else None, notes
+            )
         renewed = self._alloc.owned and self._renew_allocation(notes)
         if renewed:
             self._excluded.clear()
@@ -641,10 +375,10 @@ class SlurmBackend(Backend):
                 self._excluded.add(node)
                 notes.append(f"node {node} is left out: it did not answer a probe step")
         if renewed and self._shipping:
-            self._ship_code(list(answers))  # new nodes, perhaps
+            self._files.ship_code(self._alloc.job_id, list(answers))  # new nodes, perhaps
         moved = self._place(answers)
         if self._shipping:
-            self._hand_out_state(plan)
+            self._files.hand_out_state(self._alloc.job_id, plan, self._node_of)
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
@@ -675,7 +409,7 @@ class SlurmBackend(Backend):
             return []
         subs = ["model", "tensorboard"] + ([] if state.shared else ["checkpoints"])
         try:
-            ok = self._pull(node, subs, self._run_dir)
+            ok = self._files.pull(self._alloc.job_id, node, subs, self._run_dir)
         except Exception as exc:  # noqa: BLE001 - never raises: the run's outcome stands
             return [f"could not copy the results from {node}: {exc}"]
         if not ok:
@@ -719,8 +453,8 @@ class SlurmBackend(Backend):
         pidfile = self._folder / "nodes" / node / f"{task.name}.json"
         log_on_node = ""
         if self._shipping:
-            pidfile = Path(posixpath.join(self._node_folder(), "tasks", f"{task.name}.json"))
-            log_on_node = posixpath.join(self._node_folder(), "logs", task.log_name)
+            pidfile = Path(posixpath.join(self._files.folder, "tasks", f"{task.name}.json"))
+            log_on_node = posixpath.join(self._files.folder, "logs", task.log_name)
             with private_open(log_path) as out:
                 marker = (
                     f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {node} ====="

@@ -285,7 +285,7 @@ def test_slurm_workdir_must_be_absolute(tmp_path: Path) -> None:
 
 
 def test_what_is_copied_to_nodes_leaves_out_hidden_files_caches_and_symlinks(tmp_path: Path) -> None:
-    from orchestrator.launch.slurm import _tree
+    from orchestrator.launch.slurm_files import tree
 
     (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("")
@@ -294,4 +294,4 @@ def test_what_is_copied_to_nodes_leaves_out_hidden_files_caches_and_symlinks(tmp
     (tmp_path / ".git" / "HEAD").write_text("")
     (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "a.py")
     (tmp_path / "train.py").write_text("")
-    assert [rel for rel, _ in _tree(tmp_path)] == ["pkg/a.py", "train.py"]
+    assert [rel for rel, _ in tree(tmp_path)] == ["pkg/a.py", "train.py"]
