@@ -366,7 +366,21 @@ def pack(folder: str, *subs: str) -> None:
                     tar.add(os.path.join(top, rel), arcname=f"{sub}/{rel}", recursive=False)
 
 
+def _makedirs_private(folder: str) -> None:
+    """Every folder it creates on the way is the user's alone (0700): a node's copy of a run holds
+    the job's code, and /tmp/orchestrate-<uid> holds the shim's port locks, which must be private."""
+    missing = []
+    path = os.path.abspath(folder)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+
+
 def unpack(folder: str, *how: str) -> dict[str, Any]:
+    _makedirs_private(os.path.dirname(os.path.abspath(folder)))
     staging = f"{folder.rstrip('/')}.incoming-{os.getpid()}"
     names: list[str] = []
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
@@ -384,7 +398,7 @@ def unpack(folder: str, *how: str) -> dict[str, Any]:
                 shutil.copyfileobj(source, out)
             os.chmod(target, member.mode & 0o755)
             names.append(member.name)
-    os.makedirs(folder, exist_ok=True)
+    _makedirs_private(folder)
     tops = sorted({n.split("/")[0] for n in names})
     moved = removed = 0
     for top in tops:

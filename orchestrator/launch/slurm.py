@@ -240,7 +240,10 @@ class SlurmBackend(Backend):
                 stdin=json.dumps({str(k): v for k, v in paths.items()}),
             )
             if res.returncode != 0:
-                raise LaunchError(" ".join(res.stderr.split())[-400:] or f"exit {res.returncode}")
+                said = " ".join(res.stderr.split())[-400:] or f"exit {res.returncode}"
+                if "execve" in said or "No such file" in said:
+                    said += f" ({shlex.join(self._python)}: set slurm.python to the interpreter on the nodes)"
+                raise LaunchError(said)
             return dict(json.loads(res.stdout.strip().splitlines()[-1]))
 
         answers: dict[str, dict[str, Any]] = {}

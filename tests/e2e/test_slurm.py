@@ -345,6 +345,7 @@ def test_a_cut_node_is_detected_in_time_and_the_job_restarts_on_the_spare(
     [
         ({"nodes": 5}, "slurm.nodes asks for 5 nodes; partition lab has 3"),
         ({"partition": "gpu"}, "slurm.partition 'gpu' does not exist on this cluster (partitions: lab)"),
+        ({"python": "/nonexistent/python"}, "set slurm.python to the interpreter on the nodes"),
     ],
 )
 def test_a_request_the_cluster_cannot_run_is_exit_3_and_nothing_is_queued(

@@ -214,3 +214,32 @@ def test_unpack_refuses_a_member_outside_its_folder(tmp_path: Path) -> None:
     )
     assert res.returncode != 0 and b"refused tar member '../escape'" in res.stderr
     assert not (tmp_path / "escape").exists()
+
+
+def test_unpack_makes_the_folders_it_needs_private(tmp_path: Path) -> None:
+    """A node's copy of a run under /tmp/orchestrate-<uid>: that folder also holds the shim's port
+    locks, which must be the user's alone (and the job's code is nobody else's business)."""
+    import io
+    import tarfile
+
+    from worker import shim
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("code/train.py")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"ok"))
+    base = tmp_path / "orchestrate-0"
+    folder = base / "runs" / "r1"
+    subprocess.run(
+        [sys.executable, "-c", PROBE, "unpack", str(folder)],
+        input=buffer.getvalue(),
+        capture_output=True,
+        check=True,
+    )
+    for path in (base, base / "runs", folder):
+        assert (path.stat().st_mode & 0o777) == 0o700, path
+    assert (folder / "code" / "train.py").read_bytes() == b"ok"
+    fd = shim._lock_port(str(base / "ports" / "n1-15000.lock"))  # the shim accepts the folder as ours
+    assert fd is not None
+    os.close(fd)
