@@ -20,15 +20,32 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
+
+T = TypeVar("T")
+
+
+def on_all(items: Sequence[T], fn: Callable[[T], Any]) -> list[Any]:
+    """fn on every item at once; each result is fn's value or the exception it raised, in order."""
+    if not items:
+        return []
+
+    def guarded(item: T) -> Any:
+        try:
+            return fn(item)
+        except Exception as exc:  # handed back, never lost
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(64, len(items)), thread_name_prefix="launch") as pool:
+        return list(pool.map(guarded, items))
 
 
 @dataclass(frozen=True)
@@ -173,6 +190,7 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     listen_key: ClassVar[str | None] = None  # the spec key that sets where heartbeats are heard
+    starts_at_once: ClassVar[bool] = False  # start_all starts every task on a thread of its own
 
     def listen(self) -> tuple[str, int]:
         """Where the coordinator's heartbeat server listens: loopback unless the backend's tasks
@@ -197,14 +215,23 @@ class Backend(abc.ABC):
     def start_all(
         self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
     ) -> list[TaskHandle | LaunchError]:
-        """Start every task (a backend may do it in parallel); per task, its handle or its error."""
-        out: list[TaskHandle | LaunchError] = []
-        for task, token, log_path in zip(tasks, tokens, log_paths, strict=True):
-            try:
-                out.append(self.start(task, attempt, token, log_path))
-            except LaunchError as exc:
-                out.append(exc)
-        return out
+        """Start every task (at once where `starts_at_once`: a remote start waits on its host);
+        per task, its handle or its LaunchError. Any other exception is a bug of ours: raised."""
+        if not self.starts_at_once:
+            out: list[TaskHandle | LaunchError] = []
+            for task, token, log_path in zip(tasks, tokens, log_paths, strict=True):
+                try:
+                    out.append(self.start(task, attempt, token, log_path))
+                except LaunchError as exc:
+                    out.append(exc)
+            return out
+        results = on_all(
+            list(range(len(tasks))), lambda i: self.start(tasks[i], attempt, tokens[i], log_paths[i])
+        )
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, LaunchError):
+                raise r
+        return results
 
     def ended_outside(self) -> str | None:
         """Why the run must end INTERRUPTED when what the backend runs in was taken away from

@@ -16,8 +16,7 @@ import logging
 import shlex
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -183,21 +182,6 @@ def explain_connect_error(host: Host, ssh: SshSpec, exc: BaseException) -> str:
 def _first_error(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
     errors = list(exc.errors.values())
     return str(errors[0].strerror if errors and isinstance(errors[0], OSError) else exc)
-
-
-def on_all(items: Sequence[T], fn: Callable[[T], Any]) -> list[Any]:
-    """fn on every item at once; each result is fn's value or the exception it raised, in order."""
-    if not items:
-        return []
-
-    def guarded(item: T) -> Any:
-        try:
-            return fn(item)
-        except Exception as exc:  # handed back, never lost
-            return exc
-
-    with ThreadPoolExecutor(max_workers=min(64, len(items)), thread_name_prefix="ssh") as pool:
-        return list(pool.map(guarded, items))
 
 
 def raise_if_failed(results: Sequence[Any], what: str) -> None:

@@ -22,8 +22,8 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import CheckReport
-from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, on_all, probe
+from orchestrator.launch.api import CheckReport, on_all
+from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, probe
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 

@@ -10,16 +10,15 @@ cleans the node once it is back); its task stops by itself once the coordinator 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle
+from orchestrator.launch.shim_events import ShimEvents
 from orchestrator.launch.slurm_cluster import Slurm
 from orchestrator.plan import TaskPlan
 from orchestrator.record import private_open
@@ -53,13 +52,8 @@ class SlurmTaskHandle(TaskHandle):
         self.node = node
         self._popen = popen
         self._slurm = slurm
-        self._started = threading.Event()
-        self._ended = threading.Event()  # stderr closed: srun is done
-        self._exit_code: int | None = None
+        self._events = ShimEvents()  # ended: the exit reported, or srun done
         self._given_up = False  # its srun killed by us, the task's end unknown
-        self._info: ProcessInfo | None = None
-        self.step: str | None = None
-        self.messages: list[str] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events").start()
         if popen.stdout is not None:  # the task's log, streamed from its node (nothing shared)
@@ -74,18 +68,18 @@ class SlurmTaskHandle(TaskHandle):
 
     @property
     def process(self) -> ProcessInfo:
-        return self._info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
+        return self._events.info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
 
     @property
     def where(self) -> str:
         return self.node
 
     def poll(self) -> int | None:
-        if self._exit_code is not None:
-            return self._exit_code
+        if self._events.exit_code is not None:
+            return self._events.exit_code
         if self._given_up:
             return None  # srun was stopped by us: nothing is known of the task
-        if self._ended.is_set() and self._popen.poll() is not None:
+        if self._events.ended.is_set() and self._popen.poll() is not None:
             return self._popen.returncode or 1  # the step ended with no word from the shim (node failure)
         return None
 
@@ -104,14 +98,9 @@ class SlurmTaskHandle(TaskHandle):
         return self.poll() is not None
 
     def wait_started(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._started.is_set() and not self._ended.is_set() and time.monotonic() < deadline:
-            self._started.wait(0.05)
-        if self._started.is_set():
+        said = self._events.wait_started(timeout_s, closed="its step ended")
+        if said is None:
             return
-        said = "; ".join(self.messages[-3:]) or (
-            "its step ended" if self._ended.is_set() else f"no answer within {timeout_s:g} s"
-        )
         self.release()
         raise LaunchError(f"cannot start {self.task.name} on {self.node}: {said}")
 
@@ -122,9 +111,9 @@ class SlurmTaskHandle(TaskHandle):
         if self._popen.poll() is None and not self.exited:
             # its node did not answer: cancel the step (Slurm cleans the node once it is back)
             self._given_up = True
-            if self.step is not None:
+            if self._events.step is not None:
                 with contextlib.suppress(LaunchError):
-                    self._slurm.run(["scancel", self.step], "cancelling a step", timeout_s=5)
+                    self._slurm.run(["scancel", self._events.step], "cancelling a step", timeout_s=5)
             self._popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(timeout=5)
@@ -132,25 +121,6 @@ class SlurmTaskHandle(TaskHandle):
     def _pump_events(self) -> None:
         assert self._popen.stderr is not None
         for raw in self._popen.stderr:
-            self._on_line(raw.decode(errors="replace").rstrip("\n"))
+            self._events.feed(raw.decode(errors="replace").rstrip("\n"))
         self._popen.wait()
-        self._ended.set()
-
-    def _on_line(self, line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict) or "event" not in event:
-            if line.strip():
-                self.messages.append(line.strip()[:500])
-                del self.messages[:-20]
-            return
-        if event["event"] == "started":
-            self._info = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
-            self.step = event.get("step")
-            self._started.set()
-        elif event["event"] == "exit":
-            self._exit_code = int(event["code"])
-        elif event["event"] == "error":
-            self.messages.append(str(event.get("message"))[:500])
+        self._events.close()

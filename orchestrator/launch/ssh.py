@@ -16,7 +16,6 @@ import logging
 import posixpath
 import shlex
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,19 @@ import paramiko
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch import preflight
-from orchestrator.launch.api import Backend, Heartbeats, Leftovers, Prepared, ProcessInfo, Sig, TaskHandle
-from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, on_all, raise_if_failed, run_json
+from orchestrator.launch.api import (
+    Backend,
+    Heartbeats,
+    Leftovers,
+    Prepared,
+    ProcessInfo,
+    Sig,
+    TaskHandle,
+    on_all,
+)
+from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, raise_if_failed, run_json
 from orchestrator.launch.placement import Placement, job_files_root, ssh_placements, ssh_ports
+from orchestrator.launch.shim_events import ShimEvents
 from orchestrator.launch.state import StateCopies
 from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.tunnel import open_reverse_tunnel
@@ -64,11 +73,7 @@ class SshTaskHandle(TaskHandle):
         self.host = host
         self._channel = channel
         self._on_lost = on_lost  # its host's connection is renewed before the next use
-        self._started = threading.Event()
-        self._ended = threading.Event()  # exit reported, or the channel closed
-        self._exit_code: int | None = None
-        self._info: ProcessInfo | None = None
-        self._messages: list[str] = []  # stderr text that is not an event (a failed start)
+        self._events = ShimEvents()
         self._threads = [
             threading.Thread(target=self._pump_output, daemon=True, name=f"{task.name}-out"),
             threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events"),
@@ -78,40 +83,35 @@ class SshTaskHandle(TaskHandle):
 
     @property
     def process(self) -> ProcessInfo:
-        return self._info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
+        return self._events.info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
 
     @property
     def where(self) -> str:
         return self.host.label
 
     def poll(self) -> int | None:
-        return self._exit_code
+        return self._events.exit_code
 
     def signal(self, sig: Sig) -> None:
         self.send(sig.value)  # the shim signals the group (TERM with CONT)
 
     @property
     def exited(self) -> bool:
-        return self._exit_code is not None  # the shim reports it once the whole group is gone
+        return self._events.exit_code is not None  # the shim reports it once the whole group is gone
 
     @property
     def reachable(self) -> bool:
-        return not self._ended.is_set()
+        return not self._events.ended.is_set()
 
     def release(self) -> None:
         self._channel.close()
-        if self._exit_code is None:
+        if self._events.exit_code is None:
             self._on_lost(self.task.host_index)
 
     def wait_started(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._started.is_set() and not self._ended.is_set() and time.monotonic() < deadline:
-            self._started.wait(0.05)
-        if self._started.is_set():
+        said = self._events.wait_started(timeout_s, closed="the channel closed")
+        if said is None:
             return
-        said = "; ".join(self._messages[-3:]) or (
-            "the channel closed" if self._ended.is_set() else f"no answer within {timeout_s:g} s"
-        )
         self._channel.close()
         raise LaunchError(f"cannot start {self.task.name} on {self.host.label}: {said}")
 
@@ -142,30 +142,12 @@ class SshTaskHandle(TaskHandle):
                 buffer += data
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    self._on_line(line.decode(errors="replace"))
+                    self._events.feed(line.decode(errors="replace"))
         except (OSError, EOFError, paramiko.SSHException):
             pass
         if buffer:
-            self._on_line(buffer.decode(errors="replace"))
-        self._ended.set()
-
-    def _on_line(self, line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict) or "event" not in event:
-            if line.strip():
-                self._messages.append(line.strip())
-            return
-        if event["event"] == "started":
-            self._info = ProcessInfo(event["pid"], event["pgid"], float(event["create_time"]))
-            self._started.set()
-        elif event["event"] == "exit":
-            self._exit_code = int(event["code"])
-            self._ended.set()
-        elif event["event"] == "error":
-            self._messages.append(str(event.get("message")))
+            self._events.feed(buffer.decode(errors="replace"))
+        self._events.close()
 
 
 @dataclass(frozen=True)
@@ -177,6 +159,7 @@ class _HostContext:
 class SshBackend(Backend):
     name = BackendName.SSH.value
     listen_key = "ssh.coordinator_address"
+    starts_at_once = True
 
     def __init__(self, spec: ClusterSpec, run_id: str, home: Path):
         self._spec = spec
@@ -322,20 +305,6 @@ class SshBackend(Backend):
             self._suspect.add(task.host_index)
             raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
         return handle
-
-    def start_all(
-        self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
-    ) -> list[TaskHandle | LaunchError]:
-        def one(i: int) -> TaskHandle:
-            return self.start(tasks[i], attempt, tokens[i], log_paths[i])
-
-        out: list[TaskHandle | LaunchError] = []
-        for r in on_all(list(range(len(tasks))), one):
-            # start() turns every connection failure into a LaunchError; anything else is a bug of ours.
-            if isinstance(r, BaseException) and not isinstance(r, LaunchError):
-                raise r
-            out.append(r)
-        return out
 
     def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
         host = self._hosts[task.host_index]

@@ -19,7 +19,8 @@ import fabric
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch import ship
-from orchestrator.launch.hosts import Host, on_all, raise_if_failed
+from orchestrator.launch.api import on_all
+from orchestrator.launch.hosts import Host, raise_if_failed
 from orchestrator.plan import LaunchPlan, StatePlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
