@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +47,10 @@ from orchestrator.launch.api import (
     Leftovers,
     Prepared,
     TaskHandle,
+    on_all,
 )
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.slurm_cluster import (
-    NOT_INSTALLED,
     PROBE_SOURCE,
     RUNTIME_ROOT,
     SHIM,
@@ -60,11 +59,11 @@ from orchestrator.launch.slurm_cluster import (
     Slurm,
     cancel_steps,
     check_cluster,
-    guarded,
     job_name,
     route_address,
     signal_lead_s,
     srun_argv,
+    step_argv,
 )
 from orchestrator.launch.slurm_files import NodeFiles
 from orchestrator.launch.slurm_step import SlurmTaskHandle, port_lock
@@ -80,6 +79,7 @@ log = logging.getLogger("orchestrator.slurm")
 class SlurmBackend(Backend):
     name = BackendName.SLURM.value
     listen_key = "slurm.coordinator_address"
+    starts_at_once = True
 
     def __init__(
         self,
@@ -131,10 +131,7 @@ class SlurmBackend(Backend):
         """The request checked against the cluster (or the surrounding allocation), and its nodes."""
         if self._cluster_nodes:
             return
-        if Slurm.missing():
-            raise LaunchError(
-                f"{NOT_INSTALLED} (missing: {', '.join(Slurm.missing())}); install Slurm's client tools"
-            )
+        Slurm.require_commands()
         self._surrounding = Allocation.surrounding(self._slurm, self._env)
         if self._surrounding is not None:
             self._cluster_nodes = self._slurm.records("node", ",".join(self._surrounding.nodes))
@@ -223,7 +220,7 @@ class SlurmBackend(Backend):
         def one(node: str) -> dict[str, Any]:
             mine = [str(p.port) for t, p in self._placements.items() if self._node_of.get(t) == node]
             argv = [
-                *srun_argv(job_id, node, f"{job_name(self._run_id)}-probe", ())[:-2],
+                *step_argv(job_id, node, f"{job_name(self._run_id)}-probe"),
                 *self._python,
                 "-S",  # standard library only: no site-packages to scan (`check` reports TensorFlow)
                 "-c",
@@ -249,8 +246,7 @@ class SlurmBackend(Backend):
         answers: dict[str, dict[str, Any]] = {}
         problems: list[str] = []
         try:
-            with ThreadPoolExecutor(max_workers=min(32, len(nodes)) or 1) as pool:
-                results = list(zip(nodes, pool.map(guarded(one), nodes), strict=True))
+            results = list(zip(nodes, on_all(nodes, one), strict=True))
         finally:
             nonce_path.unlink(missing_ok=True)
             if declared_nonce is not None:
@@ -434,21 +430,6 @@ class SlurmBackend(Backend):
         handle = self._open_step(task, attempt, token, log_path)
         handle.wait_started(self._conf.connect_timeout_s + 20)
         return handle
-
-    def start_all(
-        self, tasks: list[TaskPlan], attempt: int, tokens: list[str], log_paths: list[Path]
-    ) -> list[TaskHandle | LaunchError]:
-        def one(i: int) -> TaskHandle:
-            return self.start(tasks[i], attempt, tokens[i], log_paths[i])
-
-        with ThreadPoolExecutor(max_workers=min(32, len(tasks)) or 1) as pool:
-            results = list(pool.map(guarded(one), range(len(tasks))))
-        out: list[TaskHandle | LaunchError] = []
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, LaunchError):
-                raise r
-            out.append(r)
-        return out
 
     def _open_step(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SlurmTaskHandle:
         assert self._alloc is not None

@@ -73,17 +73,45 @@ class Slurm:
     def missing() -> list[str]:
         return [c for c in COMMANDS if shutil.which(c) is None]
 
+    @classmethod
+    def require_commands(cls) -> None:
+        missing = cls.missing()
+        if missing:
+            raise LaunchError(
+                f"{NOT_INSTALLED} (missing: {', '.join(missing)}); install Slurm's client tools"
+            )
+
     def run(
         self, argv: Sequence[str], what: str, *, timeout_s: float | None = None, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         limit = timeout_s or self.timeout_s
+        hang = f"got no answer within {limit:g} s — is slurmctld up? (slurm.connect_timeout_s)"
+        return self._call(argv, what, stdin, limit, hang, text=True)
+
+    def run_bytes(
+        self, argv: Sequence[str], what: str, data: bytes, *, timeout_s: float
+    ) -> subprocess.CompletedProcess[bytes]:
+        """As `run`, with bytes in and out (files travelling through a step's stdin and stdout)."""
+        hang = f"did not finish within {timeout_s:g} s"
+        return self._call(argv, what, data, timeout_s, hang, text=False)
+
+    def _call(
+        self,
+        argv: Sequence[str],
+        what: str,
+        data: str | bytes | None,
+        timeout_s: float,
+        hang: str,
+        *,
+        text: bool,
+    ) -> subprocess.CompletedProcess[Any]:
         try:
             return subprocess.run(
                 list(argv),
-                input=stdin,
+                input=data,
                 capture_output=True,
-                text=True,
-                timeout=limit,
+                text=text,
+                timeout=timeout_s,
                 env=self.env,
                 check=False,
                 start_new_session=True,  # a Ctrl-C in the terminal is ours to handle, not srun's
@@ -91,29 +119,7 @@ class Slurm:
         except FileNotFoundError:
             raise LaunchError(f"{NOT_INSTALLED} ({argv[0]} not found on PATH)") from None
         except subprocess.TimeoutExpired:
-            raise LaunchError(
-                f"{what}: `{argv[0]}` got no answer within {limit:g} s — is slurmctld up? "
-                "(slurm.connect_timeout_s)"
-            ) from None
-
-    def run_bytes(
-        self, argv: Sequence[str], what: str, data: bytes, *, timeout_s: float
-    ) -> subprocess.CompletedProcess[bytes]:
-        """As `run`, with bytes in and out (files travelling through a step's stdin and stdout)."""
-        try:
-            return subprocess.run(
-                list(argv),
-                input=data,
-                capture_output=True,
-                timeout=timeout_s,
-                env=self.env,
-                check=False,
-                start_new_session=True,
-            )
-        except FileNotFoundError:
-            raise LaunchError(f"{NOT_INSTALLED} ({argv[0]} not found on PATH)") from None
-        except subprocess.TimeoutExpired:
-            raise LaunchError(f"{what}: `{argv[0]}` did not finish within {timeout_s:g} s") from None
+            raise LaunchError(f"{what}: `{argv[0]}` {hang}") from None
 
     def checked(self, argv: Sequence[str], what: str, **kw: Any) -> str:
         res = self.run(argv, what, **kw)
@@ -154,9 +160,7 @@ class Request:
 
 def check_cluster(slurm: Slurm, request: Request) -> tuple[str, list[dict[str, str]]]:
     """The partition the request goes to and its nodes; LaunchError when it cannot be satisfied."""
-    missing = Slurm.missing()
-    if missing:
-        raise LaunchError(f"{NOT_INSTALLED} (missing: {', '.join(missing)}); install Slurm's client tools")
+    Slurm.require_commands()
     parts = slurm.records("partition")
     names = [p.get("PartitionName", "?") for p in parts]
     if request.partition is not None:
@@ -368,7 +372,8 @@ def salloc_argv(spec: ClusterSpec, run_id: str) -> list[str]:
     return [*argv, "sh", "-c", holder]
 
 
-def srun_argv(job_id: str, node: str, name: str, python: Sequence[str]) -> list[str]:
+def step_argv(job_id: str, node: str, name: str) -> list[str]:
+    """srun of one step, one task, on one node of the allocation; the command follows."""
     return [
         "srun",
         f"--jobid={job_id}",
@@ -378,10 +383,12 @@ def srun_argv(job_id: str, node: str, name: str, python: Sequence[str]) -> list[
         f"--nodelist={node}",
         f"--job-name={name}",
         "--quiet",
-        *python,
-        "-S",  # the shim needs only the standard library
-        str(SHIM),
     ]
+
+
+def srun_argv(job_id: str, node: str, name: str, python: Sequence[str]) -> list[str]:
+    """A task's step: the shim, which needs only the standard library (-S)."""
+    return [*step_argv(job_id, node, name), *python, "-S", str(SHIM)]
 
 
 def _pending_job(log_path: Path | None) -> str:
@@ -433,13 +440,3 @@ def cancel_steps(slurm: Slurm, job_id: str, prefix: str) -> list[str]:
     if ours:
         slurm.run(["scancel", *ours], "cancelling this run's steps")
     return ours
-
-
-def guarded(fn: Any) -> Any:
-    def call(arg: Any) -> Any:
-        try:
-            return fn(arg)
-        except Exception as exc:  # noqa: BLE001 - handed back as the item's result
-            return exc
-
-    return call

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.placement import job_files_root
-from orchestrator.launch.slurm_cluster import PROBE_SOURCE, RUNTIME_ROOT, Slurm, job_name, srun_argv
+from orchestrator.launch.slurm_cluster import PROBE_SOURCE, RUNTIME_ROOT, Slurm, job_name, step_argv
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import private_open
 from orchestrator.spec.model import ClusterSpec, Role
@@ -89,7 +89,7 @@ class NodeFiles:
     def pull(self, job_id: str, node: str, subs: list[str], into: Path) -> bool:
         """Folders of the run's copy on one node into `into` (each replaced); False if it failed."""
         argv = [
-            *srun_argv(job_id, node, f"{job_name(self._run_id)}-copy", ())[:-2],
+            *step_argv(job_id, node, f"{job_name(self._run_id)}-copy"),
             *self._python,
             "-S",
             "-c",
