@@ -14,7 +14,7 @@ import signal
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class SlurmRun(CliRun):
         self.spec = root / "spec.yaml"
         self.spec.write_text(yaml.safe_dump(spec))
         self.extra_env = env or {}
+        self.returncode: int | None = None  # of the last `through`
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "SLURM_CONF": str(self.lab.conf), **self.extra_env}
@@ -91,10 +92,34 @@ class SlurmRun(CliRun):
     def log(self, task: str) -> str:
         return (self.run_dir / "logs" / f"{task}.log").read_text(errors="replace")
 
+    def through(self, task: str, steps: int, action: Callable[[], object], timeout_s: float = 240) -> str:
+        """`up`; once `task` has reported `steps` steps, `action`; its output once it has ended
+        (its exit code in self.returncode)."""
+        proc = self.start()
+        try:
+            self.wait_steps(task, steps)
+            action()
+            out, _ = proc.communicate(timeout=timeout_s)
+        finally:
+            proc.kill()
+        self.returncode = proc.returncode
+        return out
+
     def wait_steps(self, task: str, at_least: int, timeout_s: float = 90) -> None:
         assert wait_until(lambda: (self.task(task).get("last_step") or 0) >= at_least, timeout_s), (
             self.status()
         )
+
+
+def kill_task(run: SlurmRun, task: str) -> None:
+    os.kill(run.task(task)["pid"], signal.SIGKILL)  # the lab's nodes share this machine's pid space
+
+
+def warn_of_time_limit(lab: SlurmLab, job_id: str) -> None:
+    """What Slurm does near a time limit (`--signal=TERM@lead`), without waiting for the clock:
+    the limit brought within the lead, the warning sent."""
+    lab.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], check=True)
+    lab.run(["scancel", "--signal=TERM", job_id], check=True)
 
 
 def spec(name: str, slurm: dict[str, Any], job: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -178,14 +203,8 @@ def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
     )
-    proc = run.start()
-    try:
-        run.wait_steps("worker-1", 30)
-        os.kill(run.task("worker-1")["pid"], signal.SIGKILL)  # the lab's nodes share this pid space
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+    out = run.through("worker-1", 30, lambda: kill_task(run, "worker-1"))
+    assert run.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["attempt"] == 1
     assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0")), run.log("worker-0")[
@@ -263,14 +282,8 @@ def test_an_allocation_cancelled_from_outside_ends_the_run_interrupted(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
     run = make(runs, lab, tmp_path, spec("cancel", {"nodes": 2, "tasks_per_node": {"worker": 1}}), PLAIN)
-    proc = run.start()
-    try:
-        run.wait_steps("worker-0", 5)
-        lab.run(["scancel", run.backend()["job_id"]], check=True)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out[-2000:]
+    out = run.through("worker-0", 5, lambda: lab.run(["scancel", run.backend()["job_id"]], check=True), 60)
+    assert run.returncode == 130, out[-2000:]
     status = run.status()
     assert status["state"] == "INTERRUPTED" and "ended from outside" in status["reason"], status["reason"]
     assert status["restarts"] == 0
@@ -315,17 +328,19 @@ def test_a_cut_node_is_detected_in_time_and_the_job_restarts_on_the_spare(
         PLAIN,
         env={"STEPS": "40"},
     )
-    proc = run.start()
-    try:
-        run.wait_steps("worker-1", 5)
+    cut_at = 0.0
+
+    def cut() -> None:
+        nonlocal cut_at
         assert run.task("worker-1")["host"] == node_address(lab, "n2")
         cut_at = time.time()
         lab.cut("n2")
-        out, _ = proc.communicate(timeout=120)
+
+    try:
+        out = run.through("worker-1", 5, cut, 120)
     finally:
-        proc.kill()
         lab.restore("n2")
-    assert proc.returncode == 0, out[-3000:]
+    assert run.returncode == 0, out[-3000:]
     lost = next(e for e in run.events() if e.get("task") == "worker-1" and e.get("new") == "LOST")
     detected_s = dt.datetime.fromisoformat(lost["time"].replace("Z", "+00:00")).timestamp() - cut_at
     assert detected_s <= timeout_s + 2, detected_s  # ours, not Slurm's SlurmdTimeout (20 s here)
@@ -453,8 +468,8 @@ def test_plan_shows_the_slurm_lines_and_check_probes_the_nodes(
 def test_a_time_limit_warning_checkpoints_and_goes_on_in_a_new_allocation_outside_the_budget(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
-    """What Slurm does near a time limit (`--signal=TERM@lead`), without waiting for the clock:
-    the limit is brought within the lead (scontrol), and the warning sent (scancel --signal)."""
+    """A time limit's warning as Slurm sends it (warn_of_time_limit), with less time left than the
+    lead: the tasks checkpoint, exit 42, and the job goes on in a new allocation."""
     run = make(
         runs,
         lab,
@@ -466,16 +481,15 @@ def test_a_time_limit_warning_checkpoints_and_goes_on_in_a_new_allocation_outsid
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
     )
-    proc = run.start()
-    try:
-        run.wait_steps("worker-0", 30)
+    first = ""  # the allocation warned
+
+    def warn() -> None:
+        nonlocal first
         first = run.backend()["job_id"]
-        lab.run(["scontrol", "update", f"JobId={first}", "TimeLimit=1"], check=True)  # < the lead left
-        lab.run(["scancel", "--signal=TERM", first], check=True)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+        warn_of_time_limit(lab, first)
+
+    out = run.through("worker-0", 30, warn)
+    assert run.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["attempt"] == 1 and status["restarts"] == 0
     reasons = " | ".join(e.get("reason", "") for e in run.events())
@@ -533,19 +547,15 @@ def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
     )
-    proc = run.start()
-    try:
-        run.wait_steps("worker-1", 30)
+
+    def act() -> None:
         if how == "kill -9":
-            os.kill(run.task("worker-1")["pid"], signal.SIGKILL)
+            kill_task(run, "worker-1")
         else:
-            first = run.backend()["job_id"]
-            lab.run(["scontrol", "update", f"JobId={first}", "TimeLimit=1"], check=True)
-            lab.run(["scancel", "--signal=TERM", first], check=True)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+            warn_of_time_limit(lab, run.backend()["job_id"])
+
+    out = run.through("worker-1", 30, act)
+    assert run.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["attempt"] == 1
     assert status["restarts"] == (1 if how == "kill -9" else 0)
