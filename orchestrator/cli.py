@@ -11,16 +11,29 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from orchestrator.errors import OrchestrateError, UsageError
+from orchestrator.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_LAUNCH,
+    EXIT_OK,
+    EXIT_USAGE,
+    OrchestrateError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
-    from orchestrator.coordinator import UpResult
+    from orchestrator.coordinator import RunResult
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LAUNCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_LAUNCH", "EXIT_OK", "EXIT_USAGE", "main"]
+
+#: `orchestrate wait --timeout` ran out (as timeout(1) does).
+EXIT_TIMEOUT = 124
+_TASK_NAME = re.compile(r"^(chief|worker|ps|evaluator)-[0-9]+$")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +59,28 @@ def main(argv: list[str] | None = None) -> int:
 _BACKEND_HELP = "override the spec's `backend:` (the names `orchestrate schema` lists)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a suggestion for a mistyped command or choice (`stauts`: did you mean `status`?)."""
+
+    def error(self, message: str) -> NoReturn:
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            from orchestrator.spec.load import did_you_mean
+
+            choices = re.findall(r"'([^']*)'", found.group(2))
+            close = did_you_mean(found.group(1), choices)
+            if close is not None:
+                message += f"; did you mean '{close}'?"
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec."
-    )
+    from orchestrator import __version__
+
+    p = _Parser(prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.add_argument("--version", action="version", version=f"orchestrate (tf-orchestrate) {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     up = sub.add_parser("up", help="validate, plan, launch and supervise a job until it ends")
     up.add_argument("spec", type=Path)
@@ -89,11 +118,27 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show a run's state (default: the latest run under runs/)")
     status.add_argument("run_dir", nargs="?")
-    status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="status.json, and whether its coordinator lives (`orchestrate schema status`)",
+    )
     status.set_defaults(func=cmd_status)
 
-    logs = sub.add_parser("logs", help="print a run's task logs")
-    logs.add_argument("run_dir")
+    runs = sub.add_parser("ls", help="list the runs under runs/: state, age, attempts, restarts")
+    runs.add_argument("--runs", type=Path, default=None, metavar="DIR", help="where to look (default runs/)")
+    runs.add_argument("--json", action="store_true", help="one JSON object per run")
+    runs.set_defaults(func=cmd_ls)
+
+    wait = sub.add_parser(
+        "wait", help="wait for a run to end; exit with its exit code (default: the latest run)"
+    )
+    wait.add_argument("run_dir", nargs="?")
+    wait.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 124)")
+    wait.set_defaults(func=cmd_wait)
+
+    logs = sub.add_parser("logs", help="print a run's task logs (default: the latest run)")
+    logs.add_argument("run_dir", nargs="?", help="a run directory (default: the latest run under runs/)")
     logs.add_argument("task", nargs="?", help="e.g. worker-1 (default: all)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
@@ -102,7 +147,16 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("run_dir")
     down.set_defaults(func=cmd_down)
 
-    schema = sub.add_parser("schema", help="print the JSON Schema of the spec (for editors)")
+    schema = sub.add_parser(
+        "schema", help="print a JSON Schema: of the spec (for editors), or of a run's records"
+    )
+    schema.add_argument(
+        "document",
+        nargs="?",
+        default="spec",
+        choices=["spec", "status", "event", "metrics"],
+        help="spec (default) · status: status.json · event, metrics: a line of events.jsonl, metrics.jsonl",
+    )
     schema.set_defaults(func=cmd_schema)
     return p
 
@@ -142,6 +196,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run_dir = Path("runs") / f"{spec.name}-<time>"
     placements, note = launch.preview(spec, run_id, run_dir, args.spec.resolve().parent)
     plan = make_plan(spec, run_id, placements)
+    warnings = [line for line in note.splitlines() if line.startswith("warning: ")]
+    note = "\n".join(line for line in note.splitlines() if not line.startswith("warning: "))
+    for warning in warnings:  # the plan is shown all the same: it launches nothing
+        print(f"orchestrate: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return EXIT_OK
@@ -219,26 +277,43 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir=args.resume or args.run_dir,
         resume=args.resume is not None,
         live=False if args.plain else None,
+        backend_option=args.backend,
     )
     return _summarize(outcome)
 
 
-def _summarize(outcome: UpResult) -> int:
+def _summarize(outcome: RunResult) -> int:
+    """The end of `orchestrate up`: how it ended and why, what it took, every restart's cause, the
+    final metrics, where the results are; for a failure, the first one with its traceback and log."""
     from orchestrator.logtail import tail_lines
-    from orchestrator.supervise.policy import FailureKind
+    from orchestrator.rundir import resume_command
     from orchestrator.supervise.states import ClusterState
+    from orchestrator.view import duration_text, elapsed_s, progress_of
 
     r = outcome.result
     print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
-    print(f"  attempts {r.attempt + 1}, restarts {r.restarts}; run record: {outcome.run_dir}")
-    if outcome.brought_home:
-        print(f"  brought home from the hosts into {outcome.run_dir}:")
-        for line in outcome.brought_home:
-            print(f"    {line}")
+    took = elapsed_s({"started_at": r.started_at, "ended_at": r.ended_at})
+    took_text = f"took {duration_text(took)} · " if took is not None else ""
+    print(f"  {took_text}attempts {r.attempt + 1} · restarts {r.restarts}")
+    if len(r.failures) > 1 or (r.failures and r.state is ClusterState.SUCCEEDED):
+        for f in r.failures:  # each restart's cause (one alone is the first failure, below)
+            print(f"  attempt {f.attempt} ended: {f.describe()}")
     for f in r.task_restarts:
         print(f"  restarted alone: {f.describe()}")
     for f in r.ignored:
         print(f"  reported, did not stop the job: {f.describe()}")
+    final = progress_of(outcome.status).parts(ended=True)
+    if final:
+        print(f"  final: {' · '.join(final)}")
+    model = outcome.run_dir / "model"
+    if model.is_dir():
+        saved = sorted(model.glob("*.keras")) or [model]
+        print(f"  model: {saved[0]}")
+    print(f"  run record: {outcome.run_dir}")
+    if outcome.brought_home:
+        print(f"  brought home from the hosts into {outcome.run_dir}:")
+        for line in outcome.brought_home:
+            print(f"    {line}")
     cause = r.root_cause
     if r.state is not ClusterState.SUCCEEDED and cause is not None:
         print(f"  first failure: {cause.describe()}")
@@ -255,13 +330,13 @@ def _summarize(outcome: UpResult) -> int:
                 print(f"  last lines of {log_path}:")
                 for line in lines:
                     print(f"    | {line}")
-    if r.state is ClusterState.SUCCEEDED:
-        return EXIT_OK
-    if r.state is ClusterState.INTERRUPTED:
-        return EXIT_INTERRUPTED
-    if cause is not None and cause.kind is FailureKind.LAUNCH:
-        return EXIT_LAUNCH
-    return EXIT_FAILED
+    if r.state is not ClusterState.SUCCEEDED:
+        again = resume_command(outcome.run_dir)
+        if again is not None:
+            print(f"  continue it from its checkpoints: {again}")
+    code = r.exit_code
+    assert code is not None  # `up` returns an ended run
+    return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -273,13 +348,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     run_dir = resolve_run_dir(args.run_dir)
     status = read_status(run_dir)
+    pid = coordinator_alive(run_dir)
+    stale = not ClusterState(status["state"]).is_terminal and pid is None
     if args.json:
+        status["coordinator"] = {"pid": pid, "alive": pid is not None}
+        status["stale"] = stale
         print(json.dumps(status, indent=2))
         return EXIT_OK
     console = Console()
     console.print(f"run directory: {run_dir}")
     console.print(render_status(status))
-    if not ClusterState(status["state"]).is_terminal and coordinator_alive(run_dir) is None:
+    if stale:
         console.print(
             "[yellow]its coordinator is gone: this is the last recorded state; "
             f"`orchestrate down {run_dir}` stops anything it left[/yellow]"
@@ -287,11 +366,49 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if status["state"] != "FAILED" else EXIT_FAILED
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    from orchestrator.record import RUNS_DIR
+    from orchestrator.rundir import list_run_dirs, run_summary
+    from orchestrator.view import age_text
+
+    base = args.runs or RUNS_DIR
+    runs = [run_summary(p) for p in list_run_dirs(base)]
+    if args.json:
+        for run in runs:
+            print(json.dumps(run))
+        return EXIT_OK
+    if not runs:
+        print(f"no runs under {base}/")
+        return EXIT_OK
+    width = max(len(r["run_dir"]) for r in runs)
+    print(f"{'RUN':<{width}}  {'STATE':<12} {'AGE':>6}  ATTEMPTS  RESTARTS")
+    for r in runs:
+        state = r["state"] + ("?" if r.get("stale") else "")
+        age = age_text(r.get("age_s"))
+        counts = f"{r.get('attempts', ''):>8}  {r.get('restarts', ''):>8}"
+        print(f"{r['run_dir']:<{width}}  {state:<12} {age:>6}  {counts}")
+    if any(r.get("stale") for r in runs):
+        print("?: its coordinator is gone; the state shown is its last record (`orchestrate down` cleans up)")
+    return EXIT_OK
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from orchestrator.rundir import resolve_run_dir, wait
+
+    run_dir = resolve_run_dir(args.run_dir, starting_ok=True)
+    code, line = wait(run_dir, args.timeout)
+    print(line, file=sys.stdout if code in (EXIT_OK, None) else sys.stderr)
+    return EXIT_TIMEOUT if code is None else code
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     from orchestrator.rundir import follow_logs, resolve_run_dir, task_names
 
-    run_dir = resolve_run_dir(args.run_dir)
-    tasks = [args.task] if args.task else task_names(run_dir)
+    run_arg, task = args.run_dir, args.task
+    if run_arg is not None and task is None and _TASK_NAME.match(run_arg) and not Path(run_arg).is_dir():
+        run_arg, task = None, run_arg  # `orchestrate logs worker-1`: that task of the latest run
+    run_dir = resolve_run_dir(run_arg)
+    tasks = [task] if task else task_names(run_dir)
     return follow_logs(run_dir, tasks, args.follow)
 
 
@@ -302,9 +419,14 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from orchestrator.spec.model import ClusterSpec
+    if args.document == "spec":
+        from orchestrator.spec.model import ClusterSpec
 
-    print(json.dumps(ClusterSpec.model_json_schema(), indent=2))
+        print(json.dumps(ClusterSpec.model_json_schema(), indent=2))
+    else:
+        from orchestrator.schemas import json_schema
+
+        print(json.dumps(json_schema(args.document), indent=2))
     return EXIT_OK
 
 

@@ -13,9 +13,10 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -45,20 +46,79 @@ from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.config import SupervisorConfig
-from orchestrator.supervise.records import RunResult
+from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
-from orchestrator.view import LiveView, PlainView
+from orchestrator.view import LiveView, PlainView, View
 
 log = logging.getLogger("orchestrator")
 
 
 @dataclass(frozen=True)
-class UpResult:
+class RunResult:
+    """How a run ended (what `orchestrator.up` returns): its record, the supervisor's outcome, the
+    plan it ended with and its last status.json."""
+
     run_dir: Path
-    result: RunResult
+    result: SupervisorResult
     plan: LaunchPlan
     brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir
+    status: Mapping[str, Any] = field(default_factory=dict)  # the last status.json
+
+    @property
+    def state(self) -> ClusterState:
+        return self.result.state
+
+    @property
+    def ok(self) -> bool:
+        return self.result.state is ClusterState.SUCCEEDED
+
+    @property
+    def exit_code(self) -> int:
+        """`orchestrate up`'s: 0 ok, 1 failed, 3 not launched, 130 interrupted."""
+        code = self.result.exit_code
+        assert code is not None  # a run returned has ended
+        return code
+
+    @property
+    def reason(self) -> str:
+        return self.result.reason
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The final reported values: the leading training task's, then the evaluator's."""
+        from orchestrator.view import progress_of
+
+        progress = progress_of(self.status)
+        return {**progress.metrics, **progress.eval_metrics}
+
+
+class StopRequest:
+    """A way to stop a run from another thread (`orchestrator.start(…).stop()`): the first call asks
+    for a clean stop, the second for an immediate one — as Ctrl-C does on the console."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._supervisor: Supervisor | None = None
+        self._asked: list[str] = []
+
+    def __call__(self, reason: str = "stopped by the caller") -> None:
+        with self._lock:
+            self._asked.append(reason)
+            supervisor = self._supervisor
+        if supervisor is not None:
+            supervisor.request_stop(reason)
+
+    def attach(self, supervisor: Supervisor) -> None:
+        with self._lock:
+            self._supervisor = supervisor
+            asked = list(self._asked)
+        for reason in asked:
+            supervisor.request_stop(reason)
 
 
 def status_interval_s(tasks: int) -> float:
@@ -69,38 +129,63 @@ def status_interval_s(tasks: int) -> float:
 
 def up(
     spec: ClusterSpec,
-    spec_path: Path,
+    spec_path: Path | None,
     *,
+    spec_text: str | None = None,
+    spec_dir: Path | None = None,
     run_dir: Path | None = None,
     resume: bool = False,
     live: bool | None = None,
     config_overrides: dict[str, float] | None = None,
     backend: Backend | None = None,
-) -> UpResult:
-    """Run the job to its end. `backend`: the spec's unless given (the capacity benchmark gives
-    one whose tasks are simulated)."""
+    backend_option: str | None = None,
+    view: View | None = None,
+    progress_every_s: float = 15.0,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    stop: StopRequest | None = None,
+) -> RunResult:
+    """Run the job to its end, from any thread (signals are caught only on the main one).
+
+    `live`: the live view (True), plain lines (False), by the terminal (None); `view`: another
+    (`orchestrator.up` passes a silent one); `backend`: the spec's unless given (the capacity
+    benchmark gives one whose tasks are simulated); `backend_option`: the --backend given, for the
+    command that resumes the run; `on_event`: called with every events.jsonl line, as written;
+    `stop`: a way to stop the run from another thread. A spec that is not a file (the Python
+    API's dict) comes as `spec_path` None, with its text and the folder its paths are relative to."""
+    if spec_path is not None:
+        spec_text, spec_dir = spec_path.read_text(encoding="utf-8"), spec_path.resolve().parent
+    assert spec_text is not None and spec_dir is not None
     _raise_open_files_limit()
     run_id, first_attempt, restarts = (
-        _resume_point(run_dir, spec) if resume else (new_run_id(spec.name), 0, 0)
+        _resume_point(run_dir, spec, spec_path) if resume else (new_run_id(spec.name), 0, 0)
     )
     run_dir, record = _open_record(run_dir, spec)
     credentials = Credentials()
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(record.close)
-        backend = backend or launch.open_backend(spec, run_id, run_dir, spec_path.resolve().parent)
+        backend = backend or launch.open_backend(spec, run_id, run_dir, spec_dir)
         cleanup.callback(backend.close)
         if resume:
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
-        record.write_spec(redact_text(spec_path.read_text(encoding="utf-8"), spec.secret_names()))
+        record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        view = LiveView() if (sys.stdout.isatty() if live is None else live) else PlainView()
+        if view is None:
+            on_tty = sys.stdout.isatty() if live is None else live
+            view = LiveView() if on_tty else PlainView(progress_every_s=progress_every_s)
         cleanup.callback(view.close)
+        record.listen(view.event)
+        if on_event is not None:
+            record.listen(on_event)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
-        record.write_coordinator(_coordinator_info(run_id, server.url))
+        again = None
+        if spec_path is not None:
+            again = ["orchestrate", "up", str(spec_path.resolve()), "--resume", str(run_dir.resolve())]
+            again += ["--backend", backend_option] if backend_option else []
+        record.write_coordinator(_coordinator_info(run_id, server.url, again))
         if record.broken:
             raise LaunchError(f"{record.broken}; nothing was started")
         tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
@@ -118,10 +203,12 @@ def up(
             replan=planner,
         )
         cleanup.callback(_leave_nothing_running, supervisor)
+        if stop is not None:
+            stop.attach(supervisor)
         with _stop_on_signals(supervisor):
             result = supervisor.run()
         home = _bring_home(backend, supervisor.plan, record)
-        return UpResult(run_dir, result, supervisor.plan, tuple(home))
+        return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status())
 
 
 def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunRecord]:
@@ -171,7 +258,7 @@ class _StatusWriter:
     metrics) once per interval — with many tasks, status.json and the view are the coordinator's
     largest cost."""
 
-    def __init__(self, record: RunRecord, view: LiveView | PlainView, tailer: LogTailer, every_s: float):
+    def __init__(self, record: RunRecord, view: View, tailer: LogTailer, every_s: float):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
         self._transitions, self._written_at, self._state = -1, 0.0, ""
 
@@ -222,7 +309,7 @@ def _heartbeat_server(
         server.close()
 
 
-def _coordinator_info(run_id: str, url: str) -> dict[str, Any]:
+def _coordinator_info(run_id: str, url: str, resume_argv: list[str] | None) -> dict[str, Any]:
     me = psutil.Process()
     return {
         "run_id": run_id,
@@ -230,6 +317,7 @@ def _coordinator_info(run_id: str, url: str) -> dict[str, Any]:
         "create_time": me.create_time(),
         "started_at": now_iso(),
         "heartbeat_url": url,
+        "resume_argv": resume_argv,  # what continues this run from its checkpoints (`down` says it)
     }
 
 
@@ -260,7 +348,7 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def _resume_point(run_dir: Path | None, spec: ClusterSpec) -> tuple[str, int, int]:
+def _resume_point(run_dir: Path | None, spec: ClusterSpec, spec_path: Path | None) -> tuple[str, int, int]:
     """The run id, attempt number and restart count a resumed run continues with: the same run
     goes on, its id names its folders on the hosts (and their checkpoints)."""
     if run_dir is None:
@@ -274,8 +362,16 @@ def _resume_point(run_dir: Path | None, spec: ClusterSpec) -> tuple[str, int, in
             f"--resume {run_dir}: that run is {status.get('name')!r}, this spec is {spec.name!r}; "
             "resume a run with the spec that started it"
         )
-    if not ClusterState(status.get("state", "PENDING")).is_terminal and rundir.coordinator_alive(run_dir):
-        raise UsageError(f"--resume {run_dir}: that run is still going (state {status.get('state')})")
+    state = ClusterState(status.get("state", "PENDING"))
+    if not state.is_terminal and rundir.coordinator_alive(run_dir):
+        raise UsageError(f"--resume {run_dir}: that run is still going (state {state.value})")
+    if state is ClusterState.SUCCEEDED:
+        raise UsageError(
+            f"--resume {run_dir}: that run SUCCEEDED ({status.get('reason', '')}) "
+            f"at {status.get('ended_at')}; "
+            "there is nothing to resume — start a new run"
+            + (f": orchestrate up {spec_path}" if spec_path is not None else "")
+        )
     run_id = status.get("run_id")
     if not isinstance(run_id, str) or not run_id:
         raise UsageError(f"--resume {run_dir}: its status.json records no run_id")
@@ -296,6 +392,8 @@ class _stop_on_signals:
         self._supervisor.request_stop(f"interrupted by {name}")
 
     def __enter__(self) -> _stop_on_signals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only: its handlers stay
         for sig in self._SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self

@@ -5,6 +5,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+#: `orchestrate`'s exit codes (DESIGN §2); `orchestrate wait` exits with a run's.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LAUNCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
 
 class OrchestrateError(Exception):
     """Base of every error the CLI reports without a traceback."""

@@ -72,6 +72,7 @@ class LaunchPlan:
     policy: Mapping[Role, RolePolicy] = field(default_factory=dict)
     state: StatePlan | None = None
     secrets: frozenset[str] = frozenset()  # env names whose values are never written nor printed
+    examples_per_step: int | None = None  # the global batch, when the plan knows it (mode 2)
 
     def shown_env(self, task: TaskPlan) -> dict[str, str]:
         """A task's environment as the record and the console show it: secret values redacted."""
@@ -175,6 +176,7 @@ def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement
         role_policies(spec),
         state_plan(spec, slots),
         spec.secret_names(),
+        spec.train.global_batch_size if spec.job.loop is not None and spec.train is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ import datetime as dt
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import threading
@@ -22,7 +23,14 @@ from typing import IO, Any
 
 from orchestrator.errors import UsageError
 
+log = logging.getLogger("orchestrator.record")
+
 RUNS_DIR = Path("runs")
+
+#: The version of the record's documents (status.json, every events.jsonl and metrics.jsonl
+#: line): raised when a field changes meaning or goes; new fields keep it. Their JSON Schemas:
+#: `orchestrate schema status|event|metrics` (orchestrator/schemas.py).
+SCHEMA_VERSION = 1
 
 
 def now_iso() -> str:
@@ -126,7 +134,7 @@ def read_json(path: Path) -> Any:
 #: and status.json are written in its room (status.json of 1,000 tasks is ~0.2 MB).
 RESERVE_BYTES = 1024 * 1024
 _RESERVE = ".reserve"
-_LOCK = ".lock"
+LOCK_NAME = _LOCK = ".lock"
 
 
 class RunDirBusy(UsageError):
@@ -183,6 +191,7 @@ class RunRecord:
             os.close(self._lock_fd)
             raise
         self._pending: list[str] = []  # metrics lines, written by flush()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._last_status: Any = None
         self.broken: str | None = None  # why the record could not be written, once it could not
         self.closed = False
@@ -210,18 +219,29 @@ class RunRecord:
                 self._last_status = status
 
     def event(self, **fields: Any) -> None:
-        line = (json.dumps({"time": now_iso(), **fields}) + "\n").encode()
+        event = {"schema_version": SCHEMA_VERSION, "time": now_iso(), **fields}
+        line = (json.dumps(event) + "\n").encode()
         with self._lock:
             self._write(lambda: self._events.write(line), "events.jsonl")
+        for listener in self._listeners:
+            try:
+                listener(dict(event))
+            except Exception:  # noqa: BLE001 - a view's or a caller's bug never stops the run
+                log.exception("an event listener failed")
+
+    def listen(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener` with every event as it is written (the view, the Python API's callback)."""
+        self._listeners.append(listener)
 
     def metrics(self, task: str, attempt: int, points: list[dict[str, Any]]) -> None:
         """Called from the heartbeat server's threads; written by `flush()` once per supervisor step."""
         lines = []
         for p in points:
             when = _point_time(p.pop("time", None))
-            line = {"time": when, "task": task, "attempt": attempt}
+            line = {"schema_version": SCHEMA_VERSION, "time": when, "task": task, "attempt": attempt}
             line.update(p)
-            line["task"], line["attempt"] = task, attempt  # never a point's own (wire refuses them)
+            # never a point's own (wire refuses them)
+            line["task"], line["attempt"], line["schema_version"] = task, attempt, SCHEMA_VERSION
             lines.append(json.dumps(line))
         with self._lock:
             self._pending.extend(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -15,22 +16,135 @@ from typing import Any
 import psutil
 
 from orchestrator import launch
-from orchestrator.errors import RunDirError
-from orchestrator.logtail import LogTailer
+from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK, RunDirError
+from orchestrator.logtail import LogTailer, tail_lines
+from orchestrator.record import LOCK_NAME as _LOCK
 from orchestrator.record import RUNS_DIR, read_json
 from orchestrator.supervise.states import ClusterState
 
 
-def resolve_run_dir(arg: str | None) -> Path:
+def resolve_run_dir(arg: str | None, starting_ok: bool = False) -> Path:
+    """The run directory given, or the latest run under runs/. `starting_ok`: a folder whose
+    coordinator is still starting (it holds the folder, no status.json yet) will do."""
     if arg is not None:
         path = Path(arg)
         if not (path / "status.json").exists() and not (path / "plan.json").exists():
+            if starting_ok and (path / _LOCK).exists():
+                return path
             raise RunDirError(f"{path} is not a run directory (no status.json or plan.json)")
         return path
-    runs = [p for p in RUNS_DIR.glob("*/") if (p / "status.json").exists()] if RUNS_DIR.exists() else []
+    runs = list_run_dirs(RUNS_DIR)
     if not runs:
         raise RunDirError(f"no runs under {RUNS_DIR}/; give a run directory")
-    return max(runs, key=lambda p: (p / "status.json").stat().st_mtime)
+    return runs[-1]
+
+
+def list_run_dirs(base: Path) -> list[Path]:
+    """The run directories under `base`, oldest first (by their status.json's last change)."""
+    try:
+        runs = [p for p in base.iterdir() if (p / "status.json").is_file()]
+    except OSError:
+        return []
+    return sorted(runs, key=lambda p: (p / "status.json").stat().st_mtime)
+
+
+def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+    """One run as `orchestrate ls` lists it."""
+    now = time.time() if now is None else now
+    try:
+        status = read_status(run_dir)
+    except RunDirError as exc:
+        return {"run_dir": str(run_dir), "name": run_dir.name, "state": "UNREADABLE", "reason": str(exc)}
+    state = str(status.get("state", "PENDING"))
+    ended = state in {s.value for s in ClusterState if s.is_terminal}
+    return {
+        "run_dir": str(run_dir),
+        "name": status.get("name"),
+        "state": state,
+        "stale": not ended and coordinator_alive(run_dir) is None,
+        "started_at": status.get("started_at"),
+        "age_s": max(0.0, now - (run_dir / "status.json").stat().st_mtime),
+        "attempts": int(status.get("attempt", 0)) + 1,
+        "restarts": status.get("restarts", 0),
+        "reason": status.get("reason", ""),
+    }
+
+
+def lock_holder(run_dir: Path) -> int | None:
+    """The pid of the coordinator holding `run_dir` (one starting, before its coordinator.json),
+    read from the lock's file without taking the lock (taking it, even for an instant, could
+    turn a starting coordinator away)."""
+    try:
+        path = run_dir / _LOCK
+        pid = int(path.read_text(encoding="utf-8").split()[0])
+        proc = psutil.Process(pid)
+        # the pid was written by a process that had started by then: a later one reusing it is not it
+        if proc.create_time() <= path.stat().st_mtime + 1 and proc.status() != psutil.STATUS_ZOMBIE:
+            return pid
+    except (OSError, ValueError, IndexError, psutil.Error):
+        pass
+    return None
+
+
+def wait(run_dir: Path, timeout_s: float | None, poll_s: float = 0.5) -> tuple[int | None, str]:
+    """Wait for a run to end: its exit code (that of `orchestrate up`) and a line saying how it
+    ended; (None, why) when the timeout passes first."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        status = read_status(run_dir) if (run_dir / "status.json").exists() else None
+        if status is not None and ClusterState(status.get("state", "PENDING")).is_terminal:
+            return exit_code_of(
+                status
+            ), f"run {status.get('name')}: {status['state']} ({status.get('reason', '')})"
+        if coordinator_alive(run_dir) is None and lock_holder(run_dir) is None:
+            time.sleep(poll_s)  # it may have written its last status as it went
+            status = read_status(run_dir) if (run_dir / "status.json").exists() else None
+            if status is not None and ClusterState(status.get("state", "PENDING")).is_terminal:
+                continue
+            if status is None:
+                return EXIT_LAUNCH, f"{run_dir}: the run ended before it started{_log_hint(run_dir)}"
+            return EXIT_FAILED, (
+                f"run {status.get('name')}: its coordinator is gone, the run left {status.get('state')} "
+                f"(its last recorded state); `orchestrate down {run_dir}` stops anything it left"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            state = status.get("state") if status else "starting"
+            return None, f"{run_dir}: still {state} after {timeout_s:g} s"
+        time.sleep(poll_s)
+
+
+def exit_code_of(status: dict[str, Any]) -> int:
+    """An ended run's exit code: recorded since schema_version 1; derived from its state before."""
+    code = status.get("exit_code")
+    if isinstance(code, int):
+        return code
+    return {"SUCCEEDED": EXIT_OK, "INTERRUPTED": EXIT_INTERRUPTED}.get(str(status.get("state")), EXIT_FAILED)
+
+
+def resume_command(run_dir: Path) -> str | None:
+    """The exact command that continues the run (`orchestrate up SPEC --resume RUN_DIR …`), as its
+    coordinator recorded it, with paths relative to here when they are below here."""
+    try:
+        argv = read_json(run_dir / "coordinator.json")["resume_argv"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return None
+    return shlex.join(_relative(a) for a in argv)
+
+
+def _relative(arg: str) -> str:
+    if not os.path.isabs(arg):
+        return arg
+    try:
+        return str(Path(arg).relative_to(Path.cwd()))
+    except ValueError:
+        return arg
+
+
+def _log_hint(run_dir: Path) -> str:
+    lines = tail_lines(run_dir / "coordinator.log", 5)
+    return (": its coordinator.log ends\n" + "\n".join(f"  | {line}" for line in lines)) if lines else ""
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -88,6 +202,9 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
                 ok = ok and reached
     status = read_status(run_dir)
     out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
+    again = resume_command(run_dir)
+    if again is not None and status.get("state") != ClusterState.SUCCEEDED.value:
+        out.write(f"continue it from its checkpoints: {again}\n")
     return 0 if ok else 1
 
 

@@ -62,18 +62,19 @@ def preview(
     from orchestrator.launch import placement
 
     if spec.backend is BackendName.LOCAL:
-        from orchestrator.launch.ports import reserve_ports
+        from orchestrator.launch.ports import preview_ports
 
-        with reserve_ports(spec) as reservation:
-            places = placement.local_placements(
-                spec,
-                reservation.ports,
-                run_dir=run_dir,
-                spec_dir=spec_dir,
-                coordinator_url="http://127.0.0.1:<chosen at launch>",
-                python=sys.executable,
-            )
-        return places, "local ports are free now and chosen again at launch unless the spec fixes base_port"
+        ports, busy = preview_ports(spec)
+        places = placement.local_placements(
+            spec,
+            ports,
+            run_dir=run_dir,
+            spec_dir=spec_dir,
+            coordinator_url="http://127.0.0.1:<chosen at launch>",
+            python=sys.executable,
+        )
+        note = "local ports are free now and chosen again at launch unless the spec fixes base_port"
+        return places, "\n".join([note, *(f"warning: {b}" for b in busy)])
     if spec.backend is BackendName.SLURM:
         from orchestrator.launch.slurm_check import preview_lines
 

@@ -107,6 +107,30 @@ def reserve_ports(
     return PortReservation(ports, fds, lock_dir, rng)
 
 
+def preview_ports(spec: ClusterSpec, rng: random.Random | None = None) -> tuple[dict[str, int], list[str]]:
+    """The ports `up` would use now (`orchestrate plan`), claiming none, and a note for each port a
+    spec fixes (base_port) that is in use: `up` would refuse to start (exit 3)."""
+    rng = rng or random.Random()
+    high = max(_LOW + 1000, _ephemeral_low())
+    ports: dict[str, int] = {}
+    busy: list[str] = []
+    slots = task_slots(spec)
+    for h, host in enumerate(spec.hosts):
+        for i, slot in enumerate(s for s in slots if s.host_index == h):
+            if host.base_port is None:
+                ports[slot.name] = next(
+                    (p for p in (rng.randrange(_LOW, high) for _ in range(500)) if port_is_free(p)), _LOW
+                )
+                continue
+            ports[slot.name] = port = host.base_port + i
+            if not port_is_free(port):
+                busy.append(
+                    f"port {port} for {slot.name} (hosts[{h}].base_port) is in use on this machine now: "
+                    "`orchestrate up` would stop there (exit 3); choose another base_port or leave it out"
+                )
+    return ports, busy
+
+
 def port_is_free(port: int) -> bool:
     """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does);
     the same check worker/probe.py runs on remote hosts."""

@@ -12,15 +12,18 @@ problem — YAML, encoding, control characters, size — is a SpecError with a l
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
+import types
+import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from orchestrator.errors import SpecError, SpecProblem
 from orchestrator.spec.checks import check_spec
@@ -312,12 +315,49 @@ def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list
             _index(item, path + (i,), lines, problems)
 
 
+def did_you_mean(word: str, choices: Collection[str]) -> str | None:
+    """The one choice `word` is most likely a typo of, if any is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _known_keys(path: Path_) -> list[str]:
+    """The keys the spec allows in the section at `path` (`("hosts", 0)`: a host's keys)."""
+    kinds: list[Any] = [ClusterSpec]
+    for part in path:
+        inner: list[Any] = []
+        for kind in kinds:
+            if isinstance(part, str) and isinstance(kind, type) and issubclass(kind, BaseModel):
+                field = kind.model_fields.get(part)
+                if field is not None:
+                    inner += _unwrap(field.annotation)
+            elif isinstance(part, int):
+                inner += [a for arg in typing.get_args(kind) for a in _unwrap(arg)]
+        kinds = inner
+    return [
+        field.alias or name
+        for kind in kinds
+        if isinstance(kind, type) and issubclass(kind, BaseModel)
+        for name, field in kind.model_fields.items()
+    ]
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """A field's models and containers, through Optional and unions."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for arg in typing.get_args(annotation) for a in _unwrap(arg)]
+    return [annotation]
+
+
 def _problem(err: Mapping[str, Any], lines: dict[Path_, int]) -> SpecProblem:
     # pydantic adds markers such as '[key]' or a union member's type name to `loc`; keep the real keys.
     path = tuple(p for p in err["loc"] if isinstance(p, int) or not str(p).startswith(("[", "function-")))
     message = err["msg"]
     if err["type"] == "extra_forbidden":
         message = "unknown key (check its spelling; `orchestrate schema` lists the valid keys)"
+        close = did_you_mean(str(path[-1]), _known_keys(path[:-1])) if path else None
+        if close is not None:
+            message = f"unknown key; did you mean `{close}`?"
     elif err["type"] == "missing":
         message = "required key is missing"
     elif message.startswith("Value error, "):

@@ -9,12 +9,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK
 from orchestrator.health.store import TaskHealth
 from orchestrator.launch.api import TaskHandle
 from orchestrator.plan import TaskPlan
 from orchestrator.record import iso_time
 from orchestrator.spec.roles import RolePolicy
-from orchestrator.supervise.policy import Failure
+from orchestrator.supervise.policy import Failure, FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
 from worker import wire
 
@@ -37,7 +38,7 @@ class TaskRecord:
 
 
 @dataclass(frozen=True)
-class RunResult:
+class SupervisorResult:
     state: ClusterState
     reason: str
     attempt: int
@@ -55,6 +56,35 @@ class RunResult:
         """The tasks the run's first failure names (their logs tell why)."""
         return self.root_cause.tasks if self.root_cause is not None else ()
 
+    @property
+    def exit_code(self) -> int | None:
+        """`orchestrate up`'s exit code for this outcome (None while the run goes on)."""
+        return run_exit_code(self.state, self.root_cause)
+
+
+def run_exit_code(state: ClusterState, root_cause: Failure | None) -> int | None:
+    """0 succeeded · 1 the job failed · 3 it could not be launched · 130 interrupted (DESIGN §2)."""
+    if not state.is_terminal:
+        return None
+    if state is ClusterState.SUCCEEDED:
+        return EXIT_OK
+    if state is ClusterState.INTERRUPTED:
+        return EXIT_INTERRUPTED
+    if root_cause is not None and root_cause.kind is FailureKind.LAUNCH:
+        return EXIT_LAUNCH
+    return EXIT_FAILED
+
+
+def failure_status(f: Failure) -> dict[str, Any]:
+    """One failure as status.json lists it (`failures`: the cause of every failed attempt)."""
+    return {
+        "attempt": f.attempt,
+        "kind": f.kind.value,
+        "tasks": list(f.tasks),
+        "reason": f.describe(),
+        "exit_code": f.exit_code,
+    }
+
 
 def task_status(rec: TaskRecord) -> dict[str, Any]:
     h = rec.health
@@ -70,6 +100,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "pgid": proc.pgid if proc else None,
         "create_time": proc.create_time if proc else None,
         "exit_code": rec.exit_code,
+        "restarts": rec.restarts,
         "last_step": h.step if h else None,
         "total_steps": h.total_steps if h else None,
         "metrics": dict(h.metrics) if h else {},

@@ -23,13 +23,19 @@ from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_all, stop_in_background, unconfirmed_reason
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
-from orchestrator.record import now_iso
+from orchestrator.record import SCHEMA_VERSION, now_iso
 from orchestrator.spec.model import AtEnd, Strategy
 from orchestrator.supervise import detect, policy
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
-from orchestrator.supervise.records import RunResult, TaskRecord, task_status
+from orchestrator.supervise.records import (
+    SupervisorResult,
+    TaskRecord,
+    failure_status,
+    run_exit_code,
+    task_status,
+)
 from orchestrator.supervise.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
@@ -128,15 +134,15 @@ class Supervisor:
         else:
             self.hurry.set()
 
-    def run(self) -> RunResult:
+    def run(self) -> SupervisorResult:
         while not self.state.is_terminal:
             self.step()
             if not self.state.is_terminal:
                 self._sleep(self.config.poll_interval_s)
         return self.result()
 
-    def result(self) -> RunResult:
-        return RunResult(
+    def result(self) -> SupervisorResult:
+        return SupervisorResult(
             self.state,
             self.reason,
             self.attempt,
@@ -495,8 +501,9 @@ class Supervisor:
     # --- views -------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """The status.json document (DESIGN §5)."""
+        """The status.json document (DESIGN §5; its JSON Schema: `orchestrate schema status`)."""
         return {
+            "schema_version": SCHEMA_VERSION,
             "name": self.plan.name,
             "run_id": self.plan.run_id,
             "state": self.state.value,
@@ -505,5 +512,9 @@ class Supervisor:
             "reason": self.reason,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
+            "exit_code": run_exit_code(self.state, self.root_cause),
+            "examples_per_step": self.plan.examples_per_step,
+            "failures": [failure_status(f) for f in self.failures],
+            "task_restarts": [failure_status(f) for f in self.task_failures],
             "tasks": [task_status(r) for r in self.tasks.values()],
         }

@@ -9,17 +9,20 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from orchestrator import cli, rundir
-from orchestrator.coordinator import UpResult
+from orchestrator.coordinator import RunResult
 from orchestrator.plan import LaunchPlan
 from orchestrator.spec.model import Backend, Strategy
 from orchestrator.supervise.policy import Failure, FailureKind
-from orchestrator.supervise.records import RunResult
+from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
 from tests.unit.test_spec import MINIMAL, REPO, y
 from worker.wire import TaskError
@@ -247,7 +250,21 @@ def test_status_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     run_dir = fabricate_run(tmp_path / "run")
     code, out, _ = run(capsys, "status", str(run_dir), "--json")
     assert code == 0
-    assert json.loads(out) == json.loads((run_dir / "status.json").read_text())
+    recorded = json.loads((run_dir / "status.json").read_text())
+    assert json.loads(out) == recorded | {"coordinator": {"pid": None, "alive": False}, "stale": False}
+
+
+def test_status_json_flags_a_run_whose_coordinator_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    code, out, _ = run(capsys, "status", str(run_dir), "--json")
+    assert code == 0
+    assert json.loads(out)["stale"] is True and json.loads(out)["state"] == "RUNNING"
+    alive = fabricate_coordinator(run_dir)
+    code, out, _ = run(capsys, "status", str(run_dir), "--json")
+    assert json.loads(out)["stale"] is False
+    assert json.loads(out)["coordinator"] == {"pid": alive, "alive": True}
 
 
 def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -343,8 +360,8 @@ def outcome(
     state: ClusterState,
     cause: Failure | None = None,
     **kw: Any,
-) -> UpResult:
-    result = RunResult(
+) -> RunResult:
+    result = SupervisorResult(
         state=state,
         reason=kw.pop("reason", "the reason"),
         attempt=kw.pop("attempt", 1),
@@ -355,7 +372,7 @@ def outcome(
         **kw,
     )
     plan = LaunchPlan("demo", "demo-x", Strategy.MULTI_WORKER_MIRRORED, Backend.LOCAL, {})
-    return UpResult(run_dir=run_dir, result=result, plan=plan)
+    return RunResult(run_dir=run_dir, result=result, plan=plan)
 
 
 def write_log(run_dir: Path, task: str, *lines: str) -> Path:
@@ -382,7 +399,7 @@ def test_summary_of_a_failure_names_its_exit_code_and_log(
     out = capsys.readouterr().out
     assert code == 1
     assert "orchestrate: demo FAILED — budget exhausted" in out
-    assert "attempts 2, restarts 1" in out
+    assert "  took 1:00 · attempts 2 · restarts 1\n" in out
     assert "  first failure: worker-1 exited with code 139\n" in out
     assert "  exit code: 139\n" in out
     assert f"  last lines of {log}:\n    | loading data\n    | Segmentation fault\n" in out
@@ -451,7 +468,7 @@ def test_summary_of_a_success_shows_no_failure(tmp_path: Path, capsys: pytest.Ca
 
 def test_summary_lists_what_was_brought_home(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = outcome(tmp_path, ClusterState.SUCCEEDED)
-    result = UpResult(result.run_dir, result.result, result.plan, brought_home=("model/ (3 files)",))
+    result = RunResult(result.run_dir, result.result, result.plan, brought_home=("model/ (3 files)",))
     cli._summarize(result)
     out = capsys.readouterr().out
     assert f"  brought home from the hosts into {tmp_path}:\n    model/ (3 files)\n" in out
@@ -601,3 +618,176 @@ def test_python_dash_m_orchestrator_is_the_same_command(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "bad.yaml:7: hots: unknown key" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# --- scripting: --version, ls, wait, logs of the latest run, did you mean, --resume of an ended run ---
+
+
+def fabricate_coordinator(run_dir: Path, resume_argv: list[str] | None = None) -> int:
+    """coordinator.json naming this test's own process: a coordinator that is alive."""
+    me = psutil.Process()
+    info = {"run_id": "x", "pid": me.pid, "create_time": me.create_time(), "resume_argv": resume_argv}
+    (run_dir / "coordinator.json").write_text(json.dumps(info))
+    return me.pid
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    from orchestrator import __version__
+
+    assert capsys.readouterr().out == f"orchestrate (tf-orchestrate) {__version__}\n"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'version = "{__version__}"' in pyproject
+
+
+@pytest.mark.parametrize(
+    ("argv", "suggestion"),
+    [(["stauts"], "did you mean 'status'?"), (["schema", "stats"], "did you mean 'status'?")],
+)
+def test_a_mistyped_command_gets_a_suggestion(
+    capsys: pytest.CaptureFixture[str], argv: list[str], suggestion: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert suggestion in capsys.readouterr().err
+
+
+def test_a_mistyped_spec_key_gets_a_suggestion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = LOCAL_SPEC.replace("tasks:", "taks:") + "restart:\n  max_restrats: 2\n"
+    code, _, err = run(capsys, "validate", str(spec_file(tmp_path, text)))
+    assert code == 2
+    assert "hosts[0].taks: unknown key; did you mean `tasks`?" in err
+    assert "restart.max_restrats: unknown key; did you mean `max_restarts`?" in err
+
+
+def test_ls_lists_runs_with_state_age_and_restarts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = fabricate_run(tmp_path / "runs" / "demo-1", state="FAILED", reason="x")
+    os.utime(old / "status.json", (0, time.time() - 7200))
+    fabricate_run(tmp_path / "runs" / "demo-2", state="RUNNING", reason="training")  # its coordinator gone
+    (tmp_path / "runs" / "not-a-run").mkdir()
+    code, out, _ = run(capsys, "ls", "--runs", str(tmp_path / "runs"))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["RUN", "STATE", "AGE", "ATTEMPTS", "RESTARTS"]
+    assert lines[1].split() == [str(old), "FAILED", "2", "h", "2", "1"]  # oldest first
+    assert lines[2].split()[1] == "RUNNING?" and "coordinator is gone" in lines[3]
+    code, out, _ = run(capsys, "ls", "--runs", str(tmp_path / "runs"), "--json")
+    runs = [json.loads(line) for line in out.splitlines()]
+    assert [(r["name"], r["state"], r["stale"], r["restarts"]) for r in runs] == [
+        ("demo", "FAILED", False, 1),
+        ("demo", "RUNNING", True, 1),
+    ]
+
+
+def test_ls_without_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ls", "--runs", str(tmp_path / "nothing"))
+    assert code == 0 and "no runs under" in out
+
+
+@pytest.mark.parametrize(("state", "code"), [("SUCCEEDED", 0), ("FAILED", 1), ("INTERRUPTED", 130)])
+def test_wait_for_an_ended_run_exits_with_its_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], state: str, code: int
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state=state, reason="why")
+    assert run(capsys, "wait", str(run_dir))[0] == code
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps(status | {"exit_code": 3}))  # as recorded
+    got, out, err = run(capsys, "wait", str(run_dir))
+    assert got == 3 and f"run demo: {state} (why)" in out + err
+
+
+def test_wait_for_a_run_whose_coordinator_is_gone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    code, _, err = run(capsys, "wait", str(run_dir))
+    assert code == 1 and "its coordinator is gone" in err and f"orchestrate down {run_dir}" in err
+
+
+def test_wait_gives_up_after_its_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    fabricate_coordinator(run_dir)
+    started = time.monotonic()
+    code, out, _ = run(capsys, "wait", str(run_dir), "--timeout", "0.3")
+    assert code == 124 and "still RUNNING after 0.3 s" in out
+    assert time.monotonic() - started < 5
+
+
+def test_wait_sees_the_end_of_a_run_that_ends_meanwhile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    fabricate_coordinator(run_dir)
+    ended = fabricate_run(tmp_path / "ended", state="SUCCEEDED", reason="done")
+
+    def finish() -> None:
+        time.sleep(0.5)
+        os.replace(ended / "status.json", run_dir / "status.json")
+
+    threading.Thread(target=finish).start()
+    code, out, _ = run(capsys, "wait", str(run_dir), "--timeout", "20")
+    assert code == 0 and "run demo: SUCCEEDED (done)" in out
+
+
+def test_wait_for_a_run_that_never_started(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("999999999\n")  # its coordinator is gone
+    (run_dir / "coordinator.log").write_text("orchestrate: cannot reach hosts[0]\n")
+    code, _, err = run(capsys, "wait", str(run_dir))
+    assert code == 3 and "ended before it started" in err and "| orchestrate: cannot reach hosts[0]" in err
+
+
+def test_logs_default_to_the_latest_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rundir, "RUNS_DIR", tmp_path / "runs")
+    fabricate_run(tmp_path / "runs" / "demo-1")
+    code, out, _ = run(capsys, "logs")
+    assert code == 0 and out.splitlines()[0] == "[worker-0] zero one"
+    code, out, _ = run(capsys, "logs", "worker-1")  # a task of the latest run
+    assert code == 0 and out == "one one\n"
+
+
+def test_resume_of_a_run_that_succeeded_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = spec_file(tmp_path, LOCAL_SPEC)
+    run_dir = fabricate_run(tmp_path / "run", state="SUCCEEDED", reason="every training task exited 0")
+    before = sorted(p.name for p in run_dir.iterdir())
+    code, _, err = run(capsys, "up", str(path), "--resume", str(run_dir))
+    assert code == 2
+    assert "that run SUCCEEDED (every training task exited 0)" in err
+    assert f"nothing to resume — start a new run: orchestrate up {path}" in err
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing started, nothing written
+
+
+def test_down_says_how_to_resume_an_interrupted_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    run_dir = fabricate_run(tmp_path / "run", state="INTERRUPTED", reason="interrupted by SIGTERM")
+    argv = ["orchestrate", "up", str(tmp_path / "my spec.yaml"), "--resume", str(run_dir)]
+    info = {"run_id": "x", "pid": 999999999, "create_time": 0.0, "resume_argv": argv}
+    (run_dir / "coordinator.json").write_text(json.dumps(info))
+    code, out, _ = run(capsys, "down", str(run_dir))
+    assert code == 0
+    assert "continue it from its checkpoints: orchestrate up 'my spec.yaml' --resume run\n" in out
+
+
+def test_plan_with_a_fixed_port_in_use_shows_the_plan_and_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        fixed = LOCAL_SPEC.replace("tasks: {worker: 2}", f"tasks: {{worker: 2}}\n    base_port: {busy}")
+        path = spec_file(tmp_path, fixed)
+        code, out, err = run(capsys, "plan", str(path), "--json")
+    assert code == 0
+    assert [t["port"] for t in json.loads(out)["tasks"]] == [busy, busy + 1]
+    assert f"warning: port {busy} for worker-0 (hosts[0].base_port) is in use" in err

@@ -18,6 +18,7 @@ import pytest
 
 from orchestrator import record
 from orchestrator.record import (
+    SCHEMA_VERSION,
     RunRecord,
     iso_time,
     new_run_dir,
@@ -286,10 +287,19 @@ def test_metrics_lines_carry_task_and_attempt_and_convert_the_time(rec: RunRecor
         "worker-1", 2, [{"time": 1.5, "step": 10, "loss": 0.5}, {"time": 2, "step": 11, "loss": 0.25}]
     )
     rec.flush()
+    v = SCHEMA_VERSION
     assert lines(rec.dir / "metrics.jsonl") == [
-        {"time": "1970-01-01T00:00:01.500Z", "task": "worker-1", "attempt": 2, "step": 10, "loss": 0.5},
-        {"time": "1970-01-01T00:00:02.000Z", "task": "worker-1", "attempt": 2, "step": 11, "loss": 0.25},
+        {"schema_version": v, "time": "1970-01-01T00:00:01.500Z", "task": "worker-1", "attempt": 2}
+        | {"step": 10, "loss": 0.5},
+        {"schema_version": v, "time": "1970-01-01T00:00:02.000Z", "task": "worker-1", "attempt": 2}
+        | {"step": 11, "loss": 0.25},
     ]
+
+
+def test_every_event_line_carries_the_schema_version(rec: RunRecord) -> None:
+    rec.event(kind="run", reason="x")
+    rec.close()
+    assert lines(rec.dir / "events.jsonl")[0]["schema_version"] == SCHEMA_VERSION
 
 
 @pytest.mark.parametrize("when", [None, "yesterday", True], ids=["missing", "text", "bool"])

@@ -1,0 +1,153 @@
+"""Run record layer: the documented shape of what a run writes — status.json, an events.jsonl line,
+a metrics.jsonl line — as pydantic models, whose JSON Schemas `orchestrate schema status|event|
+metrics` prints for scripts and dashboards.
+
+The coordinator writes plain dicts (a thousand tasks' status.json once a second must stay cheap);
+the tests hold every document it writes to these models (`extra="forbid"`: a field added to the
+record and not here fails them). `schema_version` (record.SCHEMA_VERSION) rises when a field
+changes meaning or goes; a new field keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.supervise.policy import FailureKind
+from orchestrator.supervise.states import ClusterState, TaskState
+
+_Strict = ConfigDict(extra="forbid")
+
+
+class TaskError(BaseModel):
+    model_config = _Strict
+    type: str = Field(description="the exception's type, e.g. `ValueError`")
+    message: str = Field(description="its first line")
+
+
+class Restored(BaseModel):
+    model_config = _Strict
+    step: int
+    fingerprint: str = Field(description="of the restored variables: equal on every training task")
+    source: str = Field(description="the checkpoint it came from, or `fresh`")
+
+
+class TaskStatus(BaseModel):
+    model_config = _Strict
+    task: str = Field(description="`<role>-<index>`, e.g. `worker-1`")
+    role: Literal["chief", "worker", "ps", "evaluator"]
+    index: int
+    host: str
+    state: TaskState
+    reason: str = Field(description="why it is in this state")
+    pid: int | None = Field(description="of its process (on its host) in the current attempt")
+    pgid: int | None
+    create_time: float | None = Field(description="its process's start, seconds since the epoch")
+    exit_code: int | None = Field(description="negative: killed by that signal")
+    restarts: int = Field(0, description="restarts of this task alone (its role's policy restart_task)")
+    last_step: int | None
+    total_steps: int | None = Field(description="when the task said (the built-in loop, Keras' fit)")
+    metrics: dict[str, float] = Field(description='its latest reported values, e.g. {"loss": 0.12}')
+    steps_per_s: float | None
+    rss_bytes: int | None
+    last_heartbeat_at: str | None = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
+    error: TaskError | None = Field(None, description="the exception its code raised, if any")
+    restored: Restored | None = Field(None, description="where the built-in loop started this attempt from")
+
+
+class FailureStatus(BaseModel):
+    model_config = _Strict
+    attempt: int
+    kind: FailureKind
+    tasks: list[str] = Field(description="the tasks it names (the first is the cause)")
+    reason: str
+    exit_code: int | None
+
+
+class CoordinatorStatus(BaseModel):
+    model_config = _Strict
+    pid: int | None
+    alive: bool
+
+
+class Status(BaseModel):
+    """status.json, rewritten atomically on every change while the run lives (`orchestrate status
+    --json` prints it, with `coordinator` and `stale` added)."""
+
+    model_config = _Strict
+    schema_version: Literal[1] = Field(description="raised when a field changes meaning or goes")
+    name: str
+    run_id: str = Field(description="`<name>-<time>-<random>`: unique, kept by --resume")
+    state: ClusterState
+    attempt: int = Field(description="0, 1, … (each whole-job restart is a new attempt)")
+    restarts: int = Field(description="whole-job restarts counted against restart.max_restarts")
+    reason: str = Field(description="why the run is in this state")
+    started_at: str
+    ended_at: str | None
+    exit_code: int | None = Field(
+        description="once ended, `orchestrate up`'s exit code: 0 ok, 1 failed, 3 not launched, "
+        "130 interrupted"
+    )
+    examples_per_step: int | None = Field(
+        None, description="the global batch size when known (the built-in loop): examples/s = steps/s × this"
+    )
+    failures: list[FailureStatus] = Field(
+        description="the cause of every failed attempt, in order; the first is the run's root cause"
+    )
+    task_restarts: list[FailureStatus] = Field(description="failures answered by restarting one task alone")
+    tasks: list[TaskStatus]
+    urls: dict[str, str] | None = Field(
+        None, description="while the run lives: its web page and Prometheus metrics"
+    )
+    coordinator: CoordinatorStatus | None = Field(None, description="added by `orchestrate status --json`")
+    stale: bool | None = Field(
+        None,
+        description="added by `orchestrate status --json`: true when the run has not ended but its "
+        "coordinator is gone (this is its last recorded state)",
+    )
+
+
+class Event(BaseModel):
+    """One events.jsonl line: a transition of the run or a task, or a note (a port moved, results
+    brought home, a task restarted alone, an exit that could not be confirmed)."""
+
+    model_config = ConfigDict(extra="allow")
+    schema_version: Literal[1]
+    time: str = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
+    kind: str = Field(
+        description="run · task · task_restart · warning · unconfirmed · port · results · resume · "
+        "state · error"
+    )
+    reason: str = ""
+    attempt: int | None = None
+    task: str | None = Field(None, description="the task, for task events")
+    old: str | None = Field(None, description="the state before, for run and task events")
+    new: str | None = Field(None, description="the state after, for run and task events")
+
+
+class Metrics(BaseModel):
+    """One metrics.jsonl line: a progress point a task reported, with every value it carried."""
+
+    model_config = ConfigDict(extra="allow")
+    schema_version: Literal[1]
+    time: str
+    task: str
+    attempt: int
+    step: int | None = None
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        schema = cls.model_json_schema()
+        schema["additionalProperties"] = {"type": "number", "description": "a reported metric"}
+        return schema
+
+
+SCHEMAS: dict[str, type[BaseModel]] = {"status": Status, "event": Event, "metrics": Metrics}
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    model = SCHEMAS[name]
+    if model is Metrics:
+        return Metrics.describe()
+    return model.model_json_schema()

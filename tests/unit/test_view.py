@@ -1,0 +1,301 @@
+"""CLI output layer (orchestrator/view.py): the progress a person reads (step/total, ETA, steps/s,
+examples/s, every metric, heartbeat ages), the events kept on screen with their causes, the plain
+progress line, and a view that fits 60 columns."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from orchestrator.view import (
+    LiveView,
+    PlainView,
+    age_text,
+    duration_text,
+    event_text,
+    metric_names,
+    progress_of,
+    recent_events,
+    render_status,
+)
+
+NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+
+
+def iso(t: float) -> str:
+    import datetime as dt
+
+    return (
+        dt.datetime.fromtimestamp(t, dt.timezone.utc)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
+
+
+def task(name: str, role: str, state: str = "RUNNING", **kw: Any) -> dict[str, Any]:
+    return {
+        "task": name,
+        "role": role,
+        "index": int(name.rsplit("-", 1)[1]),
+        "host": "127.0.0.1",
+        "state": state,
+        "reason": "",
+        "restarts": 0,
+        "last_step": None,
+        "total_steps": None,
+        "metrics": {},
+        "steps_per_s": None,
+        "rss_bytes": 300 * 2**20,
+        "last_heartbeat_at": iso(NOW - 2),
+        **kw,
+    }
+
+
+def status(*tasks: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {
+        "name": "digits",
+        "state": "RUNNING",
+        "attempt": 1,
+        "restarts": 1,
+        "reason": "every task's distribution strategy is up",
+        "started_at": iso(NOW - 95),
+        "ended_at": None,
+        "examples_per_step": None,
+        "tasks": list(tasks),
+        **kw,
+    }
+
+
+TRAINING = status(
+    task(
+        "chief-0",
+        "chief",
+        last_step=120,
+        total_steps=400,
+        steps_per_s=10.0,
+        metrics={"loss": 0.3125, "accuracy": 0.91},
+    ),
+    task("worker-0", "worker", last_step=119, total_steps=400, steps_per_s=10.0, metrics={"loss": 0.3125}),
+    task("ps-0", "ps", last_heartbeat_at=iso(NOW - 7)),
+    task(
+        "evaluator-0",
+        "evaluator",
+        last_step=100,
+        steps_per_s=0.5,
+        metrics={"eval_loss": 0.4, "eval_accuracy": 0.875},
+    ),
+    examples_per_step=64,
+)
+
+
+def test_ages_and_durations_read_as_people_say_them() -> None:
+    assert [age_text(s) for s in (0.4, 59, 61, 3599, 7200, 200000)] == [
+        "0 s",
+        "59 s",
+        "1 min",
+        "59 min",
+        "2 h",
+        "2 d",
+    ]
+    assert [duration_text(s) for s in (42, 725, 3723)] == ["0:42", "12:05", "1:02:03"]
+
+
+def test_progress_of_a_training_run() -> None:
+    p = progress_of(TRAINING, NOW)
+    assert (p.step, p.total, p.steps_per_s, p.examples_per_s) == (120, 400, 10.0, 640.0)
+    assert p.eta_s == pytest.approx(28.0)
+    assert p.metrics == {"loss": 0.3125, "accuracy": 0.91}  # the chief's
+    assert p.eval_metrics == {"eval_loss": 0.4, "eval_accuracy": 0.875}
+    assert p.oldest_heartbeat_s == pytest.approx(7, abs=0.01)
+    assert p.parts() == [
+        "step 120/400 (30%)",
+        "ETA 0:28",
+        "10 steps/s",
+        "640 examples/s",
+        "loss 0.3125",
+        "accuracy 0.91",
+        "eval_loss 0.4",
+        "eval_accuracy 0.875",
+    ]
+    assert p.parts(ended=True)[:2] == ["step 120/400 (30%)", "loss 0.3125"]
+
+
+def test_progress_without_a_chief_follows_the_furthest_worker_and_without_a_total_has_no_eta() -> None:
+    s = status(
+        task("worker-0", "worker", last_step=7, steps_per_s=2.0, metrics={"loss": 1.0}),
+        task("worker-1", "worker", last_step=9, steps_per_s=3.0, metrics={"loss": 0.5}),
+    )
+    p = progress_of(s, NOW)
+    assert (p.step, p.total, p.eta_s, p.examples_per_s, p.metrics) == (9, None, None, None, {"loss": 0.5})
+    assert p.parts()[:2] == ["step 9", "3 steps/s"]
+
+
+def test_metric_columns_follow_what_is_reported_loss_first_eval_last() -> None:
+    assert metric_names(TRAINING["tasks"]) == ["loss", "accuracy", "eval_loss", "eval_accuracy"]
+
+
+def lines_of(renderable: Any, width: int) -> list[str]:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def test_the_view_shows_every_metric_on_its_row_and_heartbeat_ages() -> None:
+    events = ["08:00:01 worker-1 FAILED: was killed by SIGKILL (exit code -9)"]
+    out = lines_of(render_status(TRAINING, events, width=120, now=NOW), 120)
+    text = "\n".join(out)
+    assert out[0] == "digits RUNNING · attempt 1 · restarts 1 · 1:35"
+    assert "step 120/400 (30%)\nETA 0:28 · 10 steps/s · 640 examples/s · loss 0.3125" in text
+    header = next(line for line in out if line.startswith("task"))
+    assert header.split() == [
+        "task",
+        "state",
+        "step",
+        "loss",
+        "accuracy",
+        "eval_loss",
+        "eval_accuracy",
+        "heartbeat",
+        "steps/s",
+        "RSS",
+        "host",
+    ]
+    evaluator = next(line for line in out if line.startswith("evaluator-0"))
+    assert "0.875" in evaluator and "0.5" not in evaluator.split()  # no steps/s for the evaluator
+    ps = next(line for line in out if line.startswith("ps-0"))
+    assert "7 s" in ps
+    assert "events:" in text and "worker-1 FAILED: was killed by SIGKILL" in text
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_the_view_fits_a_narrow_terminal(width: int) -> None:
+    events = ["08:00:01 worker-1 FAILED: " + "a long reason " * 20]
+    out = lines_of(render_status(TRAINING, events, width=width, now=NOW), width)
+    assert all(len(line) <= width for line in out), "\n".join(out)
+    text = "\n".join(out)
+    for name in ("chief-0", "worker-0", "ps-0", "evaluator-0", "RUNNING", "loss", "worker-1 FAILED"):
+        assert name in text
+    header = next(line for line in out if line.startswith("task")).split()
+    assert header[:4] == ["task", "state", "step", "loss"] and "heartbeat" in header  # kept first
+    assert "━━━━" in text and "accuracy 0.91" in text  # the bar; metrics left out of the table are above it
+    assert "step 120/400" in text
+
+
+def test_many_tasks_are_summed_up_below_the_rows_shown() -> None:
+    many = status(*[task(f"worker-{i}", "worker", last_step=3) for i in range(40)])
+    text = "\n".join(lines_of(render_status(many, width=100, now=NOW), 100))
+    assert "worker-15" in text and "worker-16 " not in text
+    assert "… and 24 more: 24 RUNNING" in text
+
+
+def test_restart_causes_and_the_end_are_the_events_kept() -> None:
+    events = [
+        {
+            "time": "2026-12-01T12:00:00.000Z",
+            "kind": "task",
+            "task": "worker-0",
+            "new": "RUNNING",
+            "reason": "up",
+        },
+        {
+            "time": "2026-12-01T12:00:01.000Z",
+            "kind": "task",
+            "task": "worker-1",
+            "new": "FAILED",
+            "reason": "was killed by SIGKILL\nmore",
+        },
+        {
+            "time": "2026-12-01T12:00:01.100Z",
+            "kind": "run",
+            "new": "STOPPING",
+            "reason": "worker-1 was killed by SIGKILL",
+        },
+        {
+            "time": "2026-12-01T12:00:02.000Z",
+            "kind": "run",
+            "new": "RESTARTING",
+            "reason": "restarting the job (1 of 3), in 2 s",
+        },
+        {"time": "2026-12-01T12:00:04.000Z", "kind": "run", "new": "LAUNCHING", "reason": "attempt 1"},
+    ]
+    assert recent_events(events) == [
+        "12:00:01 worker-1 FAILED: was killed by SIGKILL",
+        "12:00:01 STOPPING: worker-1 was killed by SIGKILL",
+        "12:00:02 RESTARTING: restarting the job (1 of 3), in 2 s",
+    ]
+    assert event_text({"kind": "task_restart", "task": "worker-1", "reason": "x"}, with_time=False) == (
+        "worker-1 restarting alone: x"
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_plain_view_prints_progress_every_interval_while_training() -> None:
+    out, clock = io.StringIO(), Clock()
+    view = PlainView(out, progress_every_s=10, clock=clock)
+    view.update(TRAINING)
+    first = out.getvalue()
+    assert "orchestrate: digits RUNNING" in first and "progress" not in first
+    clock.t = 5
+    view.update(TRAINING)
+    assert "progress" not in out.getvalue()
+    clock.t = 10
+    view.update(TRAINING)
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("orchestrate: progress step 120/400 (30%) · ETA ")
+    assert "640 examples/s" in line and "eval_accuracy 0.875" in line and "heartbeats ≤ " in line
+    clock.t = 15
+    view.update(TRAINING)
+    assert out.getvalue().count("progress") == 1
+    view.event({"kind": "task_restart", "task": "worker-1", "reason": "restarting it alone, in 1 s"})
+    assert (
+        out.getvalue().splitlines()[-1]
+        == "orchestrate: worker-1 restarting alone: restarting it alone, in 1 s"
+    )
+
+
+def test_plain_view_with_progress_off_prints_only_changes() -> None:
+    out, clock = io.StringIO(), Clock()
+    view = PlainView(out, progress_every_s=0, clock=clock)
+    for t in range(0, 100, 5):
+        clock.t = t
+        view.update(TRAINING)
+    assert "progress" not in out.getvalue()
+
+
+def test_live_view_keeps_the_cause_of_a_restart_on_screen() -> None:
+    console = Console(width=60, record=True, file=io.StringIO(), force_terminal=True, color_system=None)
+    view = LiveView(console)
+    try:
+        view.update(TRAINING)
+        view.event(
+            {
+                "time": "2026-12-01T12:00:01.000Z",
+                "kind": "run",
+                "new": "STOPPING",
+                "reason": "worker-1 was killed by SIGKILL",
+            }
+        )
+        for i in range(10):  # later news does not push it off
+            view.event(
+                {
+                    "time": "2026-12-01T12:00:02.000Z",
+                    "kind": "task",
+                    "task": f"worker-{i}",
+                    "new": "RUNNING",
+                    "reason": "up",
+                }
+            )
+        view.update(TRAINING)
+    finally:
+        view.close()
+    assert "STOPPING: worker-1 was killed by SIGKILL" in console.export_text()
