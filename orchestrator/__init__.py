@@ -16,8 +16,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from orchestrator.api import Run, RunResult, start, up
+    from orchestrator.errors import OrchestrateError, SpecError
 
-__all__ = ["Run", "RunResult", "__version__", "start", "up"]
+__all__ = ["OrchestrateError", "Run", "RunResult", "SpecError", "__version__", "start", "up"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from orchestrator import api
 
         return getattr(api, name)
+    if name in ("OrchestrateError", "SpecError"):
+        from orchestrator import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

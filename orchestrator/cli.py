@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         "--detach", action="store_true", help="run in the background; inspect with status/logs/down"
     )
     up.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
+    up.add_argument(
+        "--progress-every",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="plain lines: a progress line every S seconds while training (default 15; 0: none)",
+    )
     up.set_defaults(func=cmd_up)
 
     plan = sub.add_parser("plan", help="print every task: host, role, port, command, env and TF_CONFIG")
@@ -261,7 +268,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError("give either --resume RUN_DIR or --run-dir DIR, not both")
     if args.detach:
         run_dir = args.resume or args.run_dir or new_run_dir(spec.name)
-        argv = ["up", str(args.spec), "--plain"]
+        argv = ["up", str(args.spec), "--plain", "--progress-every", str(args.progress_every)]
         argv += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
         if args.backend:
             argv += ["--backend", args.backend]
@@ -278,6 +285,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         resume=args.resume is not None,
         live=False if args.plain else None,
         backend_option=args.backend,
+        progress_every_s=args.progress_every,
     )
     return _summarize(outcome)
 

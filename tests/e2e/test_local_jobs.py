@@ -130,6 +130,7 @@ def test_signal_to_coordinator_stops_everything_and_exits_130(job_factory, sig):
         proc.kill()
     assert proc.returncode == 130, out
     assert "INTERRUPTED" in out
+    assert "continue it from its checkpoints: orchestrate up spec.yaml --resume run\n" in out
     assert run_processes(job.run_id) == []
     assert json.loads((job.run_dir / "status.json").read_text())["state"] == "INTERRUPTED"
 
