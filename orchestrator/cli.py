@@ -293,8 +293,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _summarize(outcome: RunResult) -> int:
     """The end of `orchestrate up`: how it ended and why, what it took, every restart's cause, the
     final metrics, where the results are; for a failure, the first one with its traceback and log."""
+    from orchestrator.hints import hints
     from orchestrator.logtail import tail_lines
-    from orchestrator.rundir import resume_command
+    from orchestrator.quiet import collapse_redraws
+    from orchestrator.rundir import resume_command, spec_path
     from orchestrator.supervise.states import ClusterState
     from orchestrator.view import duration_text, elapsed_s, progress_of
 
@@ -318,6 +320,11 @@ def _summarize(outcome: RunResult) -> int:
         saved = sorted(model.glob("*.keras")) or [model]
         print(f"  model: {saved[0]}")
     print(f"  run record: {outcome.run_dir}")
+    if outcome.hidden_lines:
+        print(
+            f"  ({outcome.hidden_lines} lines of TensorFlow start-up output and traceback frames were left "
+            f"off the console: `orchestrate logs {outcome.run_dir}` has them)"
+        )
     if outcome.brought_home:
         print(f"  brought home from the hosts into {outcome.run_dir}:")
         for line in outcome.brought_home:
@@ -331,11 +338,22 @@ def _summarize(outcome: RunResult) -> int:
             print("  traceback:")
             for line in cause.error.traceback.rstrip().splitlines()[-15:]:
                 print(f"    {line}")
+        for hint in hints(
+            r.failures, outcome.plan, outcome.run_dir, spec_path(outcome.run_dir) or "spec.yaml"
+        ):
+            print(f"  {hint}")
+        shown_tb = cause.error is not None and bool(cause.error.traceback)
         for name in r.failed_tasks:
             log_path = outcome.run_dir / "logs" / f"{name}.log"
-            lines = tail_lines(log_path, 20)
+            lines = [collapse_redraws(line) for line in tail_lines(log_path, 100)]
+            if shown_tb:  # the traceback is above: the lines that led to it
+                tb = [
+                    i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")
+                ]
+                lines = lines[: tb[-1]] if tb else lines
+            lines = lines[-20:]
             if lines:
-                print(f"  last lines of {log_path}:")
+                print(f"  last lines of {log_path}{' before the traceback' if shown_tb else ''}:")
                 for line in lines:
                     print(f"    | {line}")
     if r.state is not ClusterState.SUCCEEDED:

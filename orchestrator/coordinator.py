@@ -32,6 +32,7 @@ from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.quiet import ConsoleFilter
 from orchestrator.record import (
     RunRecord,
     ensure_free,
@@ -64,6 +65,7 @@ class RunResult:
     plan: LaunchPlan
     brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir
     status: Mapping[str, Any] = field(default_factory=dict)  # the last status.json
+    hidden_lines: int = 0  # task output left off the console (TF's start-up noise, traceback frames)
 
     @property
     def state(self) -> ClusterState:
@@ -188,7 +190,13 @@ def up(
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
         if record.broken:
             raise LaunchError(f"{record.broken}; nothing was started")
-        tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, view.log_line).start()
+        console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files
+
+        def show(task: str, line: str) -> None:
+            for shown in console(task, line):
+                view.log_line(task, shown)
+
+        tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, show).start()
         cleanup.callback(tailer.stop)
         supervisor = Supervisor(
             plan,
@@ -208,7 +216,8 @@ def up(
         with _stop_on_signals(supervisor):
             result = supervisor.run()
         home = _bring_home(backend, supervisor.plan, record)
-        return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status())
+        tailer.stop()  # the last lines, before the count of those held back
+        return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
 
 
 def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunRecord]:

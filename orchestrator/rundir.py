@@ -18,6 +18,7 @@ import psutil
 from orchestrator import launch
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK, RunDirError
 from orchestrator.logtail import LogTailer, tail_lines
+from orchestrator.quiet import collapse_redraws
 from orchestrator.record import LOCK_NAME as _LOCK
 from orchestrator.record import RUNS_DIR, read_json
 from orchestrator.supervise.states import ClusterState
@@ -133,6 +134,16 @@ def resume_command(run_dir: Path) -> str | None:
     return shlex.join(_relative(a) for a in argv)
 
 
+def spec_path(run_dir: Path) -> str | None:
+    """The spec file the run was started with, as its coordinator recorded it (relative to here
+    when below here); None for a spec that was no file (the Python API's dict)."""
+    try:
+        argv = read_json(run_dir / "coordinator.json")["resume_argv"]
+        return _relative(str(argv[2]))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def _relative(arg: str) -> str:
     if not os.path.isabs(arg):
         return arg
@@ -246,6 +257,7 @@ def follow_logs(run_dir: Path, tasks: list[str], follow: bool, out: Any = None) 
     prefix = len(files) > 1
 
     def emit(task: str, line: str) -> None:
+        line = collapse_redraws(line)  # a Keras progress bar: its last state, not every redraw
         out.write(f"[{task}] {line}\n" if prefix else line + "\n")
         out.flush()
 

@@ -50,6 +50,7 @@ class TaskStatus(BaseModel):
     total_steps: int | None = Field(description="when the task said (the built-in loop, Keras' fit)")
     metrics: dict[str, float] = Field(description='its latest reported values, e.g. {"loss": 0.12}')
     steps_per_s: float | None
+    busy: str | None = Field(None, description="between training steps: validating, saving, … (not a stall)")
     rss_bytes: int | None
     last_heartbeat_at: str | None = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
     error: TaskError | None = Field(None, description="the exception its code raised, if any")

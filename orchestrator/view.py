@@ -237,7 +237,7 @@ def _columns(
 
     cols: list[tuple[str, list[str]]] = [
         ("task", [str(t["task"]) for t in rows]),
-        ("state", [str(t["state"]) for t in rows]),
+        ("state", [_state(t) for t in rows]),
         ("step", ["" if t.get("last_step") is None else str(t["last_step"]) for t in rows]),
     ]
     for name in metric_names(rows):
@@ -262,6 +262,12 @@ def _priority(header: str, metrics: list[str]) -> tuple[int, int]:
         first_eval = next((m for m in metrics if m.startswith("eval_")), None)
         return (4, 0) if header == first_eval else (5, metrics.index(header))
     return 6, ["steps/s", "restarts", "RSS", "host"].index(header)
+
+
+def _state(t: Mapping[str, Any]) -> str:
+    """RUNNING, or what a running task is busy with between its steps (`validating`)."""
+    busy = t.get("busy")
+    return str(busy) if busy and t.get("state") == "RUNNING" else str(t["state"])
 
 
 def _metric(t: Mapping[str, Any], name: str) -> str:
@@ -300,7 +306,9 @@ def task_table(
             header, justify="left" if header in ("task", "state", "host") else "right", no_wrap=True
         )
     for i in range(len(rows)):
-        cells = [Text(cells[i], _STATE_STYLE.get(cells[i], "") if h == "state" else "") for h, cells in cols]
+        cells = [
+            Text(cells[i], _STATE_STYLE.get(cells[i], "green") if h == "state" else "") for h, cells in cols
+        ]
         table.add_row(*cells)
     more = ""
     if len(tasks) > len(rows):

@@ -3,6 +3,8 @@
 User-facing API:
     worker.report(step=..., loss=..., **metrics)   # cheap; batched into the next heartbeat
     worker.ReportCallback()                        # a Keras callback that reports every batch
+    worker.set_total_steps(n)                      # the progress bar's total
+    with worker.busy("saving"): ...                # not training meanwhile: never a stall
 
 Importing this package does not import TensorFlow (ReportCallback is built on first use), and it
 never imports the coordinator package.
@@ -10,9 +12,11 @@ never imports the coordinator package.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ReportCallback", "report", "set_total_steps"]
+__all__ = ["ReportCallback", "busy", "report", "set_total_steps"]
 
 
 def report(step: int | None = None, **metrics: Any) -> None:
@@ -27,6 +31,21 @@ def set_total_steps(total: int | None) -> None:
     from worker.runtime import reporter
 
     reporter().set_total_steps(total)
+
+
+@contextlib.contextmanager
+def busy(what: str = "busy") -> Iterator[None]:
+    """The task works outside its training steps meanwhile (evaluating, saving, preprocessing): the
+    coordinator shows it and does not take the step standing still for a stall."""
+    from worker.runtime import reporter
+
+    rep = reporter()
+    before = rep.busy
+    rep.set_busy(what)
+    try:
+        yield
+    finally:
+        rep.set_busy(before)
 
 
 def __getattr__(name: str) -> Any:

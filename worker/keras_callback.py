@@ -1,7 +1,13 @@
-"""Worker runtime: `worker.ReportCallback`, a Keras callback reporting every training batch.
+"""Worker runtime: `worker.ReportCallback`, a Keras callback reporting training progress.
 
 Built on `tf.keras.callbacks.Callback`, so it fits whichever Keras `tf.keras` is: tf-keras when
 TF_USE_LEGACY_KERAS=1 (needed for model.fit under MultiWorkerMirroredStrategy), else Keras 3.
+
+Under ParameterServerStrategy, Keras refuses batch-level callbacks unless they take its logs as
+they are (RemoteValues, not yet computed): this one says so (`_supports_tf_logs`), counts the
+steps it schedules without reading those values, and reports the metrics at each epoch's end.
+Validation, evaluate, predict, the end of an epoch (where checkpoints are saved) and what follows
+`fit` are reported as what the task is busy with, so their standing step is never a stall.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import tensorflow as tf
 from worker.reporter import keeps_points
 from worker.runtime import reporter
 
+_TRAINING = None  # reporter().set_busy(None): training
+
 
 class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     """Reports step (the optimizer's iteration count, so a resumed run continues its count) and logs;
@@ -23,26 +31,92 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._step: int | None = None
         self._scale = 1.0
         self._report = reporter().report if keeps_points() else reporter().progress
+        self._steps_per_epoch: int | None = None
+        self._in_fit = False
+        self._remote = False  # ParameterServerStrategy: batch logs are RemoteValues
+        # Keras asks this before fit: it lets a batch-level callback run under ParameterServerStrategy
+        # (which then gets the logs as they are: _remote makes it leave them alone)
+        self._supports_tf_logs = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._in_fit = True
         self._step = None  # read after the first batch: BackupAndRestore may restore the count first
+        self._remote = _uses_coordinator(self.model)
         self._scale = 1.0 / _summed_replicas(self.model)
         steps, epochs = self.params.get("steps"), self.params.get("epochs")
+        self._steps_per_epoch = int(steps) if steps else None
         if steps and epochs:
             reporter().set_total_steps(int(steps) * int(epochs))
+        reporter().set_busy(_TRAINING)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        reporter().set_busy(_TRAINING)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._step is None:
             try:
                 self._step = int(self.model.optimizer.iterations.numpy())
             except (AttributeError, ValueError, TypeError):
-                self._step = 1
+                self._step = batch + 1
+            if self._remote:
+                self._step = max(self._step, batch + 1)  # scheduled, not yet run
         else:
             self._step += 1
-        values = logs or {}
-        if self._scale != 1.0:
-            values = {k: _scaled(v, self._scale) for k, v in values.items()}
-        self._report(self._step, **values)
+        if self._remote:
+            reporter().progress(self._step)  # its logs are RemoteValues: reading one waits for it
+        else:
+            self._report(self._step, **_values(logs, self._scale))
+        if self._steps_per_epoch is not None and batch + 1 >= self._steps_per_epoch:
+            reporter().set_busy("ending the epoch")  # the other callbacks save, validate, log
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        reporter().set_busy("validating" if self._in_fit else "evaluating")
+
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
+        reporter().set_busy("ending the epoch" if self._in_fit else _TRAINING)
+
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
+        reporter().set_busy("predicting")
+
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
+        reporter().set_busy(_TRAINING)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        values = _values(logs)  # epoch logs are reduced right: no scaling
+        if values:  # the epoch's metrics: val_* included, and under ParameterServerStrategy the only ones
+            self._report(self._step, **values)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self._in_fit = False
+        reporter().set_busy("done training")  # saving the model, evaluating: whatever follows fit
+
+
+def _values(logs: dict[str, Any] | None, scale: float = 1.0) -> dict[str, float]:
+    """A Keras log's numbers (tensors, numpy values, RemoteValues fetched), each times `scale`."""
+    out = {}
+    for name, value in (logs or {}).items():
+        number = _number(value)
+        if number is not None:
+            out[name] = number * scale
+    return out
+
+
+def _uses_coordinator(model: Any) -> bool:
+    """Does fit dispatch steps through a ClusterCoordinator (ParameterServerStrategy)?"""
+    strategy = getattr(model, "distribute_strategy", None)
+    return bool(getattr(strategy, "_should_use_with_coordinator", False))
+
+
+def _number(value: Any) -> float | None:
+    """A log value as a float: a tensor, a numpy value, a RemoteValue (fetched), or None."""
+    try:
+        if hasattr(value, "fetch"):
+            value = value.fetch()
+        if hasattr(value, "numpy"):
+            value = value.numpy()
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _summed_replicas(model: Any) -> int:
@@ -60,10 +134,3 @@ def _summed_replicas(model: Any) -> int:
     if "TPU" in type(strategy).__name__:
         return 1
     return max(1, int(strategy.num_replicas_in_sync))
-
-
-def _scaled(value: Any, scale: float) -> Any:
-    try:
-        return float(value) * scale
-    except (TypeError, ValueError):
-        return value

@@ -66,6 +66,7 @@ class Reporter:
         self._step: int | None = None
         self._total_steps: int | None = None
         self._metrics: dict[str, float] = {}
+        self._busy: str | None = None
         self._connecting = False
         self._ready = False
         self._done = False
@@ -130,6 +131,16 @@ class Reporter:
                 self._refused.add(name)
                 log.warning("worker.report(): metric %r dropped: %s", name[:200], why)
         return kept
+
+    def set_busy(self, what: str | None) -> None:
+        """What the task does between training steps (validating, saving, …), or None when it
+        trains again: the coordinator does not take the standing step for a stall meanwhile."""
+        with self._lock:
+            self._busy = what
+
+    @property
+    def busy(self) -> str | None:
+        return self._busy
 
     def set_total_steps(self, total: int | None) -> None:
         with self._lock:
@@ -254,6 +265,7 @@ class Reporter:
                 done=self._done,
                 error=self._error,
                 user_frame=where,
+                busy=self._busy,
                 restored=self._restored,
                 points_from=points_from,
             )

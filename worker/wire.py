@@ -137,6 +137,9 @@ class Heartbeat:
     done: bool = False
     error: TaskError | None = None
     user_frame: str | None = None  # where a thread is executing the job's own code ("train.py:23 in wait")
+    #: What the task does between training steps — validating, saving, … (None: training). Not
+    #: a stall, however long: its step stands still for a reason.
+    busy: str | None = None
     restored: Restored | None = None  # the built-in loop's starting point, once restored
     #: The number of points this process reported before `points[0]`: a heartbeat sent again
     #: (its answer was lost) carries points the coordinator has, which it then skips.
@@ -172,6 +175,7 @@ class Heartbeat:
             get("restored"),
             get("points_from", 0),
         )
+        busy = get("busy")
         for key, value, allowed in (
             ("task", task, _STR),
             ("attempt", attempt, _INT),
@@ -191,6 +195,7 @@ class Heartbeat:
             ("user_frame", frame, _STR_OR_NONE),
             ("restored", restored, _DICT_OR_NONE),
             ("points_from", points_from, _INT),
+            ("busy", busy, _STR_OR_NONE),
         ):
             if type(value) not in allowed:
                 raise ValueError(f"heartbeat field {key!r} has the wrong type")
@@ -221,6 +226,7 @@ class Heartbeat:
                 points=points,
                 done=done,
                 user_frame=frame[:MAX_FRAME_CHARS] if frame else frame,
+                busy=busy[:MAX_NAME_CHARS] if busy else None,
                 error=_error(error) if error else None,
                 restored=_restored(restored) if restored is not None else None,
                 points_from=points_from,

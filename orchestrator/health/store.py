@@ -37,6 +37,8 @@ class TaskHealth:
     error: TaskError | None = None
     steps_per_s: float | None = None
     user_frame: str | None = None
+    busy: str | None = None  # between training steps: validating, saving, … (never a stall)
+    busy_changed_at: float | None = None  # when it started or stopped being busy
     seq: int = 0  # of the latest heartbeat taken
     restored: Restored | None = None  # where the task started this attempt from (built-in loop)
     points_taken: int = 0  # of the process's points, the number written (a resend's are skipped)
@@ -122,6 +124,8 @@ class HealthStore:
                 error=hb.error or old.error,
                 steps_per_s=rate,
                 user_frame=hb.user_frame,
+                busy=hb.busy,
+                busy_changed_at=now if hb.busy != old.busy else old.busy_changed_at,
                 seq=hb.seq,
                 restored=old.restored or hb.restored,
                 points_taken=max(old.points_taken, hb.points_from + len(hb.points)),

@@ -103,6 +103,15 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None 
     return spec
 
 
+def key_lines(text: str, file: str = "spec.yaml") -> dict[Path_, int]:
+    """The line of every key and list item of a spec's text (`("job", "env")` → 9), for a hint
+    that names the line to edit; {} when the text does not parse."""
+    try:
+        return _read_yaml(text, file)[1]
+    except SpecError:
+        return {}
+
+
 def _read_yaml(text: str, file: str) -> tuple[Any, dict[Path_, int]]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError(file, [SpecProblem((), f"the spec has more than {MAX_SPEC_BYTES:,} bytes", 1)])

@@ -28,7 +28,11 @@ class RolePolicy:
             OnFailure.RESTART_TASK: "a failure restarts this task alone",
             OnFailure.IGNORE: "a failure is reported, the job goes on",
         }[self.on_failure]
-        end = "waited for at the end" if self.at_end is AtEnd.WAIT else "stopped at the end"
+        end = (
+            "waited for at the end"
+            if self.at_end is AtEnd.WAIT
+            else "stopped at the end, with a short grace (it saves nothing)"
+        )
         return f"{decides}; {failure}; {end}"
 
 

@@ -56,6 +56,17 @@ class Verdict:
 STARTING_SILENCE_S = 10.0
 
 
+def first_line(text: str, limit: int = 300) -> str:
+    """The first non-blank line of `text`, cut at `limit` characters; `…` says there was more."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first = lines[0]
+    if len(first) > limit:
+        return first[: limit - 1] + "…"
+    return first + (" …" if len(lines) > 1 else "")
+
+
 def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: int) -> list[Verdict]:
     """Every state change of one live task this iteration (at most: up, then failed or lost)."""
     h, me = task.health, (task.name,)
@@ -65,7 +76,9 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
             return [Verdict(task.name, TaskState.SUCCEEDED, "exit code 0")]
         error = h.error if h is not None else None
         if error is not None and error.type != "SystemExit":
-            detail, kind = f"raised {error.type}: {error.message}", FailureKind.EXCEPTION
+            # the first line only: a reason is one line in every event and status (a Keras error can
+            # run to 2,000 characters); the whole message and traceback are in the error and the log
+            detail, kind = f"raised {error.type}: {first_line(error.message)}", FailureKind.EXCEPTION
         else:
             detail, kind = describe_exit(code), FailureKind.EXIT
         step = h.step if h is not None else None
@@ -96,11 +109,13 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
         and h.step is not None
         and h.step_changed_at is not None
         and not h.done
-        and now - h.step_changed_at > config.stall_timeout_s
+        and h.busy is None  # validating, saving, …: the step stands still for a reason
+        and now - max(h.step_changed_at, h.busy_changed_at or 0.0) > config.stall_timeout_s
     ):
+        since = now - max(h.step_changed_at, h.busy_changed_at or 0.0)
         where = f", busy in {h.user_frame}" if h.user_frame else ", waiting inside TensorFlow"
         detail = (
-            f"stalled at step {h.step} for {now - h.step_changed_at:.1f} s while alive{where} "
+            f"stalled at step {h.step} for {since:.1f} s while alive{where} "
             f"(health.stall_timeout_s = {config.stall_timeout_s:g})"
         )
         failure = Failure(me, FailureKind.STALLED, attempt, detail, step=h.step, where=h.user_frame)
@@ -132,6 +147,16 @@ def startup_failure(late: Sequence[TaskView], config: SupervisorConfig, attempt:
     culprits = never or list(late)
     waiting = [t.name for t in late if t not in culprits]
     head = f"not up within health.startup_timeout_s = {config.startup_timeout_s:g} s"
+    if never and not waiting and all(t.health is not None and t.health.last_heartbeat_at for t in never):
+        # every task runs (it reports) and none began creating a strategy: the job's code does not
+        return Failure(
+            tuple(t.name for t in never),
+            FailureKind.NO_STRATEGY,
+            attempt,
+            f"{head}: running, but never created a tf.distribute strategy — create it (e.g. "
+            "tf.distribute.MultiWorkerMirroredStrategy()) before training, report progress with "
+            "worker.report(), or raise health.startup_timeout_s if the strategy comes later",
+        )
     if never:
         waited = f"; {', '.join(waiting)} waited for it" if waiting else ""
         detail = f"{head} (never created its distribution strategy{waited})"

@@ -35,6 +35,7 @@ class FailureKind(str, enum.Enum):
     LOST = "lost"  # no heartbeat for heartbeat_timeout_s (frozen process, cut-off host)
     STALLED = "stalled"  # alive, but its step did not advance for stall_timeout_s
     STARTUP_TIMEOUT = "startup_timeout"  # not up within startup_timeout_s
+    NO_STRATEGY = "no_strategy"  # alive at the start-up deadline, but no task began creating a strategy
     DIVERGED = "diverged"  # training tasks of one attempt restored different states
 
 
@@ -168,6 +169,9 @@ def job_decision(failure: Failure, snap: Snapshot) -> Decision:
     first_attempt = snap.first_attempt
     if failure.kind is FailureKind.LAUNCH and first_attempt:
         return Decision(Action.FAIL, failure, f"could not launch: {failure.describe()}")
+    if failure.kind is FailureKind.NO_STRATEGY and first_attempt:
+        # the job's code runs but never creates its strategy: a restart runs the same code again
+        return Decision(Action.FAIL, failure, f"{failure.describe()}; not restarted (it would wait again)")
     if failure.kind is FailureKind.DIVERGED:
         # never silent, never trained on: a restart would meet the same folders again
         return Decision(Action.FAIL, failure, f"{failure.describe()}; not restarted")

@@ -105,6 +105,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "total_steps": h.total_steps if h else None,
         "metrics": dict(h.metrics) if h else {},
         "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
+        "busy": h.busy if h else None,
         "rss_bytes": h.rss_bytes if h else None,
         "last_heartbeat_at": iso_time(h.last_heartbeat_wall) if h and h.last_heartbeat_wall else None,
         "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},

@@ -20,7 +20,14 @@ from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.api import Backend, TaskHandle, stop_all, stop_in_background, unconfirmed_reason
+from orchestrator.launch.api import (
+    QUICK_GRACE_S,
+    Backend,
+    TaskHandle,
+    stop_all,
+    stop_in_background,
+    unconfirmed_reason,
+)
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import SCHEMA_VERSION, now_iso
@@ -118,6 +125,7 @@ class Supervisor:
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
         self._same_start = False  # every training task reported the same restored state
+        self.never_up: list[str] = []  # training tasks that exited 0 before their strategy came up
 
     # --- control -----------------------------------------------------------------------------
 
@@ -191,7 +199,7 @@ class Supervisor:
 
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)
-        self._same_start = False
+        self._same_start, self.never_up = False, []
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
         records = list(self.tasks.values())
         self._end_deadline = None
@@ -307,7 +315,13 @@ class Supervisor:
         deciders = [r for r in self.tasks.values() if r.policy.decides]
         if self.state is ClusterState.LAUNCHING:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
-                self._move(ClusterState.RUNNING, "every task's distribution strategy is up")
+                alone = self.never_up
+                why = "every task's distribution strategy is up"
+                if alone:
+                    why = (
+                        f"every task is up or done; {', '.join(alone)} exited without a distribution strategy"
+                    )
+                self._move(ClusterState.RUNNING, why)
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(detect.startup_failure(late, self.config, self.attempt))
@@ -318,10 +332,24 @@ class Supervisor:
         """Move the tasks as the detectors saw them; their failures."""
         out = []
         for v in verdicts:
-            self._move_task(self.tasks[v.task], v.state, v.reason)
+            rec = self.tasks[v.task]
+            if v.state is TaskState.SUCCEEDED and rec.state is TaskState.STARTING and rec.plan.in_cluster:
+                self._never_up(rec)
+            self._move_task(rec, v.state, v.reason)
             if v.failure is not None:
                 out.append(v.failure)
         return out
+
+    def _never_up(self, rec: TaskRecord) -> None:
+        """A training task ended well without its strategy ever coming up: it trained alone, if at all."""
+        self.never_up.append(rec.plan.name)
+        self._sink.event(
+            kind="warning",
+            task=rec.plan.name,
+            attempt=self.attempt,
+            reason=f"{rec.plan.name} exited 0 without its distribution strategy ever coming up: it did "
+            "not train with the others (does the script create a tf.distribute strategy?)",
+        )
 
     def _diverged_start(self) -> Failure | None:
         state = self.plan.state
@@ -372,7 +400,10 @@ class Supervisor:
         """Stop what is left of the task (a frozen one still runs) on a thread of its own, then
         restart it once that is done and the backoff has passed."""
         assert rec.handle is not None
-        rec.stopping = self._in_background([rec.handle], self.config.failure_grace_s, self.hurry)
+        grace_s = self.config.failure_grace_s
+        if rec.policy.at_end is AtEnd.STOP:  # a server: nothing to save
+            grace_s = min(grace_s, QUICK_GRACE_S)
+        rec.stopping = self._in_background([rec.handle], grace_s, self.hurry)
         wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
         rec.restart_at = self._clock() + wait_s
         self.task_failures.append(decision.failure)
@@ -446,7 +477,9 @@ class Supervisor:
                 rec.stopping.exception()  # done within its own grace
                 self._note_unconfirmed(rec.stopping)
             rec.restart_at, rec.stopping = None, None
-        self._unconfirmed(stop_all(handles, grace_s, self.hurry))
+        # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
+        quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
+        self._unconfirmed(stop_all(handles, grace_s, self.hurry, quick=quick))
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
             rec.health = health.get(rec.plan.name, rec.health)

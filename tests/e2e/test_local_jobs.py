@@ -213,3 +213,57 @@ def test_plain_python_run_of_a_script_using_worker_api_works_without_coordinator
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATE_")}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok"
+
+
+SLOW_PHASES_JOB = """
+    import time
+    import numpy as np
+    import tensorflow as tf
+    import worker
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)), tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.SGD(0.05), loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    class SlowSave(tf.keras.callbacks.Callback):  # a checkpoint that takes longer than the stall limit
+        def on_epoch_end(self, epoch, logs=None):
+            time.sleep(4)
+
+    model.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0,
+              callbacks=[SlowSave(), worker.ReportCallback()])
+    time.sleep(4)  # saving the model after fit
+    with worker.busy("exporting"):
+        time.sleep(4)
+    print("all phases done", flush=True)
+"""
+
+
+def test_validation_saving_and_what_follows_fit_are_not_stalls(job_factory):
+    job = job_factory(
+        SLOW_PHASES_JOB,
+        "health: {stall_timeout_s: 2, heartbeat_interval_s: 0.5}\nrestart: {max_restarts: 0}\n",
+        workers=1,
+    )
+    job.spec.write_text(
+        job.spec.read_text().replace(
+            'TF_CPP_MIN_LOG_LEVEL: "2"', 'TF_CPP_MIN_LOG_LEVEL: "2", TF_USE_LEGACY_KERAS: "1"'
+        )
+    )
+    proc = job.start()
+    seen = set()
+    try:
+        while proc.poll() is None:
+            busy = job.task("worker-0").get("busy")
+            if busy:
+                seen.add(busy)
+            time.sleep(0.2)
+        out = proc.stdout.read() if proc.stdout else ""
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "all phases done" in (job.run_dir / "logs" / "worker-0.log").read_text()
+    assert {"ending the epoch", "done training", "exporting"} <= seen, seen
+    assert job.status()["restarts"] == 0

@@ -124,6 +124,22 @@ def test_startup_failure_blames_who_never_began_and_says_who_waited() -> None:
     assert both.tasks == ("worker-0",) and both.detail.endswith("(its cluster never connected)")
 
 
+def test_tasks_that_run_but_never_begin_a_strategy_fail_as_no_strategy() -> None:
+    def running(name: str) -> TaskView:
+        return TaskView(
+            name, TaskState.STARTING, True, 0.0, None, TaskHealth(name, 0, last_heartbeat_at=59.0)
+        )
+
+    f = detect.startup_failure([running("worker-0"), running("worker-1")], CONFIG, 0)
+    assert f.kind is FailureKind.NO_STRATEGY and f.tasks == ("worker-0", "worker-1")
+    assert "never created a tf.distribute strategy" in f.detail and "health.startup_timeout_s" in f.detail
+    # one that never spoke at all may not have started: the plain deadline
+    silent = TaskView("worker-1", TaskState.STARTING, True, 0.0, None, None)
+    assert (
+        detect.startup_failure([running("worker-0"), silent], CONFIG, 0).kind is FailureKind.STARTUP_TIMEOUT
+    )
+
+
 def test_a_diverged_start_is_settled_only_when_every_reader_reported_the_same() -> None:
     state = StatePlan(shared=False, owner="worker-0", readers=("worker-0", "worker-1"))
     same = Restored(step=75, fingerprint="aa")
@@ -140,3 +156,26 @@ def test_a_diverged_start_is_settled_only_when_every_reader_reported_the_same() 
     )
     assert not settled and failure is not None
     assert failure.tasks == ("worker-1",) and failure.kind is FailureKind.DIVERGED and failure.attempt == 1
+
+
+def test_an_exceptions_reason_is_its_first_line() -> None:
+    long = "Attempt to convert a value (PerReplica:{\n  0: <tf.Tensor>,\n  1: <tf.Tensor>\n}) to a Tensor."
+    error = TaskError("ValueError", long, "Traceback…")
+    task = TaskView("worker-0", TaskState.RUNNING, True, 0.0, 1, TaskHealth("worker-0", 0, error=error))
+    (verdict,) = detect.check_task(task, 1.0, CONFIG, 0)
+    assert verdict.reason == "raised ValueError: Attempt to convert a value (PerReplica:{ …"
+    assert verdict.failure is not None and verdict.failure.error is error  # the whole message kept
+    assert detect.first_line("x" * 500).endswith("…") and len(detect.first_line("x" * 500)) == 300
+
+
+def test_a_task_busy_between_its_steps_is_never_a_stall_and_its_clock_starts_when_it_trains_again() -> None:
+    saving: dict[str, Any] = {"last_heartbeat_at": 99.0, "step": 5, "step_changed_at": 0.0}
+    assert (
+        detect.check_task(view(busy="ending the epoch", busy_changed_at=10.0, **saving), 99.0, CONFIG, 0)
+        == []
+    )
+    # it trains again since t=80 (the end of its busy phase): 19 s without a step is not 30
+    assert detect.check_task(view(busy=None, busy_changed_at=80.0, **saving), 99.0, CONFIG, 0) == []
+    later = {**saving, "last_heartbeat_at": 110.0}
+    [v] = detect.check_task(view(busy=None, busy_changed_at=80.0, **later), 111.0, CONFIG, 0)
+    assert v.failure is not None and v.failure.kind is FailureKind.STALLED and "for 31.0 s" in v.reason

@@ -23,6 +23,7 @@ import pytest
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
+from orchestrator.launch import api
 from orchestrator.launch.api import Heartbeats, Prepared, TaskHandle, stop_all
 from orchestrator.launch.local import LocalBackend, LocalLeftovers, group_alive
 from orchestrator.launch.placement import Placement
@@ -259,6 +260,18 @@ def test_stop_all_waits_until_the_whole_group_is_gone(local: Local) -> None:
     # the task's own exit came at once; stop_all went on waiting for its grandchild's
     assert handle.poll() == 0 and gone(grandchild)
     assert 0.6 <= took < 2.5
+
+
+def test_a_quick_task_gets_a_short_grace_while_the_others_keep_theirs(local: Local) -> None:
+    server = local.start(STUBBORN)  # a server in join(): it never sees TERM
+    line_of(local.log(), "child")
+    trainer = local.start(TRAPS_TERM, name="worker-1")
+    line_of(local.log("worker-1"), "ready")
+    t0 = time.monotonic()
+    assert stop_all([server, trainer], grace_s=30, quick=[server]) == []
+    took = time.monotonic() - t0
+    assert api.QUICK_GRACE_S <= took < api.QUICK_GRACE_S + 2.5  # not the 30 s
+    assert server.poll() == -signal.SIGKILL and trainer.poll() == 7  # the other ended by its own TERM
 
 
 def test_hurry_shortens_the_grace(local: Local) -> None:

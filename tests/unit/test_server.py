@@ -67,12 +67,21 @@ def test_request_without_or_with_wrong_token_is_rejected(server):
                 [75],
             )
         ),
+        json.dumps({"task": "worker-0", "attempt": 0, "seq": 1, "sent_at": 0, "pid": 1, "busy": 7}).encode(),
     ],
 )
 def test_malformed_heartbeat_is_400_and_server_survives(server, body):
     srv, store, _ = server
     assert post(srv.url, body, TOKEN) == 400
     assert post(srv.url, hb(), TOKEN) == 200
+
+
+def test_what_a_task_is_busy_with_reaches_the_store_cut_to_size(server):
+    srv, store, _ = server
+    assert post(srv.url, hb(seq=1, busy="validating"), TOKEN) == 200
+    assert store.snapshot()["worker-0"].busy == "validating"
+    assert post(srv.url, hb(seq=2, busy="x" * 10_000), TOKEN) == 200
+    assert store.snapshot()["worker-0"].busy == "x" * wire.MAX_NAME_CHARS
 
 
 def test_a_restore_report_reaches_the_store_and_stays_for_the_attempt(server):

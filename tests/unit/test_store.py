@@ -85,3 +85,18 @@ def test_a_task_restarted_alone_starts_from_nothing(store) -> None:
     h = s.snapshot()["worker-0"]
     assert (h.step, h.done, h.seq, h.attempt) == (None, False, 0, 0)
     assert s.ingest(beat(1, step=1)) == wire.OK_STATUS  # the new process's seq 1 is news
+
+
+def test_what_a_task_is_busy_with_and_since_when(store) -> None:
+    s, clock, _ = store
+    s.ingest(beat(1, step=5))
+    assert s.snapshot()["worker-0"].busy is None and s.snapshot()["worker-0"].busy_changed_at is None
+    clock.now += 3
+    s.ingest(beat(2, step=5, busy="validating"))
+    clock.now += 3
+    s.ingest(beat(3, step=5, busy="validating"))  # still: the time it began stays
+    h = s.snapshot()["worker-0"]
+    assert (h.busy, h.busy_changed_at) == ("validating", 103.0)
+    clock.now += 3
+    s.ingest(beat(4, step=5))
+    assert (s.snapshot()["worker-0"].busy, s.snapshot()["worker-0"].busy_changed_at) == (None, 109.0)

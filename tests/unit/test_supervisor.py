@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import (
+    QUICK_GRACE_S,
     Backend,
     Heartbeats,
     Prepared,
@@ -321,6 +323,34 @@ def test_a_startup_deadline_names_every_late_task_as_data(tmp_path):
         sup.step()
     assert sup.root_cause.tasks == ("worker-1", "worker-2")
     assert sup.root_cause.describe().startswith("worker-1, worker-2 not up within")
+
+
+def test_a_job_that_never_creates_its_strategy_fails_at_the_deadline_without_a_restart(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=3)
+    sup.step()
+    for _ in range(7):  # both alive and reporting, neither ever creating a strategy
+        beat(store, "worker-0")
+        beat(store, "worker-1")
+        clock.advance(9)
+        sup.step()
+    sup.step()
+    assert sup.state is ClusterState.FAILED and sup.restarts == 0  # not the whole budget
+    assert sup.root_cause.kind is FailureKind.NO_STRATEGY
+    assert "not restarted" in sup.reason and "create it" in sup.reason
+
+
+def test_a_task_that_ends_before_its_strategy_came_up_is_said(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path)
+    sup.step()
+    launcher.handles["worker-0"].code = 0  # a script that never created a strategy
+    launcher.handles["worker-1"].code = 0
+    sup.step()
+    warnings = [e for e in sink.events if e["kind"] == "warning"]
+    assert [w["task"] for w in warnings] == ["worker-0", "worker-1"]
+    assert "without its distribution strategy ever coming up" in warnings[0]["reason"]
+    run = [e for e in sink.events if e["kind"] == "run" and e["new"] == "RUNNING"]
+    assert run and "worker-0, worker-1 exited without a distribution strategy" in run[0]["reason"]
+    assert "every task's distribution strategy is up" not in run[0]["reason"]
 
 
 def test_a_task_whose_exit_cannot_be_confirmed_is_recorded_as_data(tmp_path):
@@ -689,6 +719,25 @@ def test_chief_success_waits_for_the_evaluator_then_stops_servers(tmp_path: Path
     assert sup.state is ClusterState.SUCCEEDED
     assert {n: sup.tasks[n].state for n in ("worker-0", "worker-1", "ps-0")} == dict.fromkeys(
         ("worker-0", "worker-1", "ps-0"), TaskState.STOPPED
+    )
+
+
+def test_servers_stuck_in_join_are_stopped_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    # a ps and workers in server.join(): blocked in C++, Python never sees SIGTERM; they save nothing
+    sup, launcher, store, clock, sink = make_ps(tmp_path, stop_grace_s=30)
+    ps_running(sup, store, clock)
+    for name in ("worker-0", "worker-1", "ps-0"):
+        launcher.handles[name].ignores_term = True
+    launcher.handles["evaluator-0"].code = 0
+    launcher.handles["chief-0"].code = 0
+    sup.step()
+    assert sup.state is ClusterState.STOPPING
+    started = time.monotonic()
+    sup.step()  # the teardown: real time (stop_all)
+    assert sup.state is ClusterState.SUCCEEDED
+    assert time.monotonic() - started < QUICK_GRACE_S + 1.5
+    assert {n: launcher.handles[n].code for n in ("worker-0", "worker-1", "ps-0")} == dict.fromkeys(
+        ("worker-0", "worker-1", "ps-0"), -9
     )
 
 

@@ -78,7 +78,15 @@ TRAINING = status(
         steps_per_s=10.0,
         metrics={"loss": 0.3125, "accuracy": 0.91},
     ),
-    task("worker-0", "worker", last_step=119, total_steps=400, steps_per_s=10.0, metrics={"loss": 0.3125}),
+    task(
+        "worker-0",
+        "worker",
+        last_step=119,
+        total_steps=400,
+        steps_per_s=10.0,
+        metrics={"loss": 0.3125},
+        busy="validating",
+    ),
     task("ps-0", "ps", last_heartbeat_at=iso(NOW - 7)),
     task(
         "evaluator-0",
@@ -165,6 +173,7 @@ def test_the_view_shows_every_metric_on_its_row_and_heartbeat_ages() -> None:
     ]
     evaluator = next(line for line in out if line.startswith("evaluator-0"))
     assert "0.875" in evaluator and "0.5" not in evaluator.split()  # no steps/s for the evaluator
+    assert "validating" in next(line for line in out if line.startswith("worker-0"))
     ps = next(line for line in out if line.startswith("ps-0"))
     assert "7 s" in ps
     assert "events:" in text and "worker-1 FAILED: was killed by SIGKILL" in text

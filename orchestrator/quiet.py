@@ -1,0 +1,73 @@
+"""CLI output layer: what of a task's output the console shows. The log files keep everything.
+
+Left out of the console:
+- TensorFlow's C++ start-up lines, printed by every process whatever TF_CPP_MIN_LOG_LEVEL says
+  (`cudart_stub.cc] Could not find cuda drivers`, `failed call to cuInit … (303)`, oneDNN,
+  `cpu_feature_guard`, `absl::InitializeLog`) and its C++ INFO lines; its warnings and errors stay;
+- the frames of a Python traceback (the summary shows the root cause's once, the log has them
+  all): its first line and the exception's lines stay;
+- Keras' progress bar redrawn with backspaces or carriage returns: its last state stays.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: TensorFlow's C++ log prefix: absl (`I0000 00:00:1796150547.581546   29018 file.cc:31] `) or the
+#: older one (`2026-12-01 12:00:00.123456: I tensorflow/core/….cc:153] `).
+_CPP = re.compile(
+    r"^(?:(?P<absl>[IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: (?P<old>[IWEF]) \S+:\d+\])"
+)
+#: Start-up lines whatever their level: no GPU on this host (or no TensorRT), CPU features, oneDNN.
+_STARTUP = re.compile(
+    r"Could not find cuda drivers|failed call to cuInit|cpu_feature_guard|oneDNN custom operations"
+    r"|Unable to register cu(?:DNN|FFT|BLAS) factory|computation placer already registered"
+    r"|TF-TRT Warning|Could not find TensorRT|absl::InitializeLog\(\) is called"
+    r"|^To enable the following instructions: .* rebuild TensorFlow"
+)
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+class ConsoleFilter:
+    """Per task, decides which log lines reach the console; counts what it held back."""
+
+    def __init__(self) -> None:
+        self.hidden = 0
+        self._frames: dict[str, int] = {}  # task → frames of the traceback being printed
+
+    def __call__(self, task: str, line: str) -> list[str]:
+        """The lines the console shows for this log line (none: the log file keeps it)."""
+        line = collapse_redraws(line)
+        frames = self._frames.get(task)
+        if frames is not None:
+            if line.startswith(" "):  # a frame or its source line
+                self._frames[task] = frames + 1
+                self.hidden += 1
+                return []
+            del self._frames[task]  # the exception's line ends it
+            if frames:
+                return [f"  … ({frames} lines of traceback in the log)", line]
+        if line.startswith(_TRACEBACK):
+            self._frames[task] = 0
+            return [line]
+        if noise(line):
+            self.hidden += 1
+            return []
+        return [line]
+
+
+def collapse_redraws(line: str) -> str:
+    """A line redrawn in place (Keras' progress bar: backspaces, then a carriage return, then the
+    new state, a whole epoch on one line) as its last state."""
+    if "\r" in line or "\b" in line:
+        return line.rsplit("\r", 1)[-1].replace("\b", "")
+    return line
+
+
+def noise(line: str) -> bool:
+    """TensorFlow's C++ start-up chatter, or a C++ INFO line."""
+    if _STARTUP.search(line):
+        return True
+    cpp = _CPP.match(line)
+    return cpp is not None and (cpp.group("absl") or cpp.group("old")) == "I"
