@@ -37,6 +37,7 @@ def up(
     progress_every_s: float = 15.0,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     base_dir: str | Path | None = None,
+    web: str | None = "127.0.0.1:0",
     _stop: StopRequest | None = None,
 ) -> RunResult:
     """Run a job to its end and return how it ended (`result.ok`, `.exit_code`, `.reason`,
@@ -48,10 +49,13 @@ def up(
     what the console shows — nothing (default), plain lines (`--plain`) or the live view.
     `on_event`: called on the coordinator's thread with every events.jsonl line as it is written
     (keep it quick). `base_dir`: the folder a dict's relative paths are relative to (default: the
-    current one). A bad spec raises SpecError, a launch failure ends the run with exit code 3.
+    current one). `web`: where the run's page is served, `HOST:PORT` (None: no page; its address
+    is in `status.json`'s `urls` while the run lives). A bad spec raises SpecError, a launch
+    failure ends the run with exit code 3.
     """
     from orchestrator import coordinator
     from orchestrator.view import LiveView, PlainView, SilentView, View
+    from orchestrator.web import parse_address
 
     model, path, text, folder = _spec(spec, backend, base_dir)
     if resume is not None and run_dir is not None and Path(resume) != Path(run_dir):
@@ -77,6 +81,7 @@ def up(
         on_event=on_event,
         stop=_stop,
         backend_option=backend,
+        web=None if web is None else parse_address(web),
     )
 
 

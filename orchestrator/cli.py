@@ -103,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="plain lines: a progress line every S seconds while training (default 15; 0: none)",
     )
+    up.add_argument(
+        "--web",
+        metavar="HOST:PORT",
+        default="127.0.0.1:0",
+        help="where the run's page and Prometheus metrics are served (default 127.0.0.1, a free port; "
+        "every request needs the run's token)",
+    )
+    up.add_argument("--no-web", action="store_true", help="serve no page")
     up.set_defaults(func=cmd_up)
 
     plan = sub.add_parser("plan", help="print every task: host, role, port, command, env and TF_CONFIG")
@@ -149,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("task", nargs="?", help="e.g. worker-1 (default: all)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
+
+    show = sub.add_parser("show", help="serve a run's page (default: the latest run) until Ctrl-C")
+    show.add_argument("run_dir", nargs="?")
+    show.add_argument("--web", metavar="HOST:PORT", default="127.0.0.1:0", help="where (default: loopback)")
+    show.set_defaults(func=cmd_show)
 
     down = sub.add_parser("down", help="stop a run (detached or from another terminal); idempotent")
     down.add_argument("run_dir")
@@ -262,6 +275,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from orchestrator import coordinator
     from orchestrator.record import new_run_dir
+    from orchestrator.web import parse_address
 
     spec = _load(args)
     if args.resume and args.run_dir and args.resume != args.run_dir:
@@ -269,6 +283,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach:
         run_dir = args.resume or args.run_dir or new_run_dir(spec.name)
         argv = ["up", str(args.spec), "--plain", "--progress-every", str(args.progress_every)]
+        argv += ["--no-web"] if args.no_web else ["--web", args.web]
         argv += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
         if args.backend:
             argv += ["--backend", args.backend]
@@ -286,6 +301,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         live=False if args.plain else None,
         backend_option=args.backend,
         progress_every_s=args.progress_every,
+        web=None if args.no_web else parse_address(args.web),
     )
     return _summarize(outcome)
 
@@ -363,6 +379,34 @@ def _summarize(outcome: RunResult) -> int:
     code = r.exit_code
     assert code is not None  # `up` returns an ended run
     return code
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import time
+
+    from orchestrator.errors import LaunchError
+    from orchestrator.rundir import resolve_run_dir
+    from orchestrator.web import parse_address
+    from orchestrator.web.reader import RunReader
+    from orchestrator.web.server import WebServer
+
+    run_dir = resolve_run_dir(args.run_dir)
+    host, port = parse_address(args.web)
+    try:
+        server = WebServer(RunReader(run_dir), host, port).start()
+    except OSError as exc:
+        raise LaunchError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    print(f"{run_dir}: {server.page_url}", flush=True)
+    print(
+        f"  Prometheus: {server.metrics_url} (Authorization: Bearer {server.token}); Ctrl-C ends", flush=True
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        server.close()
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -51,6 +51,9 @@ from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
 from orchestrator.view import LiveView, PlainView, View
+
+if TYPE_CHECKING:
+    from orchestrator.web.server import WebServer
 
 log = logging.getLogger("orchestrator")
 
@@ -145,6 +148,7 @@ def up(
     progress_every_s: float = 15.0,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     stop: StopRequest | None = None,
+    web: tuple[str, int] | None = ("127.0.0.1", 0),
 ) -> RunResult:
     """Run the job to its end, from any thread (signals are caught only on the main one).
 
@@ -152,7 +156,8 @@ def up(
     (`orchestrator.up` passes a silent one); `backend`: the spec's unless given (the capacity
     benchmark gives one whose tasks are simulated); `backend_option`: the --backend given, for the
     command that resumes the run; `on_event`: called with every events.jsonl line, as written;
-    `stop`: a way to stop the run from another thread. A spec that is not a file (the Python
+    `stop`: a way to stop the run from another thread. `web`: where the run's page and metrics
+    are served (None: not at all). A spec that is not a file (the Python
     API's dict) comes as `spec_path` None, with its text and the folder its paths are relative to."""
     if spec_path is not None:
         spec_text, spec_dir = spec_path.read_text(encoding="utf-8"), spec_path.resolve().parent
@@ -179,6 +184,11 @@ def up(
         record.listen(view.event)
         if on_event is not None:
             record.listen(on_event)
+        urls: dict[str, str] = {}
+        if web is not None:
+            page = cleanup.enter_context(_web_server(run_dir, web))
+            urls = {"page": page.page_url, "metrics": page.metrics_url}
+            view.notice(f"the run's page: {page.page_url}   (Prometheus: {page.metrics_url})")
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
@@ -205,7 +215,7 @@ def up(
             record,
             credentials.task_token,
             SupervisorConfig.from_spec(spec, **(config_overrides or {})),
-            on_change=_StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks))),
+            on_change=_StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), urls),
             first_attempt=first_attempt,
             restarts=restarts,
             replan=planner,
@@ -267,8 +277,11 @@ class _StatusWriter:
     metrics) once per interval — with many tasks, status.json and the view are the coordinator's
     largest cost."""
 
-    def __init__(self, record: RunRecord, view: View, tailer: LogTailer, every_s: float):
+    def __init__(
+        self, record: RunRecord, view: View, tailer: LogTailer, every_s: float, urls: Mapping[str, str]
+    ):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
+        self._urls = dict(urls)
         self._transitions, self._written_at, self._state = -1, 0.0, ""
 
     def __call__(self, sup: Supervisor) -> None:
@@ -279,6 +292,8 @@ class _StatusWriter:
         if self._record.broken and not sup.state.is_terminal:  # a full or read-only disk
             sup.abort(f"{self._record.broken}; the job is stopped, the record kept as it was")
         status = sup.status()
+        if self._urls and not sup.state.is_terminal:  # while the run lives (its page goes with it)
+            status["urls"] = self._urls
         if status["state"] != self._state:
             self._tailer.poll()  # the tasks' last words come before the news of their end
             self._state = status["state"]
@@ -311,6 +326,23 @@ def _heartbeat_server(
         key = f" ({backend.listen_key})" if backend.listen_key else ""
         raise LaunchError(
             f"cannot listen for heartbeats on {host}:{port}{key}: {exc.strerror or exc}"
+        ) from None
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def _web_server(run_dir: Path, where: tuple[str, int]) -> Iterator[WebServer]:
+    from orchestrator.web.reader import RunReader
+    from orchestrator.web.server import WebServer
+
+    try:
+        server = WebServer(RunReader(run_dir), where[0], where[1]).start()
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot serve the run's page on {where[0]}:{where[1]} (--web): {exc.strerror or exc}"
         ) from None
     try:
         yield server

@@ -99,7 +99,9 @@ class Status(BaseModel):
     task_restarts: list[FailureStatus] = Field(description="failures answered by restarting one task alone")
     tasks: list[TaskStatus]
     urls: dict[str, str] | None = Field(
-        None, description="while the run lives: its web page and Prometheus metrics"
+        None,
+        description="while the run lives: `page` (its web page, with the token) and `metrics` "
+        "(Prometheus; send `Authorization: Bearer TOKEN`)",
     )
     coordinator: CoordinatorStatus | None = Field(None, description="added by `orchestrate status --json`")
     stale: bool | None = Field(

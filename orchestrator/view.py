@@ -371,6 +371,8 @@ class View(Protocol):
 
     def event(self, event: Mapping[str, Any]) -> None: ...
 
+    def notice(self, text: str) -> None: ...
+
     def update(self, status: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -383,6 +385,9 @@ class SilentView:
         pass
 
     def event(self, event: Mapping[str, Any]) -> None:
+        pass
+
+    def notice(self, text: str) -> None:
         pass
 
     def update(self, status: Mapping[str, Any]) -> None:
@@ -412,6 +417,9 @@ class PlainView:
     def event(self, event: Mapping[str, Any]) -> None:
         if event.get("kind") not in ("run", "task") and notable(event):
             self._write(f"orchestrate: {event_text(event, with_time=False)}")
+
+    def notice(self, text: str) -> None:
+        self._write(f"orchestrate: {text}")
 
     def update(self, status: Mapping[str, Any]) -> None:
         changes = []
@@ -465,6 +473,9 @@ class LiveView:
         if notable(event):
             with self._lock:
                 self._events.append(event_text(event))
+
+    def notice(self, text: str) -> None:
+        self._console.print(escape(text), highlight=False, soft_wrap=True)
 
     def update(self, status: Mapping[str, Any]) -> None:
         with self._lock:

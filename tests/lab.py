@@ -315,6 +315,14 @@ class NetnsLab(_Lab):
     def restore(self, i: int) -> None:
         _run(["ip", "-n", self.hosts[i].netns or "", "link", "set", "eth0", "up"])
 
+    def blackhole(self, i: int, j: int, on: bool = True) -> None:
+        """Host i can no longer reach host j (a route that drops what it sends there: a firewall
+        between two lab machines); the coordinator still reaches both."""
+        verb = "add" if on else "del"
+        _run(
+            ["ip", "-n", self.hosts[i].netns or "", "route", verb, "blackhole", f"{self.hosts[j].address}/32"]
+        )
+
     def pids(self, i: int) -> list[int]:
         return [p for p in self._in_namespaces(self.hosts[i].name) if p != self.hosts[i].sshd_pid]
 

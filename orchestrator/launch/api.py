@@ -250,6 +250,12 @@ class Backend(abc.ABC):
                 raise r
         return results
 
+    def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:
+        """At the start-up deadline, with `late` tasks never up: why their cluster did not connect,
+        when the backend can tell (hosts that cannot reach each other's TF ports); None otherwise.
+        Bounded by a few seconds."""
+        return None
+
     def ended_outside(self) -> str | None:
         """Why the run must end INTERRUPTED when what the backend runs in was taken away from
         outside (a Slurm allocation cancelled); None while it was not. Asked once per supervisor

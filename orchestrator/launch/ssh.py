@@ -16,7 +16,7 @@ import logging
 import posixpath
 import shlex
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from orchestrator.launch.api import (
     TaskHandle,
     on_all,
 )
-from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, raise_if_failed, run_json
+from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, probe, raise_if_failed, run_json
 from orchestrator.launch.placement import Placement, job_files_root, ssh_placements, ssh_ports
 from orchestrator.launch.shim_events import ShimEvents
 from orchestrator.launch.state import StateCopies
@@ -399,6 +399,40 @@ class SshBackend(Backend):
             )
             self._relays[index] = relay
             return relay.url
+
+    def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:
+        """Can every host reach the other hosts' tasks on their TF ports? A firewall or a route
+        between two hosts is why a cluster waits for ever (TF waits for its peers silently)."""
+        tasks = [t for t in plan.tasks if t.in_cluster]
+        indexes = sorted({t.host_index for t in tasks})
+        if len(indexes) < 2:
+            return None
+        owner = {f"{t.host}:{t.port}": t.name for t in tasks}
+        hosts = {h.index: h for h in self._hosts}
+
+        def one(index: int) -> list[str]:
+            host = hosts[index]
+            targets = [f"{t.host}:{t.port}" for t in tasks if t.host_index != index]
+            answer = probe(self._connection(index), host, "connect", "3", *targets, timeout_s=15)
+            return [
+                f"{host.label} cannot reach {target} ({owner.get(target, '?')}): {err}"
+                for target, err in answer.items()
+                if err is not None
+            ]
+
+        findings: list[str] = []
+        for index, result in zip(indexes, on_all(indexes, one), strict=True):
+            if isinstance(result, Exception):
+                findings.append(f"{hosts[index].label}: its peers could not be probed ({result})")
+            else:
+                findings += result
+        if not findings:
+            return None
+        return (
+            "peer probe: "
+            + "; ".join(findings[:4])
+            + (f"; and {len(findings) - 4} more" if len(findings) > 4 else "")
+        )
 
     def close(self) -> None:
         self._states.stop_following()

@@ -10,6 +10,7 @@ injected so tests can step it deterministically.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -324,7 +325,7 @@ class Supervisor:
                 self._move(ClusterState.RUNNING, why)
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
-                self._fail(detect.startup_failure(late, self.config, self.attempt))
+                self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
 
@@ -339,6 +340,18 @@ class Supervisor:
             if v.failure is not None:
                 out.append(v.failure)
         return out
+
+    def _diagnosed(self, failure: Failure) -> Failure:
+        """A start-up deadline with the backend's finding on why the cluster never connected (hosts
+        that cannot reach each other), when it has one."""
+        if failure.kind is not FailureKind.STARTUP_TIMEOUT:
+            return failure
+        try:
+            finding = self._backend.diagnose_startup(self.plan, failure.tasks)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis that fails never hides the failure
+            log.warning("diagnosing the start-up deadline: %s", exc)
+            return failure
+        return dataclasses.replace(failure, detail=f"{failure.detail}; {finding}") if finding else failure
 
     def _never_up(self, rec: TaskRecord) -> None:
         """A training task ended well without its strategy ever coming up: it trained alone, if at all."""

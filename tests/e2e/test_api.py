@@ -50,7 +50,7 @@ def test_up_from_a_thread_with_a_dict_spec_and_an_event_callback(
     def main() -> None:
         results.append(
             orchestrator.up(
-                spec(tmp_path, 20),
+                spec(tmp_path, 80),  # 4 s of steps: progress lines (status news comes once a second)
                 run_dir=tmp_path / "run",
                 base_dir=tmp_path,
                 on_event=events.append,
@@ -66,7 +66,7 @@ def test_up_from_a_thread_with_a_dict_spec_and_an_event_callback(
     (result,) = results
     assert result.ok and result.exit_code == 0 and result.state.value == "SUCCEEDED"
     assert result.run_dir == tmp_path / "run"
-    assert result.metrics["loss"] == pytest.approx(1 / 20) and result.metrics["accuracy"] == 1.0
+    assert result.metrics["loss"] == pytest.approx(1 / 80) and result.metrics["accuracy"] == 1.0
     assert [e["new"] for e in events if e["kind"] == "run"] == [
         "LAUNCHING",
         "RUNNING",
@@ -85,7 +85,7 @@ def test_up_from_a_thread_with_a_dict_spec_and_an_event_callback(
     assert "job:" in (result.run_dir / "spec.yaml").read_text()
     out = capsys.readouterr().out
     assert "[worker-1] trained worker-1" in out and "orchestrate: api SUCCEEDED" in out
-    assert "orchestrate: progress step " in out and "/20 (" in out
+    assert "orchestrate: progress step " in out and "/80 (" in out
     assert run_processes(result.run_id) == []
 
 

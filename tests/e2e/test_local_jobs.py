@@ -82,7 +82,7 @@ def test_exception_in_script_fails_with_root_cause(job_factory):
     assert "first failure: worker-1 raised ValueError: bad learning rate: -3" in out.stdout
     assert "not restarted" in out.stdout  # an error in user code is not retried
     assert "last lines of" in out.stdout and "ValueError: bad learning rate: -3" in out.stdout
-    assert "attempts 1, restarts 0" in out.stdout
+    assert "attempts 1 · restarts 0" in out.stdout
     assert time.monotonic() - t0 < 60
     assert run_processes(job.run_id) == []
 

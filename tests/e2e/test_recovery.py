@@ -172,7 +172,7 @@ def test_exception_in_build_model_fails_fast_without_restarts(job_factory):
     out = job.up(timeout_s=120)
     assert out.returncode == 1, out.stdout
     assert "raised RuntimeError: no GPU memory for layer 3" in out.stdout
-    assert "not restarted" in out.stdout and "attempts 1, restarts 0" in out.stdout
+    assert "not restarted" in out.stdout and "attempts 1 · restarts 0" in out.stdout
     assert time.monotonic() - t0 < 45
     assert run_processes(job.run_id) == []
 

@@ -289,6 +289,35 @@ def test_unreachable_host_fails_clearly_and_leaves_nothing_on_the_others(ssh_job
     assert run_processes(job.run_id) == []
 
 
+def test_hosts_that_cannot_reach_each_other_are_named_at_the_startup_deadline(ssh_job, lab):
+    if not isinstance(lab, NetnsLab):
+        pytest.skip("routes need the namespace lab")
+    job = ssh_job(
+        MWMS,
+        hosts=2,
+        spec={"health": {"startup_timeout_s": 12}, "restart": {"max_restarts": 0}},
+    )
+    lab.blackhole(1, 0)
+    try:
+        res = job.up(timeout_s=120)
+        check = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "check", str(job.spec)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        lab.blackhole(1, 0, on=False)
+    assert res.returncode == 1, res.stdout[-3000:]
+    target = f"{lab.hosts[0].address}:"
+    reason = job.status()["reason"]
+    assert "(its cluster never connected); peer probe: hosts[1]" in reason, reason
+    assert f"cannot reach {target}" in reason and "(worker-0)" in reason
+    assert f"cannot reach {target}" in res.stdout  # in the summary's first failure
+    assert check.returncode == 3 and f"cannot reach {target}" in check.stdout  # check says the same
+    assert job.hosts_empty(), job.host_pids()
+
+
 def test_ctrl_c_mid_training_leaves_no_process_on_any_host(ssh_job):
     job = ssh_job(MWMS, spec={"job": {"script": "job/job.py", "env": {"NASTY": "", "STEPS": "100000"}}})
     proc = job.start()

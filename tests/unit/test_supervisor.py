@@ -353,6 +353,32 @@ def test_a_task_that_ends_before_its_strategy_came_up_is_said(tmp_path):
     assert "every task's distribution strategy is up" not in run[0]["reason"]
 
 
+class Firewalled(FakeBackend):
+    """Two hosts that cannot reach each other: the backend's peer probe says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str, ...]] = []
+
+    def diagnose_startup(self, plan: LaunchPlan, late: Any) -> str | None:
+        self.asked.append(tuple(late))
+        return "peer probe: hosts[1] (10.79.0.12) cannot reach 10.79.0.11:23456 (worker-0): timed out"
+
+
+def test_a_startup_deadline_carries_the_backends_finding(tmp_path):
+    backend = Firewalled()
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=backend, max_restarts=0)
+    sup.step()
+    for _ in range(7):
+        beat(store, "worker-0", connecting=True)  # both inside their strategy: never connected
+        beat(store, "worker-1", connecting=True)
+        clock.advance(9)
+        sup.step()
+    assert backend.asked == [("worker-0", "worker-1")]
+    assert sup.root_cause.kind is FailureKind.STARTUP_TIMEOUT
+    assert "(its cluster never connected); peer probe: hosts[1] (10.79.0.12) cannot reach" in sup.reason
+
+
 def test_a_task_whose_exit_cannot_be_confirmed_is_recorded_as_data(tmp_path):
     sup, launcher, store, clock, sink = make(tmp_path, max_restarts=0)
     start_running(sup, launcher, store, clock)

@@ -1,0 +1,88 @@
+"""Web layer: every task's reported values by step, for the page's plots — bounded whatever the run
+reports (a curve keeps at most `per_curve` points, thinned by half when full: the early part of a
+long run at a coarser step, the shape kept), and the whole store at most `budget` points."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: Keys of a metrics.jsonl line that are not a reported value.
+_NOT_VALUES = frozenset({"schema_version", "time", "task", "attempt", "step"})
+
+
+class _Curve:
+    __slots__ = ("points", "stride", "skipped")
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, float, int]] = []  # (step, value, attempt)
+        self.stride = 1  # keep one point in `stride` (doubled at each thinning)
+        self.skipped = 0
+
+
+class Curves:
+    def __init__(self, budget: int = 200_000, per_curve: int = 2_000, min_per_curve: int = 100):
+        self._budget, self._max, self._min = budget, per_curve, min_per_curve
+        self._curves: dict[tuple[str, str], _Curve] = {}
+        self._lock = threading.Lock()
+        self._total = 0
+        self.version = 0  # changes whenever a point is kept: the page refetches only then
+
+    def add(self, task: str, attempt: int, points: Iterable[Mapping[str, Any]]) -> None:
+        with self._lock:
+            for p in points:
+                step = p.get("step")
+                if type(step) is not int:
+                    continue
+                for name, value in p.items():
+                    if name in _NOT_VALUES or type(value) not in (int, float):
+                        continue
+                    self._add(task, name, step, float(value), attempt)
+
+    def _add(self, task: str, name: str, step: int, value: float, attempt: int) -> None:
+        curve = self._curves.get((task, name))
+        if curve is None:
+            curve = self._curves[(task, name)] = _Curve()
+        curve.skipped += 1
+        if curve.skipped < curve.stride:
+            return
+        curve.skipped = 0
+        curve.points.append((step, value, attempt))
+        self._total += 1
+        self.version += 1
+        if len(curve.points) >= self._limit():
+            self._thin(curve)
+        while self._total > self._budget:  # more curves share the budget now: the longest give way
+            longest = max(self._curves.values(), key=lambda c: len(c.points))
+            if len(longest.points) <= self._min:
+                break
+            self._thin(longest)
+
+    def _thin(self, curve: _Curve) -> None:
+        """Every other point dropped: the same span at half the resolution."""
+        before = len(curve.points)
+        del curve.points[1::2]
+        curve.stride *= 2
+        self._total -= before - len(curve.points)
+
+    def _limit(self) -> int:
+        return max(self._min, min(self._max, self._budget // max(1, len(self._curves))))
+
+    def snapshot(self, max_points: int = 300) -> dict[str, dict[str, list[list[float]]]]:
+        """{task: {name: [[step, value, attempt], …]}}, each curve at most `max_points` long
+        (evenly thinned for the page; the last point always kept)."""
+        with self._lock:
+            items = [(k, list(c.points)) for k, c in self._curves.items()]
+        out: dict[str, dict[str, list[list[float]]]] = {}
+        for (task, name), points in items:
+            if len(points) > max_points:
+                every = -(-len(points) // max_points)
+                points = points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
+            out.setdefault(task, {})[name] = [[s, v, a] for s, v, a in points]
+        return out
+
+    @property
+    def size(self) -> int:
+        with self._lock:
+            return self._total

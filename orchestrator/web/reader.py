@@ -1,0 +1,124 @@
+"""Web layer: a run directory read as it grows — status.json when it changes, events.jsonl and
+metrics.jsonl from where the last read stopped (whole lines only), a task's log tail on demand.
+The same for a live run (its coordinator writes the files) and a finished one (`orchestrate show`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from orchestrator.logtail import tail_lines
+from orchestrator.quiet import collapse_redraws
+from orchestrator.web.curves import Curves
+
+#: Events kept for the page (the newest; events.jsonl keeps them all).
+MAX_EVENTS = 1_000
+#: Bytes read from a growing file per poll: a huge metrics.jsonl is taken in over several.
+READ_CHUNK = 8 * 1024 * 1024
+
+
+class _Tail:
+    """New whole lines of one append-only file."""
+
+    def __init__(self, path: Path):
+        self._path, self._offset, self._partial = path, 0, b""
+
+    def lines(self) -> list[bytes]:
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return []
+        try:
+            size = os.fstat(fd).st_size
+            if size < self._offset:  # replaced (never by us): read it again from the start
+                self._offset, self._partial = 0, b""
+            data = os.pread(fd, min(READ_CHUNK, size - self._offset), self._offset)
+        finally:
+            os.close(fd)
+        self._offset += len(data)
+        data = self._partial + data
+        *whole, self._partial = data.split(b"\n")
+        return whole
+
+
+class RunReader:
+    def __init__(self, run_dir: Path, min_interval_s: float = 0.5):
+        self.dir = run_dir
+        self.curves = Curves()
+        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._event_count = 0
+        self._event_tail = _Tail(run_dir / "events.jsonl")
+        self._metric_tail = _Tail(run_dir / "metrics.jsonl")
+        self._status: dict[str, Any] = {}
+        self._status_key: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._polled_at = 0.0
+        self._min_interval_s = min_interval_s  # many open pages cost one read per interval
+
+    def poll(self) -> None:
+        """Take in what the run wrote since the last poll (at most once per interval)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._polled_at < self._min_interval_s:
+                return
+            self._polled_at = now
+            self._read_status()
+            for line in self._event_tail.lines():
+                event = _json(line)
+                if event is not None:
+                    self._events.append(event)
+                    self._event_count += 1
+            for line in self._metric_tail.lines():
+                point = _json(line)
+                if point is not None and isinstance(point.get("task"), str):
+                    attempt = point.get("attempt")
+                    self.curves.add(point["task"], attempt if type(attempt) is int else 0, [point])
+
+    def _read_status(self) -> None:
+        path = self.dir / "status.json"
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            key = (st.st_mtime_ns, st.st_size)
+            if key == self._status_key:
+                return
+            with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+                status = json.loads(f.read())
+        except (OSError, ValueError):
+            return  # not written yet, or being replaced: the last one stands
+        if isinstance(status, dict):
+            self._status, self._status_key = status, key
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return self._status
+
+    def events(self, since: int) -> tuple[list[dict[str, Any]], int]:
+        """The events after the first `since` ever read (as many as are kept), and the new count."""
+        with self._lock:
+            count, kept = self._event_count, list(self._events)
+        new = max(0, min(count - since, len(kept)))
+        return (kept[len(kept) - new :] if new else []), count
+
+    def tasks(self) -> list[str]:
+        return [str(t.get("task")) for t in self.status().get("tasks", [])]
+
+    def log_tail(self, task: str, lines: int = 40) -> list[str] | None:
+        """The task's last log lines (this attempt's), or None for a task the run does not have
+        (the name is never used as a path unless it is one of the run's tasks)."""
+        if task not in self.tasks():
+            return None
+        return [collapse_redraws(line) for line in tail_lines(self.dir / "logs" / f"{task}.log", lines)]
+
+
+def _json(line: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None  # a line torn by a crash
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,261 @@
+// A run's page: polls /api/state every second, /api/curves when they changed, the selected
+// task's log every two seconds. No library, no outside request (the server's CSP forbids them).
+"use strict";
+
+const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
+const NOTABLE_RUN = new Set(["STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"]);
+const NOTABLE_TASK = new Set(["FAILED", "LOST"]);
+const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "results", "resume", "error"]);
+const MAX_ROWS = 50;
+
+let eventCount = 0;
+let curvesVersion = -1;
+let curvesAt = 0;
+let selected = null;
+let lastStatus = null;
+let clockSkew = 0; // server time - browser time
+const events = [];
+
+function el(tag, attrs, ...children) {
+  const node = tag.startsWith("svg:")
+    ? document.createElementNS("http://www.w3.org/2000/svg", tag.slice(4))
+    : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  for (const c of children) node.append(c);
+  return node;
+}
+
+function age(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  if (seconds < 60) return `${Math.max(0, Math.floor(seconds))} s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min`;
+  return `${Math.floor(seconds / 3600)} h`;
+}
+
+function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), r = s % 60;
+  const mm = h ? String(m).padStart(2, "0") : String(m);
+  return `${h ? h + ":" : ""}${mm}:${String(r).padStart(2, "0")}`;
+}
+
+function num(v) {
+  return typeof v === "number" ? Number(v.toPrecision(4)).toString() : "";
+}
+
+function when(iso) {
+  const t = Date.parse(iso || "");
+  return Number.isNaN(t) ? null : t / 1000;
+}
+
+function now() {
+  return Date.now() / 1000 + clockSkew;
+}
+
+async function getJSON(path) {
+  const response = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+  if (!response.ok) throw new Error(`${path}: ${response.status}`);
+  return response.json();
+}
+
+function metricNames(tasks) {
+  const names = [];
+  for (const t of tasks) for (const n of Object.keys(t.metrics || {})) if (!names.includes(n)) names.push(n);
+  const rank = (n) => (n === "loss" ? 0 : n.startsWith("eval_") ? 2 : 1);
+  return names.sort((a, b) => rank(a) - rank(b) || names.indexOf(a) - names.indexOf(b));
+}
+
+function renderHead(status) {
+  document.title = `${status.name} ${status.state} — orchestrate`;
+  document.getElementById("name").textContent = status.name;
+  const state = document.getElementById("state");
+  state.textContent = status.state;
+  state.className = `state ${status.state}`;
+  const start = when(status.started_at);
+  const end = when(status.ended_at) || now();
+  const took = start ? ` · ${duration(end - start)}` : "";
+  document.getElementById("head").textContent =
+    `attempt ${status.attempt} · restarts ${status.restarts}${took} · run ${status.run_id}`;
+  document.getElementById("reason").textContent = (status.reason || "").split("\n")[0];
+  const training = status.tasks.filter((t) => (t.role === "chief" || t.role === "worker") && t.last_step !== null);
+  training.sort((a, b) => (b.role === "chief") - (a.role === "chief") || b.last_step - a.last_step);
+  const lead = training[0];
+  const text = [];
+  let fraction = 0;
+  if (lead) {
+    const total = Math.max(...training.map((t) => t.total_steps || 0));
+    if (total) {
+      fraction = Math.min(1, lead.last_step / total);
+      text.push(`step ${lead.last_step}/${total} (${Math.round(fraction * 100)}%)`);
+      if (lead.steps_per_s > 0 && !status.ended_at) text.push(`ETA ${duration((total - lead.last_step) / lead.steps_per_s)}`);
+    } else {
+      text.push(`step ${lead.last_step}`);
+    }
+    if (lead.steps_per_s !== null && !status.ended_at) {
+      text.push(`${num(lead.steps_per_s)} steps/s`);
+      if (status.examples_per_step) text.push(`${Math.round(lead.steps_per_s * status.examples_per_step)} examples/s`);
+    }
+  }
+  document.getElementById("done").style.width = `${fraction * 100}%`;
+  document.getElementById("progress-text").textContent = text.join(" · ");
+}
+
+function renderTasks(status) {
+  const tasks = status.tasks.slice(0, MAX_ROWS);
+  const names = metricNames(tasks);
+  const head = ["task", "state", "step", ...names, "heartbeat", "steps/s", "restarts", "RSS", "host"];
+  const thead = document.querySelector("#tasks thead");
+  thead.replaceChildren(el("tr", {}, ...head.map((h) => el("th", h === "state" || h === "host" ? { class: "left" } : {}, h))));
+  const rows = tasks.map((t) => {
+    const ended = ["SUCCEEDED", "FAILED", "LOST", "STOPPED"].includes(t.state);
+    const beat = when(t.last_heartbeat_at);
+    const shownState = t.busy && t.state === "RUNNING" ? t.busy : t.state;
+    const cells = [
+      t.task,
+      el("span", { class: `state ${t.state}` }, shownState),
+      t.last_step === null ? "" : String(t.last_step),
+      ...names.map((n) => num((t.metrics || {})[n])),
+      beat && !ended ? age(now() - beat) : "",
+      (t.role === "chief" || t.role === "worker") && !ended ? num(t.steps_per_s) : "",
+      t.restarts ? String(t.restarts) : "",
+      t.rss_bytes ? `${Math.round(t.rss_bytes / 1048576)} MiB` : "",
+      t.host,
+    ];
+    const row = el("tr", { "data-task": t.task, "data-state": t.state },
+      ...cells.map((c, i) => el("td", head[i] === "state" || head[i] === "host" ? { class: "left" } : {}, c)));
+    if (t.task === selected) row.classList.add("selected");
+    row.addEventListener("click", () => selectTask(t.task));
+    return row;
+  });
+  document.querySelector("#tasks tbody").replaceChildren(...rows);
+  const more = status.tasks.length - tasks.length;
+  document.getElementById("tasks-more").textContent = more > 0 ? `… and ${more} more tasks (status.json has them all)` : "";
+  const select = document.getElementById("log-task");
+  const current = [...select.options].map((o) => o.value).join(",");
+  if (current !== status.tasks.map((t) => t.task).join(",")) {
+    select.replaceChildren(...status.tasks.map((t) => el("option", { value: t.task }, t.task)));
+    if (selected) select.value = selected;
+  }
+  if (!selected && status.tasks.length) selectTask(status.tasks[0].task);
+}
+
+function notable(e) {
+  if (e.kind === "run") return NOTABLE_RUN.has(e.new);
+  if (e.kind === "task") return NOTABLE_TASK.has(e.new);
+  return NOTES.has(e.kind);
+}
+
+function eventText(e) {
+  const reason = String(e.reason || "").split("\n")[0];
+  if (e.kind === "run" || e.kind === "task") return `${e.kind === "task" ? e.task + " " : ""}${e.new}: ${reason}`;
+  if (e.kind === "task_restart") return `${e.task} restarting alone: ${reason}`;
+  return reason;
+}
+
+function renderEvents() {
+  const shown = events.filter(notable).slice(-30).reverse();
+  document.getElementById("events").replaceChildren(
+    ...(shown.length ? shown.map((e) => el("li", { "data-kind": e.kind }, el("span", { class: "dim" }, `${String(e.time).slice(11, 19)} `), eventText(e)))
+      : [el("li", { class: "dim" }, "nothing notable yet")]));
+}
+
+function renderFailures(status) {
+  const items = [
+    ...(status.failures || []).map((f) => `attempt ${f.attempt} ended: ${f.reason}`),
+    ...(status.task_restarts || []).map((f) => `restarted alone: ${f.reason}`),
+  ];
+  document.getElementById("failures").replaceChildren(
+    ...(items.length ? items.map((t) => el("li", {}, t.split("\n")[0])) : [el("li", { class: "dim" }, "none")]));
+}
+
+function plot(name, byTask) {
+  const W = 420, H = 190, L = 46, R = 8, T = 8, B = 22;
+  const all = Object.values(byTask).flat();
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]).filter(Number.isFinite);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x0 === x1) x1 = x0 + 1;
+  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  const svg = el("svg:svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, "data-metric": name });
+  svg.append(el("svg:rect", { x: L, y: T, width: W - L - R, height: H - T - B, fill: "none", stroke: "#ddd" }));
+  for (const [y, label] of [[y0, num(y0)], [y1, num(y1)]]) {
+    svg.append(el("svg:text", { x: L - 4, y: sy(y) + 3, "text-anchor": "end" }, label));
+  }
+  svg.append(el("svg:text", { x: L, y: H - 6 }, `step ${x0}`));
+  svg.append(el("svg:text", { x: W - R, y: H - 6, "text-anchor": "end" }, `${x1}`));
+  const legend = el("div", { class: "legend" });
+  Object.entries(byTask).forEach(([task, points], i) => {
+    const color = COLORS[i % COLORS.length];
+    let d = "", attempt = null;
+    for (const [x, y, a] of points) {
+      if (!Number.isFinite(y)) continue;
+      d += `${a !== attempt ? "M" : "L"}${sx(x).toFixed(1)},${sy(y).toFixed(1)} `;
+      attempt = a;
+    }
+    svg.append(el("svg:path", { d, fill: "none", stroke: color, "stroke-width": 1.5, "data-task": task, "data-points": points.length }));
+    legend.append(el("span", { style: `color:${color}` }, `━ ${task}`));
+  });
+  return el("figure", {}, el("figcaption", {}, name), svg, legend);
+}
+
+function renderCurves(curves) {
+  const byName = {};
+  for (const [task, metrics] of Object.entries(curves)) {
+    for (const [name, points] of Object.entries(metrics)) (byName[name] ||= {})[task] = points;
+  }
+  const names = Object.keys(byName).sort((a, b) => (a === "loss" ? -1 : b === "loss" ? 1 : a.localeCompare(b)));
+  const plots = document.getElementById("plots");
+  if (!names.length) return;
+  plots.replaceChildren(...names.slice(0, 12).map((n) => plot(n, byName[n])));
+}
+
+async function selectTask(task) {
+  selected = task;
+  document.getElementById("log-task").value = task;
+  for (const row of document.querySelectorAll("#tasks tbody tr")) row.classList.toggle("selected", row.dataset.task === task);
+  await refreshLog();
+}
+
+async function refreshLog() {
+  if (!selected) return;
+  try {
+    const data = await getJSON(`/api/logs/${encodeURIComponent(selected)}?lines=60`);
+    const pre = document.getElementById("log");
+    const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+    pre.textContent = data.lines.join("\n");
+    if (atBottom) pre.scrollTop = pre.scrollHeight;
+  } catch (err) {
+    document.getElementById("log").textContent = String(err);
+  }
+}
+
+async function tick() {
+  try {
+    const data = await getJSON(`/api/state?events=${eventCount}`);
+    clockSkew = data.now - Date.now() / 1000;
+    eventCount = data.event_count;
+    events.push(...data.events);
+    if (events.length > 2000) events.splice(0, events.length - 2000);
+    lastStatus = data.status;
+    if (lastStatus && lastStatus.tasks) {
+      renderHead(lastStatus);
+      renderTasks(lastStatus);
+      renderFailures(lastStatus);
+    }
+    renderEvents();
+    document.getElementById("footer").textContent = data.tensorboard || "";
+    if (data.curves_version !== curvesVersion && Date.now() - curvesAt > 1500) {
+      curvesVersion = data.curves_version;
+      curvesAt = Date.now();
+      renderCurves(await getJSON("/api/curves"));
+    }
+  } catch (err) {
+    document.getElementById("reason").textContent = `cannot reach the coordinator: ${err.message}`;
+  }
+  setTimeout(tick, 1000);
+}
+
+document.getElementById("log-task").addEventListener("change", (e) => selectTask(e.target.value));
+setInterval(refreshLog, 2000);
+tick();

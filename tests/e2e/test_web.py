@@ -1,0 +1,190 @@
+"""End to end: a live run's page in a real headless browser (Debian's chromium, driven by
+playwright, which downloads nothing here), and a real Prometheus server scraping its /metrics.
+One run serves both: two workers without TensorFlow reporting loss and accuracy for ~40 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_processes, wait_until
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PROMETHEUS = shutil.which("prometheus")
+#: Where the screenshot goes (kept after the run: CI keeps it with the test output).
+OUTPUT = Path(os.environ.get("ORCHESTRATE_TEST_OUTPUT", REPO / "test-output"))
+
+JOB = """
+    import time, worker
+    steps = 800
+    worker.set_total_steps(steps)
+    for i in range(1, steps + 1):
+        time.sleep(0.05)
+        worker.report(step=i, loss=1.0 / i, accuracy=i / steps)
+"""
+
+
+class LiveRun:
+    def __init__(self, root: Path):
+        (root / "job.py").write_text(textwrap.dedent(JOB))
+        (root / "spec.yaml").write_text(
+            "name: page\nhosts:\n  - address: 127.0.0.1\n    tasks: {worker: 2}\njob:\n  script: job.py\n"
+        )
+        self.run_dir = root / "run"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "up", "spec.yaml", "--run-dir", "run", "--plain"],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        assert wait_until(lambda: "urls" in self.status() and self.step() >= 5, 60), self.status()
+        self.page_url: str = self.status()["urls"]["page"]
+        self.metrics_url: str = self.status()["urls"]["metrics"]
+        self.token = urllib.parse.parse_qs(urllib.parse.urlsplit(self.page_url).query)["token"][0]
+        self.base = self.page_url.split("/?", 1)[0]
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def step(self) -> int:
+        return min((t.get("last_step") or 0 for t in self.status().get("tasks", [])), default=0)
+
+    def close(self) -> None:
+        run_id = self.status().get("run_id", "")
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        assert run_processes(run_id) == []
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
+    run = LiveRun(tmp_path_factory.mktemp("web"))
+    yield run
+    run.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_the_live_page_in_a_real_browser(live: LiveRun) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    errors: list[str] = []
+    outside: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=30_000)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: None if r.url.startswith(live.base) else outside.append(r.url))
+            started = time.monotonic()
+            page.goto(live.page_url)
+            page.wait_for_selector('#tasks tr[data-task="worker-1"]', timeout=15_000)
+            page.wait_for_selector('path[data-task="worker-0"]', timeout=15_000)
+            load_s = time.monotonic() - started
+            assert page.url == f"{live.base}/"  # the token went into a cookie, out of the address bar
+            assert page.locator("#state").inner_text() == "RUNNING"
+            assert page.locator('#tasks tr[data-task="worker-0"] td').nth(1).inner_text() == "RUNNING"
+
+            def points() -> int:
+                return int(
+                    page.locator('svg[data-metric="loss"] path[data-task="worker-0"]').get_attribute(
+                        "data-points"
+                    )
+                    or 0
+                )
+
+            first = points()
+            deadline = time.monotonic() + 15
+            while points() <= first and time.monotonic() < deadline:
+                page.wait_for_timeout(500)
+            assert points() > first, "the loss curve did not grow while the job ran"
+            page.locator('#tasks tr[data-task="worker-1"]').click()
+            page.wait_for_function("document.getElementById('log').textContent.length > 0", timeout=10_000)
+            OUTPUT.mkdir(parents=True, exist_ok=True)
+            shot = OUTPUT / "web-page.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert errors == [] and outside == []
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    print(f"page loaded and showed both tasks in {load_s:.2f} s; screenshot: {shot}")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed (.ci/run installs it)")
+def test_a_real_prometheus_scrapes_the_live_run(live: LiveRun, tmp_path: Path) -> None:
+    assert PROMETHEUS is not None
+    token = tmp_path / "token"
+    token.write_text(live.token)
+    token.chmod(0o600)
+    target = urllib.parse.urlsplit(live.metrics_url).netloc
+    (tmp_path / "prometheus.yml").write_text(
+        textwrap.dedent(
+            f"""\
+            global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+            scrape_configs:
+              - job_name: orchestrate
+                static_configs: [{{targets: ["{target}"]}}]
+                authorization: {{credentials_file: {token}}}
+            """
+        )
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "wb"),  # noqa: SIM115 - closed with the process
+    )
+
+    def query(q: str) -> list[dict[str, Any]]:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return list(json.load(r)["data"]["result"])
+        except OSError:
+            return []
+
+    try:
+        assert wait_until(lambda: query('up{job="orchestrate"} == 1'), 40), (
+            tmp_path / "prometheus.log"
+        ).read_text()[-2000:]
+        assert wait_until(lambda: len(query("orchestrate_task_step > 0")) == 2, 20)
+        first = {r["metric"]["task"]: float(r["value"][1]) for r in query("orchestrate_task_step")}
+        assert wait_until(
+            lambda: all(
+                float(r["value"][1]) > first[r["metric"]["task"]] for r in query("orchestrate_task_step")
+            ),
+            20,
+        )
+        loss = query('orchestrate_task_metric{name="loss"}')
+        assert {r["metric"]["task"] for r in loss} == {"worker-0", "worker-1"}
+        assert query('orchestrate_run_state{state="RUNNING"} == 1')
+        assert query("orchestrate_task_heartbeat_age_seconds < 5")
+        assert query('orchestrate_task_state{state="RUNNING"} == 1')
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
