@@ -194,7 +194,9 @@ function plot(name, byTask) {
       attempt = a;
     }
     svg.append(el("svg:path", { d, fill: "none", stroke: color, "stroke-width": 1.5, "data-task": task, "data-points": points.length }));
-    legend.append(el("span", { style: `color:${color}` }, `━ ${task}`));
+    const key = el("span", {}, `━ ${task}`);
+    key.style.color = color; // CSSOM, not a style attribute: the page's CSP allows no inline style
+    legend.append(key);
   });
   return el("figure", {}, el("figcaption", {}, name), svg, legend);
 }
