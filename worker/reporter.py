@@ -21,11 +21,13 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from worker import wire
+from worker.tensorboard import Scalars
 
 log = logging.getLogger("worker")
 
@@ -67,6 +69,7 @@ class Reporter:
         self._total_steps: int | None = None
         self._metrics: dict[str, float] = {}
         self._busy: str | None = None
+        self._scalars: Scalars | None = None  # mode 1: the points as TensorBoard scalars too
         self._connecting = False
         self._ready = False
         self._done = False
@@ -103,6 +106,8 @@ class Reporter:
             self._metrics.update(values)
             if point:
                 self._points.append({"time": time.time(), "step": self._step, **values})
+                if self._scalars is not None:
+                    self._scalars.add({"step": self._step, **values})
             first = not self._ready
             self._ready = True
         if first:
@@ -131,6 +136,10 @@ class Reporter:
                 self._refused.add(name)
                 log.warning("worker.report(): metric %r dropped: %s", name[:200], why)
         return kept
+
+    def write_tensorboard(self, folder: Path) -> None:
+        """Write every reported point as TensorBoard scalars into `folder` too (a mode-1 job)."""
+        self._scalars = Scalars(folder)
 
     def set_busy(self, what: str | None) -> None:
         """What the task does between training steps (validating, saving, …), or None when it
@@ -207,6 +216,8 @@ class Reporter:
         last_ok = time.monotonic()
         while True:
             final = self._stopped.is_set()
+            if self._scalars is not None:
+                self._scalars.flush()
             body, sent_points, phase = self._snapshot()
             status, post_in = self._post(body, urgent=phase != self._phase_sent)
             if status == wire.OK_STATUS:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker import strategy_hook, tf_tuning, wire
-from worker.reporter import Reporter, ReporterConfig
+from worker.reporter import Reporter, ReporterConfig, keeps_points
 
 _reporter: Reporter | None = None
 
@@ -51,6 +51,9 @@ def start_reporting() -> Reporter:
 
 
 def run_script(script: str, args: list[str]) -> int:
+    run_dir, task = os.environ.get(wire.ENV_RUN_DIR), os.environ.get(wire.ENV_TASK)
+    if run_dir and task and keeps_points():  # the chief's points, as metrics.jsonl keeps them
+        reporter().write_tensorboard(Path(run_dir) / "tensorboard" / task)
     path = Path(script).resolve()
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from worker import wire
+from worker.tensorboard import scalar
 
 FINAL_MARKER = "final.json"  # in the checkpoint folder: the last step, written when training is done
 
@@ -105,11 +106,5 @@ def write_final_marker(checkpoint_dir: Path, step: int) -> None:
 
 
 def tensorboard_scalar(tf: Any, name: str, value: float) -> None:
-    """A TensorBoard scalar, written without the tensorboard package (tf.summary.scalar needs it;
-    the file format does not): a float tensor tagged for TensorBoard's "scalars" plugin."""
-    from tensorflow.core.framework import summary_pb2
-
-    plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    tf.summary.write(
-        name, tf.constant(value, dtype=tf.float32), metadata=summary_pb2.SummaryMetadata(plugin_data=plugin)
-    )
+    """A TensorBoard scalar at the writer's current step (worker/tensorboard.py writes it)."""
+    scalar(tf, name, value)

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.util
 import logging
 import secrets
+import shlex
 import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -44,6 +47,18 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 MAX_LOG_LINES = 200
+
+
+def tensorboard_note(run_dir: Path) -> dict[str, Any]:
+    """What the page says about TensorBoard: the command that shows the run's scalars, and a link
+    when the tensorboard package is installed here (`pip install tf-orchestrate[tensorboard]`)."""
+    installed = importlib.util.find_spec("tensorboard") is not None
+    command = f"tensorboard --logdir {shlex.quote(str(run_dir.resolve() / 'tensorboard'))}"
+    return {
+        "installed": installed,
+        "command": command if installed else "pip install 'tf-orchestrate[tensorboard]', then " + command,
+        "url": "http://localhost:6006/" if installed else None,
+    }
 
 
 class WebServer:
@@ -77,6 +92,7 @@ class WebServer:
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._registry = registry(reader.status)
+        self._tensorboard = tensorboard_note(reader.dir)
         self.connections: set[_Guard] = set()
         self.requests = 0
 
@@ -202,6 +218,7 @@ class WebServer:
                 "event_count": count,
                 "curves_version": self.reader.curves.version,
                 "now": time.time(),
+                "tensorboard": self._tensorboard,
                 **self._extra(),
             }
         )

@@ -315,6 +315,7 @@ class _Stats:
         self.latencies: list[float] = []
         self.heartbeats = 0
         self.errors: list[str] = []
+        self.page_latencies: list[float] = []
 
 
 async def _sender(
@@ -368,6 +369,46 @@ async def _sender(
     writer.close()
 
 
+async def _page(status_path: Path, until: float, stats: _Stats) -> None:
+    """One open page, as orchestrator/web/static/page.js polls: /api/state every second (the events
+    since its last), /api/curves when they changed (at most every 1.5 s), the selected task's log
+    every 2 s. Its latencies go to `stats.page_latencies`."""
+    page = None
+    while page is None:
+        try:
+            page = json.loads(status_path.read_text())["urls"]["page"]
+        except (OSError, ValueError, KeyError):
+            await asyncio.sleep(0.2)
+    base, token = page.split("/?token=")
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    events, version, curves_at, log_at = 0, -1, 0.0, 0.0
+
+    async def get(path: str) -> bytes:
+        request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n\r\n"
+        started = time.monotonic()
+        writer.write(request.encode())
+        status, body = await read_response(reader)
+        if started >= stats.measure_from:
+            stats.page_latencies.append(time.monotonic() - started)
+        if not status.startswith(b"HTTP/1.1 200"):
+            stats.errors.append(f"page {path}: {status!r}")
+        return body
+
+    while time.monotonic() < until:
+        tick = time.monotonic()
+        state = json.loads(await get(f"/api/state?events={events}"))
+        events = state["event_count"]
+        if state["curves_version"] != version and tick - curves_at > 1.5:
+            version, curves_at = state["curves_version"], tick
+            await get("/api/curves")
+        if tick - log_at >= 2:
+            log_at = tick
+            await get("/api/logs/worker-0?lines=60")
+        await asyncio.sleep(max(0.0, tick + 1.0 - time.monotonic()))
+    writer.close()
+
+
 def _senders(way: str, n: int, info: dict[str, Any]) -> list[tuple[str, list[int], float, str]]:
     """(path, the tasks whose heartbeats it carries, period, credential) per connection."""
     tokens, scopes = info["tokens"], info["scopes"]
@@ -384,7 +425,9 @@ def _senders(way: str, n: int, info: dict[str, Any]) -> list[tuple[str, list[int
     return out
 
 
-def measure(case: str, warmup_s: float, measure_s: float, parser: str = "http1") -> dict[str, Any]:
+def measure(
+    case: str, warmup_s: float, measure_s: float, parser: str = "http1", pages: int = 0
+) -> dict[str, Any]:
     import psutil
 
     kind, way, count = case.split(":")
@@ -442,6 +485,7 @@ def measure(case: str, warmup_s: float, measure_s: float, parser: str = "http1")
                 _sender(path, ids, period, info["url"], token, info["attempt"], until, stats)
                 for path, ids, period, token in _senders(way, n, info)
             ]
+            senders += [_page(folder / "run" / "status.json", until, stats) for _ in range(pages)]
             load = asyncio.ensure_future(asyncio.gather(*senders))
             await asyncio.sleep(max(0.0, stats.measure_from - time.monotonic()))
             window["before"] = (proc.cpu_times()[:2], time.monotonic())
@@ -477,6 +521,12 @@ def measure(case: str, warmup_s: float, measure_s: float, parser: str = "http1")
         "of_which_kernel": round(system, 4),
         "p50_ms": round(1000 * statistics.median(lat), 3) if lat else None,
         "p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 3) if lat else None,
+        "pages": pages,
+        "page_p99_ms": round(
+            1000 * sorted(stats.page_latencies)[int(0.99 * (len(stats.page_latencies) - 1))], 3
+        )
+        if stats.page_latencies
+        else None,
         "errors": len(stats.errors),
         "first_error": stats.errors[0] if stats.errors else None,
     }
@@ -494,6 +544,9 @@ def main() -> int:
         help="HTTP/1.1 parsing of the coordinator's heartbeat endpoint: worker/http1.py, or httptools "
         "(pip install httptools)",
     )
+    parser.add_argument(
+        "--pages", type=int, default=0, help="'whole' cases: this many open pages polling as the page does"
+    )
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)  # KIND ARRIVAL TASKS FOLDER
     ns = parser.parse_args()
     _raise_fd_limit()
@@ -502,7 +555,7 @@ def main() -> int:
         use_parser(ns.parser)
         (serve_whole if kind == "whole" else serve_path)(int(n), way, Path(folder))
         return 0
-    results = [measure(case, ns.warmup_s, ns.measure_s, ns.parser) for case in ns.cases]
+    results = [measure(case, ns.warmup_s, ns.measure_s, ns.parser, ns.pages) for case in ns.cases]
     print(
         json.dumps(
             {"metric": "P6 coordinator capacity", "results": results, "cores": os.cpu_count()}, indent=2

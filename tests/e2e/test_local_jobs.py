@@ -267,3 +267,7 @@ def test_validation_saving_and_what_follows_fit_are_not_stalls(job_factory):
     assert "all phases done" in (job.run_dir / "logs" / "worker-0.log").read_text()
     assert {"ending the epoch", "done training", "exporting"} <= seen, seen
     assert job.status()["restarts"] == 0
+    # the chief's reported points as TensorBoard scalars too (mode 1), next to metrics.jsonl
+    (events,) = (job.run_dir / "tensorboard" / "worker-0").glob("events.out.tfevents.*")
+    data = events.read_bytes()
+    assert b"loss" in data and b"val_loss" in data and b"scalars" in data

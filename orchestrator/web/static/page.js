@@ -212,6 +212,15 @@ function renderCurves(curves) {
   plots.replaceChildren(...names.slice(0, 12).map((n) => plot(n, byName[n])));
 }
 
+function renderFooter(tb) {
+  const footer = document.getElementById("footer");
+  if (!tb || footer.dataset.shown) return;
+  footer.dataset.shown = "1";
+  const parts = ["TensorBoard: ", el("code", {}, tb.command)];
+  if (tb.url) parts.push(" — then ", el("a", { href: tb.url, target: "_blank", rel: "noopener" }, tb.url));
+  footer.replaceChildren(...parts);
+}
+
 async function selectTask(task) {
   selected = task;
   document.getElementById("log-task").value = task;
@@ -246,7 +255,7 @@ async function tick() {
       renderFailures(lastStatus);
     }
     renderEvents();
-    document.getElementById("footer").textContent = data.tensorboard || "";
+    renderFooter(data.tensorboard);
     if (data.curves_version !== curvesVersion && Date.now() - curvesAt > 1500) {
       curvesVersion = data.curves_version;
       curvesAt = Date.now();
