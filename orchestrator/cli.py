@@ -302,6 +302,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         backend_option=args.backend,
         progress_every_s=args.progress_every,
         web=None if args.no_web else parse_address(args.web),
+        own_process=True,
     )
     return _summarize(outcome)
 

@@ -8,6 +8,7 @@ before this returns.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import resource
 import signal
@@ -149,6 +150,7 @@ def up(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     stop: StopRequest | None = None,
     web: tuple[str, int] | None = ("127.0.0.1", 0),
+    own_process: bool = False,
 ) -> RunResult:
     """Run the job to its end, from any thread (signals are caught only on the main one).
 
@@ -157,7 +159,8 @@ def up(
     benchmark gives one whose tasks are simulated); `backend_option`: the --backend given, for the
     command that resumes the run; `on_event`: called with every events.jsonl line, as written;
     `stop`: a way to stop the run from another thread. `web`: where the run's page and metrics
-    are served (None: not at all). A spec that is not a file (the Python
+    are served (None: not at all). `own_process`: the process is the run's alone (the CLI), so
+    its start-up objects may be frozen out of the garbage collector's way. A spec that is not a file (the Python
     API's dict) comes as `spec_path` None, with its text and the folder its paths are relative to."""
     if spec_path is not None:
         spec_text, spec_dir = spec_path.read_text(encoding="utf-8"), spec_path.resolve().parent
@@ -223,6 +226,11 @@ def up(
         cleanup.callback(_leave_nothing_running, supervisor)
         if stop is not None:
             stop.attach(supervisor)
+        if own_process:
+            # What start-up made (the modules, the plan) lives as long as the run: out of the cyclic
+            # collector's way, a full collection no longer walks it (a pause in the heartbeat thread:
+            # P6's p99 halved with the page's modules loaded)
+            gc.freeze()
         with _stop_on_signals(supervisor):
             result = supervisor.run()
         home = _bring_home(backend, supervisor.plan, record)

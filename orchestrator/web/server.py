@@ -24,6 +24,7 @@ import shlex
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from orchestrator.view import progress_of
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
 
@@ -47,6 +49,8 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 MAX_LOG_LINES = 200
+#: Task rows the page gets (and shows); the others are counted by state.
+MAX_ROWS = 50
 
 
 def tensorboard_note(run_dir: Path) -> dict[str, Any]:
@@ -211,9 +215,22 @@ class WebServer:
         since = _int(request.query.get("events"), 0)
         self.reader.poll()
         events, count = self.reader.events(since)
+        status = self.reader.status()
+        tasks = status.get("tasks", [])
+        progress = progress_of(status)
         return web.json_response(
             {
-                "status": self.reader.status(),
+                # the rows the page shows, not a thousand tasks' every second (P6 with a page open)
+                "status": {**status, "tasks": tasks[:MAX_ROWS]},
+                "task_count": len(tasks),
+                "task_states": dict(Counter(str(t.get("state")) for t in tasks)),
+                "progress": {
+                    "step": progress.step,
+                    "total": progress.total,
+                    "steps_per_s": progress.steps_per_s,
+                    "examples_per_s": progress.examples_per_s,
+                    "eta_s": progress.eta_s,
+                },
                 "events": events[-200:],
                 "event_count": count,
                 "curves_version": self.reader.curves.version,

@@ -243,7 +243,14 @@ def serve_whole(n: int, way: str, folder: Path) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the plain view's lines (every task's states and log lines) go nowhere
     run_dir = folder / "run"
-    coordinator.up(spec, spec_path, run_dir=run_dir, live=False, backend=SimBackend(spec, run_dir, folder))
+    coordinator.up(
+        spec,
+        spec_path,
+        run_dir=run_dir,
+        live=False,
+        backend=SimBackend(spec, run_dir, folder),
+        own_process=True,
+    )
 
 
 def _announce(info: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"
 const NOTABLE_RUN = new Set(["STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"]);
 const NOTABLE_TASK = new Set(["FAILED", "LOST"]);
 const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "results", "resume", "error"]);
-const MAX_ROWS = 50;
+const MAX_ROWS = 50; // as the server sends
 
 let eventCount = 0;
 let curvesVersion = -1;
@@ -65,7 +65,7 @@ function metricNames(tasks) {
   return names.sort((a, b) => rank(a) - rank(b) || names.indexOf(a) - names.indexOf(b));
 }
 
-function renderHead(status) {
+function renderHead(status, progress) {
   document.title = `${status.name} ${status.state} — orchestrate`;
   document.getElementById("name").textContent = status.name;
   const state = document.getElementById("state");
@@ -77,30 +77,27 @@ function renderHead(status) {
   document.getElementById("head").textContent =
     `attempt ${status.attempt} · restarts ${status.restarts}${took} · run ${status.run_id}`;
   document.getElementById("reason").textContent = (status.reason || "").split("\n")[0];
-  const training = status.tasks.filter((t) => (t.role === "chief" || t.role === "worker") && t.last_step !== null);
-  training.sort((a, b) => (b.role === "chief") - (a.role === "chief") || b.last_step - a.last_step);
-  const lead = training[0];
+  // the server's progress, of every task (the page gets the first rows only)
   const text = [];
   let fraction = 0;
-  if (lead) {
-    const total = Math.max(...training.map((t) => t.total_steps || 0));
-    if (total) {
-      fraction = Math.min(1, lead.last_step / total);
-      text.push(`step ${lead.last_step}/${total} (${Math.round(fraction * 100)}%)`);
-      if (lead.steps_per_s > 0 && !status.ended_at) text.push(`ETA ${duration((total - lead.last_step) / lead.steps_per_s)}`);
+  if (progress && progress.step !== null) {
+    if (progress.total) {
+      fraction = Math.min(1, progress.step / progress.total);
+      text.push(`step ${progress.step}/${progress.total} (${Math.round(fraction * 100)}%)`);
+      if (progress.eta_s !== null && !status.ended_at) text.push(`ETA ${duration(progress.eta_s)}`);
     } else {
-      text.push(`step ${lead.last_step}`);
+      text.push(`step ${progress.step}`);
     }
-    if (lead.steps_per_s !== null && !status.ended_at) {
-      text.push(`${num(lead.steps_per_s)} steps/s`);
-      if (status.examples_per_step) text.push(`${Math.round(lead.steps_per_s * status.examples_per_step)} examples/s`);
+    if (progress.steps_per_s !== null && !status.ended_at) {
+      text.push(`${num(progress.steps_per_s)} steps/s`);
+      if (progress.examples_per_s !== null) text.push(`${Math.round(progress.examples_per_s)} examples/s`);
     }
   }
   document.getElementById("done").style.width = `${fraction * 100}%`;
   document.getElementById("progress-text").textContent = text.join(" · ");
 }
 
-function renderTasks(status) {
+function renderTasks(status, count, states) {
   const tasks = status.tasks.slice(0, MAX_ROWS);
   const names = metricNames(tasks);
   const head = ["task", "state", "step", ...names, "heartbeat", "steps/s", "restarts", "RSS", "host"];
@@ -128,8 +125,10 @@ function renderTasks(status) {
     return row;
   });
   document.querySelector("#tasks tbody").replaceChildren(...rows);
-  const more = status.tasks.length - tasks.length;
-  document.getElementById("tasks-more").textContent = more > 0 ? `… and ${more} more tasks (status.json has them all)` : "";
+  const more = count - tasks.length;
+  const byState = Object.entries(states || {}).map(([s, n]) => `${n} ${s}`).join(", ");
+  document.getElementById("tasks-more").textContent =
+    more > 0 ? `${count} tasks (${byState}); the first ${tasks.length} shown, status.json has them all` : "";
   const select = document.getElementById("log-task");
   const current = [...select.options].map((o) => o.value).join(",");
   if (current !== status.tasks.map((t) => t.task).join(",")) {
@@ -250,8 +249,8 @@ async function tick() {
     if (events.length > 2000) events.splice(0, events.length - 2000);
     lastStatus = data.status;
     if (lastStatus && lastStatus.tasks) {
-      renderHead(lastStatus);
-      renderTasks(lastStatus);
+      renderHead(lastStatus, data.progress);
+      renderTasks(lastStatus, data.task_count, data.task_states);
       renderFailures(lastStatus);
     }
     renderEvents();
