@@ -160,8 +160,9 @@ def up(
     command that resumes the run; `on_event`: called with every events.jsonl line, as written;
     `stop`: a way to stop the run from another thread. `web`: where the run's page and metrics
     are served (None: not at all). `own_process`: the process is the run's alone (the CLI), so
-    its start-up objects may be frozen out of the garbage collector's way. A spec that is not a file (the Python
-    API's dict) comes as `spec_path` None, with its text and the folder its paths are relative to."""
+    its start-up objects may be frozen out of the garbage collector's way. A spec that is not a
+    file (the Python API's dict) comes as `spec_path` None, with its text and the folder its paths
+    are relative to."""
     if spec_path is not None:
         spec_text, spec_dir = spec_path.read_text(encoding="utf-8"), spec_path.resolve().parent
     assert spec_text is not None and spec_dir is not None
