@@ -31,6 +31,7 @@ class LogTailer:
         self._partial = {name: b"" for name in files}
         self._lock = threading.Lock()  # poll() runs from the tailer's thread and the supervisor's
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="log-tailer", daemon=True)
 
     def start(self) -> LogTailer:
@@ -38,15 +39,20 @@ class LogTailer:
         return self
 
     def stop(self) -> None:
+        """Read what was written last, then close the files. Once: a second stop reads nothing
+        again (a file reopened would be read from its start)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self._closed:
+            return
         self.poll()  # what was written last
         self.flush_partial()
         with self._lock:
             for f in self._open.values():
                 f.close()
             self._open = {}
+            self._closed = True
 
     def flush_partial(self) -> None:
         """Hand over a last line that has no newline yet."""
@@ -61,7 +67,8 @@ class LogTailer:
 
     def poll(self) -> None:
         with self._lock:
-            self._poll()
+            if not self._closed:
+                self._poll()
 
     def _poll(self) -> None:
         for name, path in self._files.items():

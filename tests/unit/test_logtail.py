@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+from orchestrator.logtail import LogTailer
 
 
 def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
@@ -23,3 +26,14 @@ def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
     tailer.stop()
     assert [x for x in lines if x[0] == "a"] == [("a", "one"), ("a", "two")]
     assert ("b", "b appears") in lines
+
+
+def test_a_second_stop_reads_nothing_again(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text("one\ntwo\n")
+    seen: list[str] = []
+    tailer = LogTailer({"w": log}, lambda task, line: seen.append(line), from_start=True)
+    tailer.stop()
+    tailer.stop()
+    tailer.poll()
+    assert seen == ["one", "two"]
