@@ -66,7 +66,7 @@ model.fit(
     train_ds,
     epochs=args.epochs,
     steps_per_epoch=steps_per_epoch,
-    callbacks=[backup, worker.ReportCallback()],
+    callbacks=[backup, worker.ReportCallback(global_batch_size=args.global_batch_size)],
     verbose=2 if chief else 0,
 )
 loss, accuracy = model.evaluate(test_ds, verbose=0)

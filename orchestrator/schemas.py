@@ -48,6 +48,10 @@ class TaskStatus(BaseModel):
     restarts: int = Field(0, description="restarts of this task alone (its role's policy restart_task)")
     last_step: int | None
     total_steps: int | None = Field(description="when the task said (the built-in loop, Keras' fit)")
+    examples_per_step: int | None = Field(
+        None,
+        description="the global batch, when the job said (worker.set_total_steps(…, global_batch_size=…))",
+    )
     metrics: dict[str, float] = Field(description='its latest reported values, e.g. {"loss": 0.12}')
     steps_per_s: float | None
     busy: str | None = Field(None, description="between training steps: validating, saving, … (not a stall)")

@@ -161,7 +161,7 @@ def progress_of(status: Mapping[str, Any], now: float | None = None) -> Progress
             oldest_heartbeat_s=max(ages) if ages else None,
         )
     rate = lead.get("steps_per_s")
-    per_step = status.get("examples_per_step")
+    per_step = lead.get("examples_per_step") or status.get("examples_per_step")
     total = max((t.get("total_steps") or 0 for t in training), default=0) or None
     return Progress(
         step=lead["last_step"],

@@ -26,11 +26,12 @@ def report(step: int | None = None, **metrics: Any) -> None:
     reporter().report(step, **metrics)
 
 
-def set_total_steps(total: int | None) -> None:
-    """Tell the coordinator how many steps the job will run (drives its progress bar)."""
+def set_total_steps(total: int | None, global_batch_size: int | None = None) -> None:
+    """Tell the coordinator how many steps the job will run (its progress bar and ETA) and, if
+    given, how many examples one step takes across the cluster (its examples/s)."""
     from worker.runtime import reporter
 
-    reporter().set_total_steps(total)
+    reporter().set_total_steps(total, global_batch_size)
 
 
 @contextlib.contextmanager

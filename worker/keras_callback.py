@@ -26,8 +26,10 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     """Reports step (the optimizer's iteration count, so a resumed run continues its count) and logs;
     in metrics.jsonl from the chief (worker 0) only, as every worker's logs are the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, global_batch_size: int | None = None) -> None:
+        """`global_batch_size`: the examples one step takes across the cluster, for examples/s."""
         super().__init__()
+        self._global_batch_size = global_batch_size
         self._step: int | None = None
         self._scale = 1.0
         self._report = reporter().report if keeps_points() else reporter().progress
@@ -46,7 +48,7 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         steps, epochs = self.params.get("steps"), self.params.get("epochs")
         self._steps_per_epoch = int(steps) if steps else None
         if steps and epochs:
-            reporter().set_total_steps(int(steps) * int(epochs))
+            reporter().set_total_steps(int(steps) * int(epochs), self._global_batch_size)
         reporter().set_busy(_TRAINING)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -67,6 +67,7 @@ class Reporter:
         self._refused: set[str] = set()  # metric names dropped (said once each)
         self._step: int | None = None
         self._total_steps: int | None = None
+        self._examples_per_step: int | None = None
         self._metrics: dict[str, float] = {}
         self._busy: str | None = None
         self._scalars: Scalars | None = None  # mode 1: the points as TensorBoard scalars too
@@ -151,9 +152,11 @@ class Reporter:
     def busy(self) -> str | None:
         return self._busy
 
-    def set_total_steps(self, total: int | None) -> None:
+    def set_total_steps(self, total: int | None, examples_per_step: int | None = None) -> None:
         with self._lock:
             self._total_steps = total
+            if examples_per_step is not None:
+                self._examples_per_step = int(examples_per_step)
 
     def mark_connecting(self, wait_s: float = 2.0) -> None:
         """The task is about to create its strategy. Waits (briefly) until the coordinator has heard
@@ -271,6 +274,7 @@ class Reporter:
                 ready=self._ready,
                 step=self._step,
                 total_steps=self._total_steps,
+                examples_per_step=self._examples_per_step,
                 metrics=dict(self._metrics),
                 points=points,
                 done=self._done,

@@ -132,6 +132,7 @@ class Heartbeat:
     ready: bool = False
     step: int | None = None
     total_steps: int | None = None
+    examples_per_step: int | None = None  # the global batch, when the job said (examples/s)
     metrics: dict[str, float] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
@@ -175,7 +176,7 @@ class Heartbeat:
             get("restored"),
             get("points_from", 0),
         )
-        busy = get("busy")
+        busy, per_step = get("busy"), get("examples_per_step")
         for key, value, allowed in (
             ("task", task, _STR),
             ("attempt", attempt, _INT),
@@ -196,6 +197,7 @@ class Heartbeat:
             ("restored", restored, _DICT_OR_NONE),
             ("points_from", points_from, _INT),
             ("busy", busy, _STR_OR_NONE),
+            ("examples_per_step", per_step, _INT_OR_NONE),
         ):
             if type(value) not in allowed:
                 raise ValueError(f"heartbeat field {key!r} has the wrong type")
@@ -222,6 +224,7 @@ class Heartbeat:
                 ready=ready,
                 step=step,
                 total_steps=total,
+                examples_per_step=per_step,
                 metrics={k: float(v) for k, v in metrics.items()} if metrics else {},
                 points=points,
                 done=done,

@@ -30,6 +30,7 @@ class TaskHealth:
     step: int | None = None
     step_changed_at: float | None = None
     total_steps: int | None = None
+    examples_per_step: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     rss_bytes: int = 0
     cpu_percent: float = 0.0
@@ -117,6 +118,7 @@ class HealthStore:
                 step=hb.step if hb.step is not None else old.step,
                 step_changed_at=now if step_changed else old.step_changed_at,
                 total_steps=hb.total_steps if hb.total_steps is not None else old.total_steps,
+                examples_per_step=hb.examples_per_step or old.examples_per_step,
                 metrics=metrics,
                 rss_bytes=hb.rss_bytes,
                 cpu_percent=hb.cpu_percent,

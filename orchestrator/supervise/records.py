@@ -103,6 +103,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "restarts": rec.restarts,
         "last_step": h.step if h else None,
         "total_steps": h.total_steps if h else None,
+        "examples_per_step": h.examples_per_step if h else None,
         "metrics": dict(h.metrics) if h else {},
         "steps_per_s": round(h.steps_per_s, 3) if h and h.steps_per_s is not None else None,
         "busy": h.busy if h else None,

@@ -1,4 +1,4 @@
-"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts), print one table, keep the figures.
+"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees), print one table, keep the figures.
 
 Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
 one after another (never side by side: they would measure each other), writes everything to
@@ -33,6 +33,7 @@ PLAN = [
     ("P7", "ssh_fanout.py", (["--repeats", "3"], ["--repeats", "1"])),
     ("P9", "ship_state.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
     ("P8", "slurm_launch.py", (["--rounds", "5"], ["--rounds", "1"])),
+    ("P10", "researcher_view.py", (["--kills", "5"], ["--kills", "2", "--measure-s", "8"])),
 ]
 
 
@@ -182,6 +183,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
     if p8.get("skipped"):
         out.append(f"| P8 Slurm launch | skipped | {p8['skipped']} |")
+    p10 = results.get("P10", {})
+    if "cause_on_screen_s" in p10:
+        page = p10["page"]
+        out.append(
+            f"| P10 kill -9 → its cause on the console | {p10['cause_on_screen_s']:.2f} s "
+            f"(max {p10['cause_on_screen_max_s']:.2f} s); the restart's line {p10['restart_line_s']:.2f} s "
+            "| the live view's events pane: the same event, next refresh (≤ 0.25 s) |"
+        )
+        out.append(
+            f"| P10 one open page (1 Hz), {page['tasks']} tasks | coordinator {page['cpu_share_one_page']:.1%} "
+            f"of a core vs {page['cpu_share_no_page']:.1%} with none; page p99 {page['page_p99_ms']} ms "
+            "| 1,000 tasks: `capacity.py --pages 1` |"
+        )
     for name, r in results.items():
         if "error" in r:
             out.append(f"| {name} | FAILED ({r['error']}) | see the JSON |")

@@ -87,6 +87,13 @@ def test_a_task_restarted_alone_starts_from_nothing(store) -> None:
     assert s.ingest(beat(1, step=1)) == wire.OK_STATUS  # the new process's seq 1 is news
 
 
+def test_the_global_batch_a_job_reported_stays(store) -> None:
+    s, _, _ = store
+    s.ingest(beat(1, total_steps=100, examples_per_step=64))
+    s.ingest(beat(2, step=3))
+    assert s.snapshot()["worker-0"].examples_per_step == 64
+
+
 def test_what_a_task_is_busy_with_and_since_when(store) -> None:
     s, clock, _ = store
     s.ingest(beat(1, step=5))

@@ -131,6 +131,12 @@ def test_progress_of_a_training_run() -> None:
     assert p.parts(ended=True)[:2] == ["step 120/400 (30%)", "loss 0.3125"]
 
 
+def test_examples_per_second_from_the_batch_the_job_reported() -> None:
+    s = status(task("worker-0", "worker", last_step=9, steps_per_s=4.0, examples_per_step=32))
+    assert progress_of(s, NOW).examples_per_s == 128.0
+    assert progress_of({**s, "examples_per_step": 64}, NOW).examples_per_s == 128.0  # the job's own first
+
+
 def test_progress_without_a_chief_follows_the_furthest_worker_and_without_a_total_has_no_eta() -> None:
     s = status(
         task("worker-0", "worker", last_step=7, steps_per_s=2.0, metrics={"loss": 1.0}),
