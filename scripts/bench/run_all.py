@@ -1,4 +1,5 @@
-"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees), print one table, keep the figures.
+"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees),
+print one table, keep the figures.
 
 Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
 one after another (never side by side: they would measure each other), writes everything to
@@ -192,8 +193,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             "| the live view's events pane: the same event, next refresh (≤ 0.25 s) |"
         )
         out.append(
-            f"| P10 one open page (1 Hz), {page['tasks']} tasks | coordinator {page['cpu_share_one_page']:.1%} "
-            f"of a core vs {page['cpu_share_no_page']:.1%} with none; page p99 {page['page_p99_ms']} ms "
+            f"| P10 one open page (1 Hz), {page['tasks']} tasks "
+            f"| coordinator {page['cpu_share_one_page']:.1%} of a core vs {page['cpu_share_no_page']:.1%} with none; page p99 {page['page_p99_ms']} ms "
             "| 1,000 tasks: `capacity.py --pages 1` |"
         )
     for name, r in results.items():
