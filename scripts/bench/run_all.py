@@ -194,7 +194,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
         out.append(
             f"| P10 one open page (1 Hz), {page['tasks']} tasks "
-            f"| coordinator {page['cpu_share_one_page']:.1%} of a core vs {page['cpu_share_no_page']:.1%} with none; page p99 {page['page_p99_ms']} ms "
+            f"| coordinator {page['cpu_share_one_page']:.1%} of a core vs {page['cpu_share_no_page']:.1%} "
+            f"with none; page p99 {page['page_p99_ms']} ms "
             "| 1,000 tasks: `capacity.py --pages 1` |"
         )
     for name, r in results.items():
