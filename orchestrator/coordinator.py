@@ -181,13 +181,11 @@ def up(
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        if view is None:
-            on_tty = sys.stdout.isatty() if live is None else live
-            view = LiveView() if on_tty else PlainView(progress_every_s=progress_every_s)
+        view = view or _console_view(live, progress_every_s)
         cleanup.callback(view.close)
-        record.listen(view.event)
-        if on_event is not None:
-            record.listen(on_event)
+        for listener in (view.event, on_event):
+            if listener is not None:
+                record.listen(listener)
         urls: dict[str, str] = {}
         if web is not None:
             page = cleanup.enter_context(_web_server(run_dir, web))
@@ -197,20 +195,12 @@ def up(
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
-        again = None
-        if spec_path is not None:
-            again = ["orchestrate", "up", str(spec_path.resolve()), "--resume", str(run_dir.resolve())]
-            again += ["--backend", backend_option] if backend_option else []
+        again = _resume_argv(spec_path, run_dir, backend_option)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
         if record.broken:
             raise LaunchError(f"{record.broken}; nothing was started")
         console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files
-
-        def show(task: str, line: str) -> None:
-            for shown in console(task, line):
-                view.log_line(task, shown)
-
-        tailer = LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, show).start()
+        tailer = _tail_logs(plan, record, view, console)
         cleanup.callback(tailer.stop)
         supervisor = Supervisor(
             plan,
@@ -237,6 +227,30 @@ def up(
         home = _bring_home(backend, supervisor.plan, record)
         tailer.stop()  # the last lines, before the count of those held back
         return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
+
+
+def _console_view(live: bool | None, progress_every_s: float) -> View:
+    """The live view on a terminal (or when asked), plain lines otherwise."""
+    on_tty = sys.stdout.isatty() if live is None else live
+    return LiveView() if on_tty else PlainView(progress_every_s=progress_every_s)
+
+
+def _resume_argv(spec_path: Path | None, run_dir: Path, backend_option: str | None) -> list[str] | None:
+    """The command that continues this run from its checkpoints (none for a spec that is no file)."""
+    if spec_path is None:
+        return None
+    again = ["orchestrate", "up", str(spec_path.resolve()), "--resume", str(run_dir.resolve())]
+    return again + (["--backend", backend_option] if backend_option else [])
+
+
+def _tail_logs(plan: LaunchPlan, record: RunRecord, view: View, console: ConsoleFilter) -> LogTailer:
+    """The tasks' log lines to the view, through the console's filter."""
+
+    def show(task: str, line: str) -> None:
+        for shown in console(task, line):
+            view.log_line(task, shown)
+
+    return LogTailer({t.name: record.log_path(t.log_name) for t in plan.tasks}, show).start()
 
 
 def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunRecord]:
