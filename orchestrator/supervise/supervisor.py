@@ -316,12 +316,10 @@ class Supervisor:
         deciders = [r for r in self.tasks.values() if r.policy.decides]
         if self.state is ClusterState.LAUNCHING:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
-                alone = self.never_up
                 why = "every task's distribution strategy is up"
-                if alone:
-                    why = (
-                        f"every task is up or done; {', '.join(alone)} exited without a distribution strategy"
-                    )
+                if self.never_up:
+                    alone = ", ".join(self.never_up)
+                    why = f"every task is up or done; {alone} exited without a distribution strategy"
                 self._move(ClusterState.RUNNING, why)
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
