@@ -36,6 +36,7 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._steps_per_epoch: int | None = None
         self._in_fit = False
         self._remote = False  # ParameterServerStrategy: batch logs are RemoteValues
+        self._before: str | None = None  # busy with, before evaluate or predict began
         # Keras asks this before fit: it lets a batch-level callback run under ParameterServerStrategy
         # (which then gets the logs as they are: _remote makes it leave them alone)
         self._supports_tf_logs = True
@@ -72,16 +73,18 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             reporter().set_busy("ending the epoch")  # the other callbacks save, validate, log
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._before = reporter().busy
         reporter().set_busy("validating" if self._in_fit else "evaluating")
 
     def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
-        reporter().set_busy("ending the epoch" if self._in_fit else _TRAINING)
+        reporter().set_busy("ending the epoch" if self._in_fit else self._before)
 
     def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._before = reporter().busy
         reporter().set_busy("predicting")
 
     def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
-        reporter().set_busy(_TRAINING)
+        reporter().set_busy(self._before)  # what it was doing before (after fit: done training)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         values = _values(logs)  # epoch logs are reduced right: no scaling
