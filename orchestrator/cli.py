@@ -413,9 +413,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from orchestrator.rundir import coordinator_alive, read_status, resolve_run_dir
+    from orchestrator.rundir import coordinator_alive, read_events, read_status, resolve_run_dir
     from orchestrator.supervise.states import ClusterState
-    from orchestrator.view import render_status
+    from orchestrator.view import recent_events, render_status
 
     run_dir = resolve_run_dir(args.run_dir)
     status = read_status(run_dir)
@@ -428,7 +428,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     console = Console()
     console.print(f"run directory: {run_dir}")
-    console.print(render_status(status))
+    console.print(
+        render_status(status, recent_events(read_events(run_dir)), width=console.width, max_rows=None)
+    )
     if stale:
         console.print(
             "[yellow]its coordinator is gone: this is the last recorded state; "

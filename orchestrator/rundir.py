@@ -219,20 +219,29 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
     return 0 if ok else 1
 
 
-def unconfirmed_tasks(run_dir: Path) -> list[str]:
-    """Tasks whose exit the coordinator could not confirm (its `unconfirmed` events)."""
-    out: list[str] = []
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """events.jsonl's events (a line torn by a crash left out)."""
+    out: list[dict[str, Any]] = []
     try:
         with open(run_dir / "events.jsonl", encoding="utf-8") as f:
             for line in f:
                 try:
                     event = json.loads(line)
                 except ValueError:
-                    continue  # a line torn by a crash
-                if isinstance(event, dict) and event.get("kind") == "unconfirmed":
-                    out += [str(t) for t in event.get("tasks", [])]
-    except FileNotFoundError:
+                    continue
+                if isinstance(event, dict):
+                    out.append(event)
+    except OSError:
         pass
+    return out
+
+
+def unconfirmed_tasks(run_dir: Path) -> list[str]:
+    """Tasks whose exit the coordinator could not confirm (its `unconfirmed` events)."""
+    out: list[str] = []
+    for event in read_events(run_dir):
+        if event.get("kind") == "unconfirmed":
+            out += [str(t) for t in event.get("tasks", [])]
     return out
 
 

@@ -791,3 +791,22 @@ def test_plan_with_a_fixed_port_in_use_shows_the_plan_and_warns(
     assert code == 0
     assert [t["port"] for t in json.loads(out)["tasks"]] == [busy, busy + 1]
     assert f"warning: port {busy} for worker-0 (hosts[0].base_port) is in use" in err
+
+
+def test_status_shows_the_runs_notable_events_with_their_causes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run")
+    task = {"kind": "task", "task": "worker-1"}
+    events = [
+        {**task, "time": "2026-01-01T00:00:05.000Z", "new": "RUNNING", "reason": "up"},
+        {**task, "time": "2026-01-01T00:00:09.000Z", "new": "FAILED", "reason": "was killed by SIGKILL (-9)"},
+        "{torn",
+    ]
+    (run_dir / "events.jsonl").write_text(
+        "\n".join(e if isinstance(e, str) else json.dumps(e) for e in events)
+    )
+    code, out, _ = run(capsys, "status", str(run_dir))
+    assert code == 0
+    assert "events:" in out and "00:00:09 worker-1 FAILED: was killed by SIGKILL" in out
+    assert "RUNNING: up" not in out  # only what a person must not miss
