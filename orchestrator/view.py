@@ -335,7 +335,7 @@ def render_status(
     )
     parts: list[Any] = [head]
     progress = progress_of(status, now)
-    line = progress.parts()
+    line = progress.parts(ended=bool(status.get("ended_at")))  # no ETA or rates once it ended
     if progress.fraction is not None:
         step = line.pop(0)
         bar = max(10, min(40, width - len(step) - 1))

@@ -314,3 +314,9 @@ def test_live_view_keeps_the_cause_of_a_restart_on_screen() -> None:
     finally:
         view.close()
     assert "STOPPING: worker-1 was killed by SIGKILL" in console.export_text()
+
+
+def test_an_ended_run_shows_no_eta_or_rates() -> None:
+    ended = {**TRAINING, "state": "SUCCEEDED", "ended_at": iso(NOW)}
+    text = "\n".join(lines_of(render_status(ended, width=100, now=NOW), 100))
+    assert "step 120/400 (30%)" in text and "ETA" not in text and "steps/s ·" not in text
