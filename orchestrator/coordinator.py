@@ -186,11 +186,7 @@ def up(
         for listener in (view.event, on_event):
             if listener is not None:
                 record.listen(listener)
-        urls: dict[str, str] = {}
-        if web is not None:
-            page = cleanup.enter_context(_web_server(run_dir, web))
-            urls = {"page": page.page_url, "metrics": page.metrics_url}
-            view.notice(f"the run's page: {page.page_url}   (Prometheus: {page.metrics_url})")
+        urls = _serve_page(cleanup, run_dir, web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
@@ -218,15 +214,25 @@ def up(
         if stop is not None:
             stop.attach(supervisor)
         if own_process:
-            # What start-up made (the modules, the plan) lives as long as the run: out of the cyclic
-            # collector's way, a full collection no longer walks it (a pause in the heartbeat thread:
-            # P6's p99 halved with the page's modules loaded)
+            # start-up's objects (the page's modules among them) live as long as the run: frozen, a full
+            # collection no longer walks them — a pause in the heartbeat thread (P6's p99 doubled)
             gc.freeze()
         with _stop_on_signals(supervisor):
             result = supervisor.run()
         home = _bring_home(backend, supervisor.plan, record)
         tailer.stop()  # the last lines, before the count of those held back
         return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
+
+
+def _serve_page(
+    cleanup: contextlib.ExitStack, run_dir: Path, web: tuple[str, int] | None, view: View
+) -> dict[str, str]:
+    """The run's page and /metrics, served while the run lives (until `cleanup`); their addresses."""
+    if web is None:
+        return {}
+    page = cleanup.enter_context(_web_server(run_dir, web))
+    view.notice(f"the run's page: {page.page_url}   (Prometheus: {page.metrics_url})")
+    return {"page": page.page_url, "metrics": page.metrics_url}
 
 
 def _console_view(live: bool | None, progress_every_s: float) -> View:
