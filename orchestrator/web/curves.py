@@ -44,6 +44,7 @@ class Curves:
         curve = self._curves.get((task, name))
         if curve is None:
             curve = self._curves[(task, name)] = _Curve()
+            self._share_budget()
         curve.skipped += 1
         if curve.skipped < curve.stride:
             return
@@ -53,7 +54,11 @@ class Curves:
         self.version += 1
         if len(curve.points) >= self._limit():
             self._thin(curve)
-        while self._total > self._budget:  # more curves share the budget now: the longest give way
+
+    def _share_budget(self) -> None:
+        """One more curve shares the budget: the longest give way (once per new curve, not per
+        point — each curve keeps to its share as it grows)."""
+        while self._total > self._budget:
             longest = max(self._curves.values(), key=lambda c: len(c.points))
             if len(longest.points) <= self._min:
                 break
