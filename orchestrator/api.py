@@ -176,10 +176,6 @@ def _spec(
 
 
 def _backend(name: str | None) -> Backend | None:
-    if name is None:
-        return None
-    try:
-        return Backend(name)
-    except ValueError:
-        names = ", ".join(b.value for b in Backend)
-        raise UsageError(f"backend={name!r}: no such backend (one of: {names})") from None
+    from orchestrator.spec.load import backend_named
+
+    return None if name is None else backend_named(name, f"backend={name!r}")

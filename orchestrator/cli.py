@@ -182,17 +182,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from orchestrator.spec import Backend, load_spec
+    from orchestrator.spec import load_spec
+    from orchestrator.spec.load import backend_named
 
     name = getattr(args, "backend", None)
     if name is None:
         return load_spec(args.spec)
-    try:
-        backend = Backend(name)
-    except ValueError:
-        names = ", ".join(b.value for b in Backend)
-        raise UsageError(f"--backend {name}: no such backend (one of: {names})") from None
-    return load_spec(args.spec, backend=backend)
+    return load_spec(args.spec, backend=backend_named(name, f"--backend {name}"))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -385,18 +381,12 @@ def _summarize(outcome: RunResult) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     import time
 
-    from orchestrator.errors import LaunchError
     from orchestrator.rundir import resolve_run_dir
     from orchestrator.web import parse_address
-    from orchestrator.web.reader import RunReader
-    from orchestrator.web.server import WebServer
+    from orchestrator.web.server import serve_run
 
     run_dir = resolve_run_dir(args.run_dir)
-    host, port = parse_address(args.web)
-    try:
-        server = WebServer(RunReader(run_dir), host, port).start()
-    except OSError as exc:
-        raise LaunchError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    server = serve_run(run_dir, *parse_address(args.web))
     print(f"{run_dir}: {server.page_url}", flush=True)
     print(
         f"  Prometheus: {server.metrics_url} (Authorization: Bearer {server.token}); Ctrl-C ends", flush=True
@@ -413,14 +403,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from orchestrator.rundir import coordinator_alive, read_events, read_status, resolve_run_dir
-    from orchestrator.supervise.states import ClusterState
+    from orchestrator.rundir import coordinator_alive, has_ended, read_events, read_status, resolve_run_dir
     from orchestrator.view import recent_events, render_status
 
     run_dir = resolve_run_dir(args.run_dir)
     status = read_status(run_dir)
     pid = coordinator_alive(run_dir)
-    stale = not ClusterState(status["state"]).is_terminal and pid is None
+    stale = not has_ended(status) and pid is None
     if args.json:
         status["coordinator"] = {"pid": pid, "alive": pid is not None}
         status["stale"] = stale

@@ -364,15 +364,9 @@ def _heartbeat_server(
 
 @contextlib.contextmanager
 def _web_server(run_dir: Path, where: tuple[str, int]) -> Iterator[WebServer]:
-    from orchestrator.web.reader import RunReader
-    from orchestrator.web.server import WebServer
+    from orchestrator.web.server import serve_run
 
-    try:
-        server = WebServer(RunReader(run_dir), where[0], where[1]).start()
-    except OSError as exc:
-        raise LaunchError(
-            f"cannot serve the run's page on {where[0]}:{where[1]} (--web): {exc.strerror or exc}"
-        ) from None
+    server = serve_run(run_dir, *where)
     try:
         yield server
     finally:

@@ -57,7 +57,7 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     except RunDirError as exc:
         return {"run_dir": str(run_dir), "name": run_dir.name, "state": "UNREADABLE", "reason": str(exc)}
     state = str(status.get("state", "PENDING"))
-    ended = state in {s.value for s in ClusterState if s.is_terminal}
+    ended = has_ended(status)
     return {
         "run_dir": str(run_dir),
         "name": status.get("name"),
@@ -92,15 +92,15 @@ def wait(run_dir: Path, timeout_s: float | None, poll_s: float = 0.5) -> tuple[i
     ended; (None, why) when the timeout passes first."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        status = read_status(run_dir) if (run_dir / "status.json").exists() else None
-        if status is not None and ClusterState(status.get("state", "PENDING")).is_terminal:
+        status = _status_if_any(run_dir)
+        if status is not None and has_ended(status):
             return exit_code_of(
                 status
             ), f"run {status.get('name')}: {status['state']} ({status.get('reason', '')})"
         if coordinator_alive(run_dir) is None and lock_holder(run_dir) is None:
             time.sleep(poll_s)  # it may have written its last status as it went
-            status = read_status(run_dir) if (run_dir / "status.json").exists() else None
-            if status is not None and ClusterState(status.get("state", "PENDING")).is_terminal:
+            status = _status_if_any(run_dir)
+            if status is not None and has_ended(status):
                 continue
             if status is None:
                 return EXIT_LAUNCH, f"{run_dir}: the run ended before it started{_log_hint(run_dir)}"
@@ -112,6 +112,19 @@ def wait(run_dir: Path, timeout_s: float | None, poll_s: float = 0.5) -> tuple[i
             state = status.get("state") if status else "starting"
             return None, f"{run_dir}: still {state} after {timeout_s:g} s"
         time.sleep(poll_s)
+
+
+def has_ended(status: dict[str, Any]) -> bool:
+    """Whether a status document's run has ended (SUCCEEDED, FAILED, INTERRUPTED); a state it does
+    not know is not an end."""
+    return status.get("state") in _ENDED
+
+
+_ENDED = frozenset(s.value for s in ClusterState if s.is_terminal)
+
+
+def _status_if_any(run_dir: Path) -> dict[str, Any] | None:
+    return read_status(run_dir) if (run_dir / "status.json").exists() else None
 
 
 def exit_code_of(status: dict[str, Any]) -> int:
@@ -203,7 +216,7 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
             time.sleep(3)
     status = read_status(run_dir)
     ok = True
-    if not ClusterState(status.get("state", "PENDING")).is_terminal or unconfirmed_tasks(run_dir):
+    if not has_ended(status) or unconfirmed_tasks(run_dir):
         record = _read_record(run_dir, "backend.json")
         if record is not None:  # without it, nothing was started
             out.write("coordinator gone; stopping what is left of the run…\n")

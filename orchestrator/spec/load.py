@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.errors import SpecError, SpecProblem
+from orchestrator.errors import SpecError, SpecProblem, UsageError
 from orchestrator.spec.checks import check_spec
 from orchestrator.spec.model import MAX_HOSTS, Backend, ClusterSpec
 
@@ -35,6 +35,16 @@ Path_ = tuple[str | int, ...]
 MAX_SPEC_BYTES = 256 * 1024  # a 1,000-host spec is ~60 KB; parsing the cap takes ~0.3 s
 MAX_DEPTH = 32  # a spec nests 5 deep
 MAX_VALUES = 100_000  # keys, items and scalars, every alias expanded
+
+
+def backend_named(name: str, given_as: str) -> Backend:
+    """The backend a user named (`--backend NAME`, the API's `backend=`); UsageError listing the
+    names otherwise. `given_as`: how the user wrote it, for the message."""
+    try:
+        return Backend(name)
+    except ValueError:
+        names = ", ".join(b.value for b in Backend)
+        raise UsageError(f"{given_as}: no such backend (one of: {names})") from None
 
 
 def load_spec(path: str | Path, backend: Backend | None = None) -> ClusterSpec:

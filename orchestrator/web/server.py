@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from orchestrator.errors import LaunchError
 from orchestrator.view import progress_of
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
@@ -298,6 +299,17 @@ class _Guard(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+def serve_run(run_dir: Path, host: str, port: int) -> WebServer:
+    """A run directory's page and metrics, served from now on (`up` while the run lives, `show`);
+    LaunchError, naming `--web`, when the address cannot be bound."""
+    try:
+        return WebServer(RunReader(run_dir), host, port).start()
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot serve the run's page on {host}:{port} (--web): {exc.strerror or exc}"
+        ) from None
 
 
 def _same(given: str, token: str) -> bool:
