@@ -25,6 +25,7 @@ from orchestrator.errors import (
     OrchestrateError,
     UsageError,
 )
+from orchestrator.quiet import console_writes_anything
 
 if TYPE_CHECKING:
     from orchestrator.coordinator import RunResult
@@ -37,6 +38,7 @@ _TASK_NAME = re.compile(r"^(chief|worker|ps|evaluator)-[0-9]+$")
 
 
 def main(argv: list[str] | None = None) -> int:
+    console_writes_anything()
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -413,7 +415,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         status["coordinator"] = {"pid": pid, "alive": pid is not None}
         status["stale"] = stale
-        print(json.dumps(status, indent=2))
+        from worker.wire import dumps
+
+        print(dumps(status, indent=2))
         return EXIT_OK
     console = Console()
     console.print(f"run directory: {run_dir}")
@@ -432,12 +436,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from orchestrator.record import RUNS_DIR
     from orchestrator.rundir import list_run_dirs, run_summary
     from orchestrator.view import age_text
+    from worker import wire
 
     base = args.runs or RUNS_DIR
     runs = [run_summary(p) for p in list_run_dirs(base)]
     if args.json:
         for run in runs:
-            print(json.dumps(run))
+            print(wire.dumps(run))
         return EXIT_OK
     if not runs:
         print(f"no runs under {base}/")

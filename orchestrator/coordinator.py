@@ -33,7 +33,7 @@ from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan, make_plan
-from orchestrator.quiet import ConsoleFilter
+from orchestrator.quiet import ConsoleFilter, console_writes_anything
 from orchestrator.record import (
     RunRecord,
     ensure_free,
@@ -237,6 +237,7 @@ def _serve_page(
 
 def _console_view(live: bool | None, progress_every_s: float) -> View:
     """The live view on a terminal (or when asked), plain lines otherwise."""
+    console_writes_anything()
     on_tty = sys.stdout.isatty() if live is None else live
     return LiveView() if on_tty else PlainView(progress_every_s=progress_every_s)
 
@@ -369,6 +370,7 @@ def _web_server(run_dir: Path, where: tuple[str, int]) -> Iterator[WebServer]:
     server = serve_run(run_dir, *where)
     try:
         yield server
+        server.linger()  # a page open now is shown how the run ended (bounded: ~1 s, at most 2.5)
     finally:
         server.close()
 

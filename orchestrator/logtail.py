@@ -93,13 +93,21 @@ def tail_lines(path: Path, count: int, since_marker: bool = True) -> list[str]:
         with open(path, "rb") as f:
             f.seek(0, 2)
             size = f.tell()
-            f.seek(max(0, size - 256 * 1024))
-            lines = f.read().decode(errors="replace").splitlines()
+            start = max(0, size - 256 * 1024)
+            f.seek(start)
+            data = f.read()
     except OSError:
         return []
+    # lines end at a newline only: a carriage return or a form feed inside one is its own (Keras
+    # redraws its progress bar with them: `collapse_redraws` shows its last state)
+    lines = [line.rstrip("\r") for line in data.decode(errors="replace").split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()
+    if start > 0 and lines:
+        lines.pop(0)  # begun part way through
     if since_marker:
         for i in range(len(lines) - 1, -1, -1):
             if lines[i].startswith("===== orchestrate:"):
                 lines = lines[i + 1 :]
                 break
-    return lines[-count:]
+    return lines[-count:] if count > 0 else []

@@ -7,11 +7,16 @@ Left out of the console:
 - the frames of a Python traceback (the summary shows the root cause's once, the log has them
   all): its first line and the exception's lines stay;
 - Keras' progress bar redrawn with backspaces or carriage returns: its last state stays.
+
+And whatever a job prints or reports, the console writes (`console_writes_anything`).
 """
 
 from __future__ import annotations
 
+import io
 import re
+import sys
+from typing import Any
 
 #: TensorFlow's C++ log prefix: absl (`I0000 00:00:1796150547.581546   29018 file.cc:31] `) or the
 #: older one (`2026-12-01 12:00:00.123456: I tensorflow/core/….cc:153] `).
@@ -71,3 +76,12 @@ def noise(line: str) -> bool:
         return True
     cpp = _CPP.match(line)
     return cpp is not None and (cpp.group("absl") or cpp.group("old")) == "I"
+
+
+def console_writes_anything(*streams: Any) -> None:
+    """Whatever a job reports or prints, the console writes it: a character the terminal's
+    encoding has no room for (a C locale, PYTHONIOENCODING=ascii, a name reported in any script)
+    goes out as its backslash escape instead of raising UnicodeEncodeError in the coordinator."""
+    for stream in streams or (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.errors import UsageError
+from worker.wire import dumps
 
 log = logging.getLogger("orchestrator.record")
 
@@ -101,7 +102,7 @@ def make_private_dir(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+    write_text_atomic(path, dumps(data, indent=2) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -119,9 +120,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def status_text(status: dict[str, Any]) -> str:
     """status.json's text: indented, one line per task. (json's indenting encoder is pure Python,
-    the compact one C: a thousand tasks cost ~30 ms indented, ~3 ms this way.)"""
-    head = json.dumps({k: v for k, v in status.items() if k != "tasks"}, indent=2)[:-2]
-    tasks = ",\n".join("    " + json.dumps(t) for t in status.get("tasks", []))
+    the compact one C: a thousand tasks cost ~30 ms indented, ~3 ms this way.) Strict JSON: a NaN
+    or ±inf value as its string (worker.wire.NONFINITE), as in every document of the record."""
+    head = dumps({k: v for k, v in status.items() if k != "tasks"}, indent=2)[:-2]
+    tasks = ",\n".join("    " + dumps(t) for t in status.get("tasks", []))
     return f'{head},\n  "tasks": [\n{tasks}\n  ]\n}}\n' if tasks else f'{head},\n  "tasks": []\n}}\n'
 
 
@@ -220,7 +222,7 @@ class RunRecord:
 
     def event(self, **fields: Any) -> None:
         event = {"schema_version": SCHEMA_VERSION, "time": now_iso(), **fields}
-        line = (json.dumps(event) + "\n").encode()
+        line = (dumps(event) + "\n").encode()
         with self._lock:
             self._write(lambda: self._events.write(line), "events.jsonl")
         for listener in self._listeners:
@@ -242,7 +244,7 @@ class RunRecord:
             line.update(p)
             # never a point's own (wire refuses them)
             line["task"], line["attempt"], line["schema_version"] = task, attempt, SCHEMA_VERSION
-            lines.append(json.dumps(line))
+            lines.append(dumps(line))
         with self._lock:
             self._pending.extend(lines)
 

@@ -10,7 +10,7 @@ changes meaning or goes; a new field keeps it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,15 @@ from orchestrator.supervise.policy import FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
 
 _Strict = ConfigDict(extra="forbid")
+
+#: A reported value in every document: a number, or NaN and ±inf as these strings (JSON has no
+#: number for them; `worker.wire.NONFINITE`). A reported name shows a control, bidi or lone
+#: surrogate character as its escape (`bad\\ud800name`; `worker.wire.safe_text`).
+_NONFINITE = ["NaN", "Infinity", "-Infinity"]
+Reported = Annotated[
+    float | Literal["NaN", "Infinity", "-Infinity"],
+    Field(description='a number; NaN, +inf and -inf as the strings "NaN", "Infinity", "-Infinity"'),
+]
 
 
 class TaskError(BaseModel):
@@ -52,7 +61,10 @@ class TaskStatus(BaseModel):
         None,
         description="the global batch, when the job said (worker.set_total_steps(…, global_batch_size=…))",
     )
-    metrics: dict[str, float] = Field(description='its latest reported values, e.g. {"loss": 0.12}')
+    metrics: dict[str, Reported] = Field(
+        description='its latest reported values, e.g. {"loss": 0.12}; NaN and ±inf as "NaN", "Infinity", '
+        '"-Infinity"'
+    )
     steps_per_s: float | None
     busy: str | None = Field(None, description="between training steps: validating, saving, … (not a stall)")
     rss_bytes: int | None
@@ -146,7 +158,10 @@ class Metrics(BaseModel):
     @classmethod
     def describe(cls) -> dict[str, Any]:
         schema = cls.model_json_schema()
-        schema["additionalProperties"] = {"type": "number", "description": "a reported metric"}
+        schema["additionalProperties"] = {
+            "anyOf": [{"type": "number"}, {"enum": _NONFINITE, "type": "string"}],
+            "description": 'a reported metric: a number; NaN and ±inf as "NaN", "Infinity", "-Infinity"',
+        }
         return schema
 
 

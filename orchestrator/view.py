@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import math
 import sys
 import threading
 import time
@@ -29,6 +30,8 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+
+from worker.wire import number
 
 _STATE_STYLE = {
     "RUNNING": "green",
@@ -75,8 +78,13 @@ def duration_text(seconds: float | None) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def value_text(v: float) -> str:
-    return f"{v:.4g}"
+def value_text(v: Any) -> str:
+    """A reported value as the views show it: `0.1234`, `NaN`, `inf`, `-inf` (a document's
+    "NaN"/"Infinity"/"-Infinity" too); blank for anything else."""
+    x = number(v)
+    if x is None:
+        return ""
+    return "NaN" if math.isnan(x) else f"{x:.4g}"
 
 
 def parse_time(iso: str | None) -> float | None:

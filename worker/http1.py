@@ -24,6 +24,7 @@ import hmac
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 TOKEN_HEADER = b"x-orchestrate-token"  # as wire.TOKEN_HEADER, lower-case as parse_head gives names
 MAX_HEAD_BYTES = 16 * 1024
@@ -100,6 +101,15 @@ class Limits:
     idle_s: float = 120.0  # a known client's keep-alive connection between requests
 
 
+class Connection(Protocol):
+    """What `Connections` needs of a connection (this module's HttpProtocol, the run page's)."""
+
+    client: Hashable | None  # whom it speaks for, once a credential was checked
+    deadline: float  # closed by the sweep past this (time.monotonic())
+
+    def drop(self) -> None: ...
+
+
 class Connections:
     """Every open connection of one endpoint, to cap them and to close the ones past their time.
 
@@ -110,9 +120,9 @@ class Connections:
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self._strangers: dict[HttpProtocol, None] = {}
-        self._known: dict[HttpProtocol, None] = {}
-        self._by_client: dict[Hashable, dict[HttpProtocol, None]] = {}
+        self._strangers: dict[Connection, None] = {}
+        self._known: dict[Connection, None] = {}
+        self._by_client: dict[Hashable, dict[Connection, None]] = {}
         self.refused = 0  # connections turned away at the cap
         self.evicted = 0  # strangers' connections closed to make room
         self.expired = 0  # connections closed for their time
@@ -121,7 +131,7 @@ class Connections:
     def __len__(self) -> int:
         return len(self._strangers) + len(self._known)
 
-    def join(self, conn: HttpProtocol) -> bool:
+    def join(self, conn: Connection) -> bool:
         if len(self) >= self.limits.max_connections:
             if not self._strangers:
                 self.refused += 1
@@ -132,7 +142,7 @@ class Connections:
         self._strangers[conn] = None
         return True
 
-    def known(self, conn: HttpProtocol, client: Hashable) -> None:
+    def known(self, conn: Connection, client: Hashable) -> None:
         self._strangers.pop(conn, None)
         self._known[conn] = None
         mine = self._by_client.setdefault(client, {})
@@ -140,7 +150,7 @@ class Connections:
         if len(mine) > self.limits.per_client:
             next(iter(mine)).drop()  # its oldest: a connection it abandoned, most likely
 
-    def leave(self, conn: HttpProtocol) -> None:
+    def leave(self, conn: Connection) -> None:
         """Forget a connection (again: harmless)."""
         self._strangers.pop(conn, None)
         if conn not in self._known:

@@ -64,7 +64,7 @@ class Reporter:
         self._stopped = threading.Event()
         self._points: list[dict[str, Any]] = []
         self._points_from = 0  # how many points this process reported before self._points[0]
-        self._refused: set[str] = set()  # metric names dropped (said once each)
+        self._refused: set[str] = set()  # metric names dropped or escaped (said once each)
         self._step: int | None = None
         self._total_steps: int | None = None
         self._examples_per_step: int | None = None
@@ -115,27 +115,38 @@ class Reporter:
             self._wake.set()
 
     def _admit(self, values: dict[str, float]) -> dict[str, float]:
-        """The values whose names the coordinator takes: short, not its own (`task`, `time`...),
-        at most wire.MAX_METRICS names in all. The others are dropped, each said once."""
+        """The values whose names the coordinator takes, by the names every view shows them with
+        (`wire.safe_text`: a control, bidi or lone surrogate character as its escape, said once):
+        short, not its own (`task`, `time`...), at most wire.MAX_METRICS names in all. The others
+        are dropped, each said once."""
         kept = {}
         for name, value in values.items():
-            if name in self._metrics:
-                kept[name] = value
+            shown = wire.safe_text(name)
+            if shown in self._metrics:
+                kept[shown] = value
                 continue
             why = (
                 "a name the record uses itself"
-                if name in wire.RESERVED_POINT_KEYS or name in ("time", "step")
+                if shown in wire.RESERVED_POINT_KEYS or shown in ("time", "step")
                 else f"longer than {wire.MAX_NAME_CHARS} characters"
-                if len(name) > wire.MAX_NAME_CHARS
+                if len(shown) > wire.MAX_NAME_CHARS
                 else f"over {wire.MAX_METRICS} metric names"
                 if len(self._metrics) + len(kept) >= wire.MAX_METRICS
                 else None
             )
             if why is None:
-                kept[name] = value
+                kept[shown] = value
+                if shown != name and name not in self._refused:
+                    self._refused.add(name)
+                    log.warning(
+                        "worker.report(): metric %s is shown as %r (a control, bidi or lone surrogate "
+                        "character in its name, written as its escape)",
+                        ascii(name),
+                        shown,
+                    )
             elif name not in self._refused:
                 self._refused.add(name)
-                log.warning("worker.report(): metric %r dropped: %s", name[:200], why)
+                log.warning("worker.report(): metric %r dropped: %s", shown[:200], why)
         return kept
 
     def write_tensorboard(self, folder: Path) -> None:

@@ -9,6 +9,8 @@ tests/unit/test_wire.py keeps equal.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,7 +149,7 @@ class Heartbeat:
     points_from: int = 0
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, body: bytes) -> Heartbeat:
@@ -206,11 +208,10 @@ class Heartbeat:
         if len(metrics) > MAX_METRICS or len(points) > MAX_POINTS:
             raise ValueError(f"a heartbeat carries at most {MAX_METRICS} metrics and {MAX_POINTS} points")
         for name, value in metrics.items():
-            if len(name) > MAX_NAME_CHARS or type(value) not in _NUMBER:
-                short = name[:MAX_NAME_CHARS]
+            if len(name) > MAX_NAME_CHARS or (type(value) not in _NUMBER and number(value) is None):
+                short = safe_text(name[:MAX_NAME_CHARS])
                 raise ValueError(f"metric {short!r}: a name of at most {MAX_NAME_CHARS} characters, a number")
-        for point in points:
-            _check_point(point)
+        points = [_point(point) for point in points]
         try:
             return cls(
                 task=task,
@@ -225,11 +226,11 @@ class Heartbeat:
                 step=step,
                 total_steps=total,
                 examples_per_step=per_step,
-                metrics={k: float(v) for k, v in metrics.items()} if metrics else {},
+                metrics={safe_text(k): float(v) for k, v in metrics.items()} if metrics else {},
                 points=points,
                 done=done,
-                user_frame=frame[:MAX_FRAME_CHARS] if frame else frame,
-                busy=busy[:MAX_NAME_CHARS] if busy else None,
+                user_frame=safe_text(frame[:MAX_FRAME_CHARS]) if frame else frame,
+                busy=safe_text(busy[:MAX_NAME_CHARS]) if busy else None,
                 error=_error(error) if error else None,
                 restored=_restored(restored) if restored is not None else None,
                 points_from=points_from,
@@ -238,22 +239,34 @@ class Heartbeat:
             raise ValueError(f"malformed heartbeat: {exc}") from None
 
 
-def _check_point(point: Any) -> None:
+def _point(point: Any) -> dict[str, Any]:
     """A progress point: numbers by name (`time`, `step`, the reported values), a line of
-    metrics.jsonl. The coordinator adds `task` and `attempt`: a point may not name them."""
+    metrics.jsonl. The coordinator adds `task` and `attempt`: a point may not name them. Returned
+    with its names as `safe_text` shows them and its values as floats (the same dict when it
+    needs neither: this runs for every point of every task)."""
     if type(point) is not dict or len(point) > MAX_METRICS + 2:
         raise ValueError(f"a point is a JSON object of at most {MAX_METRICS + 2} numbers")
+    clean = True
     for name, value in point.items():
-        if type(value) not in _NUMBER or len(name) > MAX_NAME_CHARS or name in RESERVED_POINT_KEYS:
-            raise ValueError(f"point value {name[:MAX_NAME_CHARS]!r}: a number, its name short and ours")
+        if len(name) > MAX_NAME_CHARS or name in RESERVED_POINT_KEYS:
+            raise ValueError(f"point value {safe_text(name[:MAX_NAME_CHARS])!r}: its name short and ours")
+        if type(value) not in _NUMBER:
+            if number(value) is None:
+                raise ValueError(f"point value {safe_text(name)!r}: a number")
+            clean = False
+        elif clean and _UNSAFE.search(name):
+            clean = False
+    if clean:
+        return point
+    return {safe_text(k): v if type(v) in _NUMBER else NONFINITE[v] for k, v in point.items()}
 
 
 def _error(raw: dict[str, Any]) -> TaskError:
     # the task's own exception, shown in the summary: cut to size rather than refused
     return TaskError(
-        type=str(raw["type"])[:MAX_NAME_CHARS],
-        message=str(raw["message"])[:MAX_MESSAGE_CHARS],
-        traceback=str(raw["traceback"])[-MAX_TRACEBACK_CHARS:],
+        type=safe_text(str(raw["type"])[:MAX_NAME_CHARS]),
+        message=safe_text(str(raw["message"])[:MAX_MESSAGE_CHARS], lines=True),
+        traceback=safe_text(str(raw["traceback"])[-MAX_TRACEBACK_CHARS:], lines=True),
     )
 
 
@@ -264,7 +277,71 @@ def _restored(raw: dict[str, Any]) -> Restored:
         raise ValueError("restored: step, epoch and step_in_epoch must be integers")
     if type(fingerprint) is not str or len(fingerprint) > 128 or type(source) not in _STR_OR_NONE:
         raise ValueError("restored: fingerprint must be a short string, source a string or null")
-    return Restored(step, fingerprint, source, epoch, in_epoch)
+    return Restored(step, safe_text(fingerprint), safe_text(source) if source else source, epoch, in_epoch)
+
+
+# --- what a job may report, as everything else shows it ------------------------------------------
+
+#: Characters no name or message is shown with as they are: C0 and C1 controls (a terminal acts
+#: on them), the Unicode line and paragraph separators, the bidi controls (they reorder the text
+#: around them: `loss\u202e` could read as another name, and reverse the words beside it) and lone
+#: surrogates (valid JSON, a valid Python str, but no encoding writes them: the console, /metrics
+#: and every file writer would raise). Everything else, any script, emoji and joiners, stays.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+#: The same in a message or a traceback, whose lines and tabs are its own.
+_UNSAFE_IN_LINES = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    c = match.group()
+    return _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def safe_text(text: str, lines: bool = False) -> str:
+    """`text` as every view shows it: each character of `_UNSAFE` written as its Python escape
+    (`bad\\ud800name`, `loss\\u202e`), the rest as it is. `lines`: keep newlines and tabs (a
+    message, a traceback). The one rule for what a job may report: the coordinator applies it to
+    every name and text a heartbeat brings, the worker to the names it is given (said once)."""
+    pattern = _UNSAFE_IN_LINES if lines else _UNSAFE
+    return pattern.sub(_escaped, text) if pattern.search(text) else text
+
+
+#: NaN and ±inf are worth seeing (a diverging loss) and JSON has no number for them: every document
+#: and API of the run writes them as these strings, where a number would be (as protobuf's JSON
+#: mapping does). `number()` reads either back.
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def strict(value: Any) -> Any:
+    """`value` with every NaN or ±inf float (in dicts and lists, at any depth) as its string."""
+    if type(value) is float or isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """Strict JSON (no bare NaN or Infinity, which browsers and most parsers refuse): non-finite
+    numbers as `NONFINITE`'s strings. Costs nothing more when there are none (the common case)."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError:
+        return json.dumps(strict(value), allow_nan=False, **options)
+
+
+def number(value: Any) -> float | None:
+    """A reported value as a float: a JSON number, or one of `NONFINITE`'s strings; else None."""
+    if type(value) in _NUMBER:
+        return float(value)
+    return NONFINITE.get(value) if type(value) is str else None
 
 
 def loads(body: bytes) -> Any:

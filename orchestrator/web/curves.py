@@ -8,6 +8,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from worker.wire import number as _number
+
 #: Keys of a metrics.jsonl line that are not a reported value.
 _NOT_VALUES = frozenset({"schema_version", "time", "task", "attempt", "step"})
 
@@ -36,9 +38,10 @@ class Curves:
                 if type(step) is not int:
                     continue
                 for name, value in p.items():
-                    if name in _NOT_VALUES or type(value) not in (int, float):
+                    number = _number(value)  # NaN and ±inf too (metrics.jsonl writes them as strings)
+                    if name in _NOT_VALUES or number is None:
                         continue
-                    self._add(task, name, step, float(value), attempt)
+                    self._add(task, name, step, number, attempt)
 
     def _add(self, task: str, name: str, step: int, value: float, attempt: int) -> None:
         curve = self._curves.get((task, name))

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.view import parse_time
+from worker import wire
 
 
 class RunCollector(Collector):
@@ -75,7 +76,7 @@ def _tasks(tasks: list[Mapping[str, Any]]) -> Iterator[Metric]:
         labels=[*labels, "name"],
     )
     for t in tasks:
-        key = [str(t.get("task")), str(t.get("role"))]
+        key = [wire.safe_text(str(t.get("task"))), str(t.get("role"))]
         for s in TaskState:
             state.add_metric([*key, s.value], 1.0 if t.get("state") == s.value else 0.0)
         for family, value in (
@@ -92,7 +93,9 @@ def _tasks(tasks: list[Mapping[str, Any]]) -> Iterator[Metric]:
             rss.add_metric(key, float(t["rss_bytes"]))
         restarts.add_metric(key, float(t.get("restarts") or 0))
         for name, value in (t.get("metrics") or {}).items():
-            metric.add_metric([*key, str(name)], float(value))
+            number = wire.number(value)  # NaN and ±inf are Prometheus' own NaN, +Inf, -Inf
+            if number is not None:
+                metric.add_metric([*key, wire.safe_text(str(name))], number)
     yield from (state, step, total, rate, age, rss, restarts, metric)
 
 

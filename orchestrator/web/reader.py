@@ -15,7 +15,9 @@ from typing import Any
 
 from orchestrator.logtail import tail_lines
 from orchestrator.quiet import collapse_redraws
+from orchestrator.rundir import coordinator_alive, has_ended
 from orchestrator.web.curves import Curves
+from worker.wire import safe_text
 
 #: Events kept for the page (the newest; events.jsonl keeps them all).
 MAX_EVENTS = 1_000
@@ -57,6 +59,7 @@ class RunReader:
         self._metric_tail = _Tail(run_dir / "metrics.jsonl")
         self._status: dict[str, Any] = {}
         self._status_key: tuple[int, int] | None = None
+        self._stale = False
         self._lock = threading.Lock()
         self._polled_at = 0.0
         self._min_interval_s = min_interval_s  # many open pages cost one read per interval
@@ -69,6 +72,10 @@ class RunReader:
                 return
             self._polled_at = now
             self._read_status()
+            # the stale rule of `orchestrate status --json`: not ended, and its coordinator gone
+            self._stale = (
+                bool(self._status) and not has_ended(self._status) and coordinator_alive(self.dir) is None
+            )
             for line in self._event_tail.lines():
                 event = _json(line)
                 if event is not None:
@@ -98,6 +105,14 @@ class RunReader:
         with self._lock:
             return self._status
 
+    def stale(self) -> bool:
+        """The run never ended and its coordinator is gone: what it shows is its last record."""
+        return self._stale
+
+    def recorded_at(self) -> float | None:
+        """When status.json was last written (seconds since the epoch), once read."""
+        return self._status_key[0] / 1e9 if self._status_key else None
+
     def events(self, since: int) -> tuple[list[dict[str, Any]], int]:
         """The events after the first `since` ever read (as many as are kept), and the new count."""
         with self._lock:
@@ -109,11 +124,14 @@ class RunReader:
         return [str(t.get("task")) for t in self.status().get("tasks", [])]
 
     def log_tail(self, task: str, lines: int = 40) -> list[str] | None:
-        """The task's last log lines (this attempt's), or None for a task the run does not have
-        (the name is never used as a path unless it is one of the run's tasks)."""
+        """The task's last log lines (this attempt's), as the console shows them: a redrawn
+        progress bar as its last state, a control or bidi character as its escape (tabs kept).
+        None for a task the run does not have (the name is never used as a path unless it is one
+        of the run's tasks)."""
         if task not in self.tasks():
             return None
-        return [collapse_redraws(line) for line in tail_lines(self.dir / "logs" / f"{task}.log", lines)]
+        path = self.dir / "logs" / f"{task}.log"
+        return [safe_text(collapse_redraws(line).replace("\t", "    ")) for line in tail_lines(path, lines)]
 
 
 def _json(line: bytes) -> dict[str, Any] | None:

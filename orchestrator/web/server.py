@@ -6,11 +6,20 @@ GET /api/curves       every task's reported values by step (thinned for plotting
 GET /api/logs/TASK    the last lines of a task's log
 GET /metrics          Prometheus' text format
 
-Any user of the machine can connect to any port, so every request carries the run's token (the
-page's URL has it once, `?token=`, which becomes an HttpOnly cookie; a scraper sends
-`Authorization: Bearer TOKEN`), compared in constant time. Loopback by default. What a client
-can make it hold is bounded: connections (a cap, each one closed after `idle_s` without a byte),
-request heads (aiohttp's limits), no request bodies, responses of bounded size.
+Any user of the machine can connect to any port, so every request for the run's data carries the
+run's token as `Authorization: Bearer TOKEN`, compared in constant time. The page gets it from
+its address once (`?token=`), keeps it in the tab's own storage, which a browser keeps per origin
+(scheme, host and port), and takes it out of the address bar. Never a cookie: a browser sends a
+cookie to every port of a host, so any other server on 127.0.0.1 would receive it, and two runs'
+pages would evict each other's. The page's three files (the same for every run, no data in them)
+are served without it. Loopback by default.
+
+What a client can make it hold is bounded: connections (`worker.http1.Connections`, the heartbeat
+server's rule: a connection that has not shown the token within `hello_s` is closed, and strangers
+are the first evicted at the cap, so another user's idle sockets never keep the owner out),
+request heads (aiohttp's limits), no request bodies, parameters within their ranges, responses of
+bounded size. A request it cannot take gets a 4xx and one log line (at most one a second), never
+a traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,13 +43,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.errors import LaunchError
+from orchestrator.rundir import has_ended
 from orchestrator.view import progress_of
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
+from worker.http1 import Connections, Limits
+from worker.wire import dumps
 
 log = logging.getLogger("orchestrator.web")
 
-_COOKIE = "orchestrate_token"
 _STATIC = {"page.js": "text/javascript", "page.css": "text/css"}
 _HEADERS = {
     # the page loads only its own files: no inline script, no outside request
@@ -52,6 +63,13 @@ _HEADERS = {
 MAX_LOG_LINES = 200
 #: Task rows the page gets (and shows); the others are counted by state.
 MAX_ROWS = 50
+#: The points of a curve the page may ask for.
+MAX_CURVE_POINTS = 2000
+#: Pages the server remembers (to let each see the run's end before it stops serving).
+MAX_PAGES = 64
+#: A page that asked within this long is open: the end of the run waits (a little) for it.
+PAGE_OPEN_S = 3.0
+_OWNER = "owner"  # whom a valid token speaks for (one credential: the run's)
 
 
 def tensorboard_note(run_dir: Path) -> dict[str, Any]:
@@ -76,12 +94,12 @@ class WebServer:
         token: str | None = None,
         max_connections: int = 64,
         idle_s: float = 30.0,
+        hello_s: float = 5.0,
         extra: Callable[[], dict[str, Any]] | None = None,
     ):
         self.reader = reader
         self.token = token or secrets.token_urlsafe(24)
         self._extra = extra or dict
-        self._max_connections, self._idle_s = max_connections, idle_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -98,7 +116,14 @@ class WebServer:
         self._stop: asyncio.Event | None = None
         self._registry = registry(reader.status)
         self._tensorboard = tensorboard_note(reader.dir)
-        self.connections: set[_Guard] = set()
+        self.connections = Connections(
+            Limits(
+                max_connections=max_connections, per_client=max_connections, hello_s=hello_s, idle_s=idle_s
+            )
+        )
+        self._guards: dict[Any, _Guard] = {}  # transport -> its connection
+        self._pages: dict[str, tuple[float, bool]] = {}  # page id -> (last asked, has seen the end)
+        self._complaints = _Complaints(log)
         self.requests = 0
 
     # --- addresses ---------------------------------------------------------------------------
@@ -130,6 +155,17 @@ class WebServer:
             raise RuntimeError("the web server did not start")
         return self
 
+    def linger(self, timeout_s: float = 2.5) -> None:
+        """Before the server goes with its run: let every page open now (it asked within
+        PAGE_OPEN_S) fetch the run's end, waiting at most `timeout_s`, so an open page shows how
+        the run ended rather than its last RUNNING."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if all(saw_end for asked, saw_end in list(self._pages.values()) if now - asked < PAGE_OPEN_S):
+                return
+            time.sleep(0.05)
+
     def close(self) -> None:
         if self._thread.is_alive() and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
@@ -145,63 +181,75 @@ class WebServer:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        app = web.Application(middlewares=[self._auth], client_max_size=1024)
+        app = web.Application(middlewares=[self._refuse_bad_input, self._auth], client_max_size=1024)
         app.router.add_get("/", self._page)
         app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/api/curves", self._curves)
         app.router.add_get("/api/logs/{task}", self._logs)
         app.router.add_get("/metrics", self._metrics)
-        runner = web.AppRunner(app, access_log=None, keepalive_timeout=15, handler_cancellation=True)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=15,
+            handler_cancellation=True,
+            logger=_ProtocolLog(self._complaints),
+        )
         await runner.setup()
         factory = runner.server
         assert factory is not None
         server = await self._loop.create_server(lambda: _Guard(self, factory()), sock=self._sock)
+        self.connections.sweep()  # every second: connections past their deadline are closed
         self._ready.set()
         try:
-            while not self._stop.is_set():
-                try:
-                    await asyncio.wait_for(self._stop.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    self._sweep()
+            await self._stop.wait()
         finally:
+            self.connections.stop()
             server.close()
-            for guard in list(self.connections):
-                guard.close()
+            for guard in list(self._guards.values()):
+                guard.drop()
             await runner.cleanup()
 
-    def _sweep(self) -> None:
-        """Close the connections that sent nothing for `idle_s` (a client holding sockets)."""
-        now = time.monotonic()
-        for guard in list(self.connections):
-            if now - guard.last_data > self._idle_s:
-                guard.close()
-
     # --- requests ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _refuse_bad_input(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """What no handler takes (a parameter out of its range, bytes that are no text): a 4xx and
+        one log line, rate-limited; never a traceback, never a 5xx."""
+        try:
+            return await handler(request)
+        except _BadRequest as exc:
+            self._complaints.about(request, 400, str(exc))
+            return _text(400, str(exc))
+        except (UnicodeError, ValueError, LookupError) as exc:
+            self._complaints.about(request, 400, f"{type(exc).__name__}: {exc}")
+            return _text(400, "this request cannot be read")
 
     @web.middleware
     async def _auth(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         self.requests += 1
-        given = request.query.get("token")
-        if request.path == "/" and given is not None:
-            if not _same(given, self.token):
+        if request.path == "/" or request.path.startswith("/static/"):
+            # the page's own files (the same for every run; no data in them): the page must load
+            # before it can send the token it finds in its address (a wrong one is said at once)
+            given = request.query.get("token")
+            if given is not None and not _same(given, self.token):
                 return _text(401, "wrong token for this run's page")
-            moved = web.Response(status=303, headers={"Location": "/"})  # the token leaves the address bar
-            moved.set_cookie(_COOKIE, self.token, httponly=True, samesite="Strict", path="/")
-            return moved
+            return _secured(await handler(request))
         auth = request.headers.get("Authorization", "")
-        sent = auth[7:] if auth.startswith("Bearer ") else request.cookies.get(_COOKIE, "")
-        if not _same(sent, self.token):
+        if not (auth.startswith("Bearer ") and _same(auth[7:], self.token)):
             return _text(
                 401,
                 "this run's page needs its token: open the page address the run printed "
                 "(status.json: urls.page); a scraper sends `Authorization: Bearer TOKEN`",
             )
-        response = await handler(request)
-        response.headers.update(_HEADERS)
-        return response
+        guard = self._guards.get(request.transport)
+        if guard is not None:
+            guard.known()
+        return _secured(await handler(request))
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=_asset("page.html"), content_type="text/html", charset="utf-8")
@@ -213,13 +261,18 @@ class WebServer:
         return web.Response(body=_asset(name), content_type=_STATIC[name], charset="utf-8")
 
     async def _state(self, request: web.Request) -> web.StreamResponse:
-        since = _int(request.query.get("events"), 0)
+        since = _int(request, "events", 0, 0, 1 << 62)
+        page = request.query.get("page")
+        if page is not None and not (0 < len(page) <= 32 and page.isascii() and page.isalnum()):
+            raise _BadRequest("page: up to 32 letters and digits")
         self.reader.poll()
         events, count = self.reader.events(since)
         status = self.reader.status()
         tasks = status.get("tasks", [])
         progress = progress_of(status)
-        return web.json_response(
+        if page is not None:
+            self._saw(page, has_ended(status))
+        return _json(
             {
                 # the rows the page shows, not a thousand tasks' every second (P6 with a page open)
                 "status": {**status, "tasks": tasks[:MAX_ROWS]},
@@ -235,6 +288,9 @@ class WebServer:
                 "events": events[-200:],
                 "event_count": count,
                 "curves_version": self.reader.curves.version,
+                # its coordinator is gone and it never ended: the last record, not a live run
+                "stale": self.reader.stale(),
+                "recorded_at": self.reader.recorded_at(),
                 "now": time.time(),
                 "tensorboard": self._tensorboard,
                 **self._extra(),
@@ -242,17 +298,24 @@ class WebServer:
         )
 
     async def _curves(self, request: web.Request) -> web.StreamResponse:
+        points = _int(request, "points", 300, 2, MAX_CURVE_POINTS)
         self.reader.poll()
-        return web.json_response(self.reader.curves.snapshot(_int(request.query.get("points"), 300, 2000)))
+        return _json(self.reader.curves.snapshot(points))
 
     async def _logs(self, request: web.Request) -> web.StreamResponse:
+        count = _int(request, "lines", 40, 1, MAX_LOG_LINES)
         self.reader.poll()
-        lines = self.reader.log_tail(
-            request.match_info["task"], _int(request.query.get("lines"), 40, MAX_LOG_LINES)
-        )
+        lines = self.reader.log_tail(request.match_info["task"], count)
         if lines is None:
             return _text(404, "no such task in this run")
-        return web.json_response({"lines": [line[:2000] for line in lines]})
+        return _json({"lines": [line[:2000] for line in lines]})
+
+    def _saw(self, page: str, ended: bool) -> None:
+        """A page asked for the state (and whether what it got is the run's end)."""
+        _, saw_end = self._pages.pop(page, (0.0, False))
+        self._pages[page] = (time.monotonic(), saw_end or ended)
+        while len(self._pages) > MAX_PAGES:
+            del self._pages[next(iter(self._pages))]  # the one that asked longest ago
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.reader.poll()
@@ -261,25 +324,37 @@ class WebServer:
 
 
 class _Guard(asyncio.Protocol):
-    """One connection: counted against the cap (refused past it) and timed for the idle sweep;
-    everything else is aiohttp's protocol's."""
+    """One connection, as `worker.http1.Connections` caps and times it (a stranger until a request
+    shows the token: closed at its deadline, first evicted at the cap); everything else is
+    aiohttp's protocol's."""
 
     def __init__(self, server: WebServer, inner: Any):
         self._server, self._inner = server, inner
         self._transport: asyncio.Transport | None = None
-        self.last_data = time.monotonic()
+        self.client: Hashable | None = None  # _OWNER once a request showed the token
+        self.deadline = float("inf")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        if len(self._server.connections) >= self._server._max_connections:
-            transport.abort()
+        connections = self._server.connections
+        if not connections.join(self):
+            transport.abort()  # every slot is the owner's own
             return
-        self._server.connections.add(self)
+        self.deadline = time.monotonic() + connections.limits.hello_s
+        self._server._guards[transport] = self
         self._inner.connection_made(transport)
 
+    def known(self) -> None:
+        """A request on it showed the token: the owner's (kept while it is used)."""
+        if self.client is None:
+            self.client = _OWNER
+            self._server.connections.known(self, _OWNER)
+        self.deadline = time.monotonic() + self._server.connections.limits.idle_s
+
     def data_received(self, data: bytes) -> None:
-        self.last_data = time.monotonic()
+        if self.client is not None:
+            self.deadline = time.monotonic() + self._server.connections.limits.idle_s
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -292,13 +367,58 @@ class _Guard(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self in self._server.connections:
-            self._server.connections.discard(self)
+        self._server.connections.leave(self)
+        if self._server._guards.pop(self._transport, None) is not None:
             self._inner.connection_lost(exc)
 
-    def close(self) -> None:
+    def drop(self) -> None:
+        """Close now (its time is up, or a newcomer needs the room)."""
+        self.deadline = float("inf")
+        self._server.connections.leave(self)
         if self._transport is not None:
-            self._transport.close()
+            self._transport.abort()
+
+
+class _BadRequest(Exception):
+    """A request this server does not take (400, with this text)."""
+
+
+class _Complaints:
+    """One log line per refused request, at most one a second (the others counted in the next):
+    any user of the machine can send malformed requests, and none fills the console."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 1.0):
+        self._log, self._every_s = logger, every_s
+        self._last = -float("inf")
+        self._held = 0
+
+    def say(self, what: str, status: int, why: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self._every_s:
+            self._held += 1
+            return
+        more = f" (and {self._held} more refused since the last said)" if self._held else ""
+        self._last, self._held = now, 0
+        what = what.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")[:200]
+        self._log.warning("web: %d for %s: %s%s", status, what, why.splitlines()[0][:300] if why else "", more)
+
+    def about(self, request: web.Request, status: int, why: str) -> None:
+        self.say(f"{request.method} {request.path}", status, why)
+
+
+class _ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's logger for its protocol: a request it cannot parse (any bytes a stranger sends)
+    is one rate-limited line, never a traceback."""
+
+    def __init__(self, complaints: _Complaints):
+        super().__init__(log, {})
+        self._complaints = complaints
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else str(msg)
+        status = getattr(exc, "code", None)
+        self._complaints.say("a request it cannot read", status if isinstance(status, int) else 500, why)
 
 
 def serve_run(run_dir: Path, host: str, port: int) -> WebServer:
@@ -313,14 +433,28 @@ def serve_run(run_dir: Path, host: str, port: int) -> WebServer:
 
 
 def _same(given: str, token: str) -> bool:
-    return hmac.compare_digest(given.encode(), token.encode())
+    # a header's bytes that are no UTF-8 come as surrogates: compared as the bytes they were
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
 
 
-def _int(value: str | None, default: int, cap: int = 1 << 62) -> int:
-    try:
-        return max(0, min(cap, int(value))) if value is not None else default
-    except ValueError:
+def _int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    """A query parameter's integer, in [low, high]; a _BadRequest naming the range otherwise."""
+    raw = request.query.get(name)
+    if raw is None:
         return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19) or not low <= int(raw) <= high:
+        raise _BadRequest(f"{name}: an integer from {low} to {high}")
+    return int(raw)
+
+
+def _json(data: Any) -> web.Response:
+    """Strict JSON (a NaN or ±inf value as its string: browsers parse nothing else)."""
+    return web.json_response(data, dumps=dumps)
+
+
+def _secured(response: web.StreamResponse) -> web.StreamResponse:
+    response.headers.update(_HEADERS)
+    return response
 
 
 def _text(status: int, text: str) -> web.Response:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import time
 import urllib.parse
@@ -69,22 +70,76 @@ def server(run_dir: Path) -> Iterator[WebServer]:
     srv.close()
 
 
-def test_every_request_needs_the_runs_token(server: WebServer) -> None:
-    for path in ("/", "/api/state", "/api/curves", "/metrics", "/static/page.js"):
+def test_every_request_for_the_runs_data_needs_its_token(server: WebServer) -> None:
+    for path in ("/api/state", "/api/curves", "/metrics", "/api/logs/worker-0"):
         status, _, body = request(server, path)
         assert status == 401 and b"needs its token" in body, path
         assert request(server, path, "not-the-token")[0] == 401
-    status, _, _ = request(server, "/?token=wrong")
-    assert status == 401
-    status, headers, _ = request(server, f"/?token={urllib.parse.quote(server.token)}")
-    assert status == 303 and headers["location"] == "/"
-    cookie = headers["set-cookie"].split(";")[0]
-    assert "httponly" in headers["set-cookie"].lower() and "samesite=strict" in headers["set-cookie"].lower()
-    status, headers, body = request(server, "/", cookie=cookie)
-    assert status == 200 and b"/static/page.js" in body
-    assert "default-src 'self'" in headers["content-security-policy"]
-    assert request(server, "/static/page.js", cookie=cookie)[0] == 200
-    assert request(server, "/static/../web/server.py", cookie=cookie)[0] == 404
+        assert request(server, path, cookie=f"orchestrate_token={server.token}")[0] == 401  # no cookie counts
+        assert request(server, path, server.token)[0] == 200
+    assert request(server, "/?token=wrong")[0] == 401  # a wrong address is said at once
+    # the page's own files (no run data in them, the same for every run) load without it: the
+    # page then sends the token it finds in its address; a reload finds it in the tab's storage
+    for path in ("/", f"/?token={urllib.parse.quote(server.token)}", "/static/page.js", "/static/page.css"):
+        status, headers, body = request(server, path)
+        assert status == 200, path
+        assert "set-cookie" not in headers  # a cookie would reach every other port of this host
+        assert "default-src 'self'" in headers["content-security-policy"]
+    assert b"/static/page.js" in request(server, "/")[2]
+    assert request(server, "/static/../web/server.py")[0] == 404
+    assert request(server, "/static/server.py")[0] == 404
+
+
+def raw(server: WebServer, data: bytes) -> bytes:
+    """What the server answers to these bytes, whatever they are (its first line)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(data)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    return answer.split(b"\r\n")[0]
+
+
+def test_malformed_requests_get_a_4xx_and_one_log_line_each_second(
+    server: WebServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = [
+        b"GET /api/state HTTP/1.1\r\nHost: x\r\nCookie: a=\xff\xfe\x80\r\n\r\n",
+        b"GET /api/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n\r\n",
+        b"GET /?token=\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /api/logs/\xff\xfe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n",
+        b"GET /api/curves?points=%%ff HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX: \x00\x01\r\n\r\n",
+        b"\xff\xfe / HTTP/1.1\r\n\r\n",
+        b"GET /api/state HTTP/9.9\r\n\r\n",
+    ]
+    token = server.token.encode()
+    with caplog.at_level(logging.INFO):
+        for data in bad:
+            line = raw(server, data.replace(b"%s", token).replace(b"%%", b"%"))
+            assert line.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")) or line == b"", (data, line)
+        for query in ("points=0", "points=-1", "points=1", "points=2001", "points=x", "points=1e3"):
+            status, _, body = request(server, f"/api/curves?{query}", server.token)
+            assert status == 400 and b"points: an integer from 2 to 2000" in body, query
+        for query in ("lines=0", "lines=-5", "lines=201", "lines="):
+            status, _, body = request(server, f"/api/logs/worker-0?{query}", server.token)
+            assert status == 400 and b"lines: an integer from 1 to 200" in body, query
+        for query in ("events=-1", "page=../x", "page=" + "a" * 33):
+            assert request(server, f"/api/state?{query}", server.token)[0] == 400, query
+        assert len(get_json(server, "/api/curves?points=2")["worker-0"]["loss"]) <= 3
+        assert len(get_json(server, "/api/logs/worker-0?lines=200")["lines"]) <= 200
+    said = [r for r in caplog.records if r.name.startswith(("orchestrator.web", "aiohttp"))]
+    assert not any(r.exc_info for r in said), "a traceback"
+    assert 1 <= len(said) <= 3, [r.getMessage() for r in said]  # one a second: the rest counted
+
+
+def test_the_page_keeps_the_token_per_origin_not_in_a_cookie() -> None:
+    page = (Path(__file__).parents[2] / "orchestrator/web/static/page.js").read_text()
+    assert "document.cookie" not in page and 'credentials: "omit"' in page
+    assert "sessionStorage" in page and "history.replaceState" in page and "Authorization" in page
 
 
 def test_the_state_api_reads_the_run_as_it_grows(server: WebServer, run_dir: Path) -> None:
@@ -104,7 +159,19 @@ def test_log_tails_only_of_the_runs_tasks(server: WebServer) -> None:
     assert get_json(server, "/api/logs/worker-0?lines=1") == {"lines": ["zero two"]}
     for bad in ("worker-7", "..%2F..%2Fstatus.json", "%2Fetc%2Fpasswd"):
         assert request(server, f"/api/logs/{bad}", server.token)[0] == 404
-    assert len(get_json(server, "/api/logs/worker-0?lines=999999")["lines"]) <= 200
+    assert request(server, "/api/logs/worker-0?lines=999999", server.token)[0] == 400
+
+
+def test_log_tails_read_as_the_console_shows_them(server: WebServer, run_dir: Path) -> None:
+    bar = "".join(f"{i}/20 [{'=' * i}>]\b\b\b\b\r" for i in range(1, 21))  # Keras redraws in place
+    with open(run_dir / "logs" / "worker-0.log", "w", encoding="utf-8") as f:
+        f.write(f"===== orchestrate: attempt 1 =====\nEpoch 1/2\n{bar}20/20 [done]\nloss\u202e is\tnan\n")
+    lines = get_json(server, "/api/logs/worker-0?lines=200")["lines"]
+    assert lines == [
+        "Epoch 1/2",
+        "20/20 [done]",
+        "loss\\u202e is    nan",
+    ]  # one line per epoch, not per batch
 
 
 def test_prometheus_metrics_of_the_run(server: WebServer) -> None:
@@ -121,22 +188,38 @@ def test_prometheus_metrics_of_the_run(server: WebServer) -> None:
     assert ("orchestrate_task_heartbeat_age_seconds", key) in value
 
 
-def test_connections_past_the_cap_are_refused_and_idle_ones_closed(server: WebServer) -> None:
-    held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(8)]
+def test_strangers_cannot_keep_the_owner_out(run_dir: Path) -> None:
+    server = WebServer(
+        RunReader(run_dir, min_interval_s=0), max_connections=8, idle_s=1.0, hello_s=1.0
+    ).start()
+    held: list[socket.socket] = []
     try:
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(8)]
         deadline = time.monotonic() + 5
         while len(server.connections) < 8 and time.monotonic() < deadline:
             time.sleep(0.02)
-        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-        assert extra.recv(1) == b""  # closed at once: the cap holds
-        extra.close()
-        time.sleep(2.5)  # idle_s = 1: the silent ones are closed by the sweep
+        assert len(server.connections) == 8  # every slot a stranger's
+        started = time.monotonic()
+        assert get_json(server, "/api/state")["status"]["name"] == "demo"  # a stranger made room
+        assert time.monotonic() - started < 1.0
+        assert server.connections.evicted >= 1
+        time.sleep(2.5)  # hello_s = 1: strangers that never showed the token are closed
         assert all(s.recv(1) == b"" for s in held)
         assert len(server.connections) == 0
+        # the owner's own connections, kept while used, fill the cap: a newcomer is refused then
+        owners = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=5) for _ in range(8)]
+        for conn in owners:
+            conn.request("GET", "/api/state", headers={"Authorization": f"Bearer {server.token}"})
+            conn.getresponse().read()
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert extra.recv(1) == b""
+        extra.close()
+        for conn in owners:
+            conn.close()
     finally:
         for s in held:
             s.close()
-    assert get_json(server, "/api/state")["status"]["name"] == "demo"  # and it still serves
+        server.close()
 
 
 def test_curves_stay_bounded_and_keep_their_shape() -> None:
@@ -150,3 +233,65 @@ def test_curves_stay_bounded_and_keep_their_shape() -> None:
     for task in range(200):
         many.add(f"worker-{task}", 0, [{"step": s, "loss": 0.5} for s in range(1, 50)])
     assert many.size <= 200 * 10  # past the budget, no curve keeps more than its minimum
+
+
+def test_nan_and_infinity_reach_the_page_as_strict_json(server: WebServer, run_dir: Path) -> None:
+    status = json.loads((run_dir / "status.json").read_text())
+    status["tasks"][0]["metrics"] = {"loss": "NaN", "grad": "Infinity", "low": "-Infinity", "acc": 0.5}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(
+            json.dumps(
+                {"schema_version": 1, "time": "t", "task": "worker-0", "attempt": 0, "step": 4, "loss": "NaN"}
+            )
+        )
+        f.write("\n")
+    for path in ("/api/state", "/api/curves"):
+        status_code, _, body = request(server, path, server.token)
+        assert status_code == 200
+        json.loads(body, parse_constant=_bare)  # what a browser parses: no bare NaN or Infinity
+    state = get_json(server, "/api/state")
+    assert state["status"]["tasks"][0]["metrics"] == {
+        "loss": "NaN",
+        "grad": "Infinity",
+        "low": "-Infinity",
+        "acc": 0.5,
+    }
+    assert get_json(server, "/api/curves")["worker-0"]["loss"][-1] == [4, "NaN", 0]
+    _, _, body = request(server, "/metrics", server.token)
+    families = text_string_to_metric_families(body.decode())
+    values = {
+        s.labels["name"]: s.value
+        for f in families
+        if f.name == "orchestrate_task_metric"
+        for s in f.samples
+        if s.labels["task"] == "worker-0"
+    }
+    assert (
+        values["grad"] == float("inf") and values["low"] == float("-inf") and values["loss"] != values["loss"]
+    )
+
+
+def test_a_run_whose_coordinator_is_gone_is_said_stale(server: WebServer) -> None:
+    state = get_json(server, "/api/state")
+    assert state["status"]["state"] == "RUNNING" and state["stale"] is True  # fabricated: no coordinator
+    assert isinstance(state["recorded_at"], float)
+
+
+def test_an_open_page_is_shown_the_end_before_the_server_goes(server: WebServer, run_dir: Path) -> None:
+    get_json(server, "/api/state?page=abc123")  # an open page, RUNNING
+    started = time.monotonic()
+    server.linger(timeout_s=0.5)  # it has not seen the end: waited for
+    assert time.monotonic() - started >= 0.45
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(
+        json.dumps({**status, "state": "SUCCEEDED", "ended_at": "2026-01-01T00:02:00Z"})
+    )
+    assert get_json(server, "/api/state?page=abc123")["status"]["state"] == "SUCCEEDED"
+    started = time.monotonic()
+    server.linger(timeout_s=5)  # it has: nothing to wait for
+    assert time.monotonic() - started < 0.2
+
+
+def _bare(constant: str) -> None:
+    raise AssertionError(f"a bare {constant} in strict JSON")

@@ -1,13 +1,25 @@
 // A run's page: polls /api/state every second, /api/curves when they changed, the selected
 // task's log every two seconds. No library, no outside request (the server's CSP forbids them).
+//
+// The run's token comes in the address once (?token=): kept in this tab's sessionStorage, which the
+// browser keeps per origin (scheme, host, port), taken out of the address bar, and sent as
+// `Authorization: Bearer`. Never a cookie: a browser sends cookies to every port of a host.
+// What a job reports is data, never markup or keys: text goes in with textContent, values are looked
+// up in Maps or as own properties (a metric may be named `__proto__`).
 "use strict";
 
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const NOTABLE_RUN = new Set(["STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"]);
 const NOTABLE_TASK = new Set(["FAILED", "LOST"]);
 const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "results", "resume", "error"]);
+const ENDED = new Set(["SUCCEEDED", "FAILED", "INTERRUPTED"]);
+const NONFINITE = new Map([["NaN", NaN], ["Infinity", Infinity], ["-Infinity", -Infinity]]);
 const MAX_ROWS = 50; // as the server sends
+const MAX_PLOTS = 12;
+const TOKEN_KEY = "orchestrate-token";
 
+const token = takeToken();
+const pageId = Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => b.toString(16).padStart(2, "0")).join("");
 let eventCount = 0;
 let curvesVersion = -1;
 let curvesAt = 0;
@@ -15,6 +27,17 @@ let selected = null;
 let lastStatus = null;
 let clockSkew = 0; // server time - browser time
 const events = [];
+
+function takeToken() {
+  const url = new URL(window.location.href);
+  const given = url.searchParams.get("token");
+  if (given) {
+    sessionStorage.setItem(TOKEN_KEY, given);
+    url.searchParams.delete("token");
+    history.replaceState(null, "", url.pathname + url.search + url.hash); // out of the address bar
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
+}
 
 function el(tag, attrs, ...children) {
   const node = tag.startsWith("svg:")
@@ -39,8 +62,22 @@ function duration(seconds) {
   return `${h ? h + ":" : ""}${mm}:${String(r).padStart(2, "0")}`;
 }
 
+// A reported value: a JSON number, or NaN and ±inf as the strings the server writes for them.
+function value(v) {
+  if (typeof v === "number") return v;
+  return typeof v === "string" && NONFINITE.has(v) ? NONFINITE.get(v) : null;
+}
+
 function num(v) {
-  return typeof v === "number" ? Number(v.toPrecision(4)).toString() : "";
+  const x = value(v);
+  if (x === null) return "";
+  if (Number.isNaN(x)) return "NaN";
+  if (!Number.isFinite(x)) return x > 0 ? "inf" : "-inf";
+  return Number(x.toPrecision(4)).toString();
+}
+
+function own(object, key) {
+  return object && Object.hasOwn(object, key) ? object[key] : undefined;
 }
 
 function when(iso) {
@@ -52,8 +89,12 @@ function now() {
   return Date.now() / 1000 + clockSkew;
 }
 
+class Refused extends Error {}
+
 async function getJSON(path) {
-  const response = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+  if (!token) throw new Refused("this page needs its run's token: open the page address the run printed (status.json: urls.page)");
+  const response = await fetch(path, { credentials: "omit", cache: "no-store", headers: { Authorization: `Bearer ${token}` } });
+  if (response.status === 401) throw new Refused("the run's token was refused: open the page address the run printed (status.json: urls.page)");
   if (!response.ok) throw new Error(`${path}: ${response.status}`);
   return response.json();
 }
@@ -65,18 +106,23 @@ function metricNames(tasks) {
   return names.sort((a, b) => rank(a) - rank(b) || names.indexOf(a) - names.indexOf(b));
 }
 
-function renderHead(status, progress) {
-  document.title = `${status.name} ${status.state} — orchestrate`;
+function renderHead(status, progress, stale, recordedAt) {
+  const shown = stale ? `${status.state}?` : status.state;
+  document.title = `${status.name} ${shown} — orchestrate`;
   document.getElementById("name").textContent = status.name;
   const state = document.getElementById("state");
-  state.textContent = status.state;
-  state.className = `state ${status.state}`;
+  state.textContent = shown;
+  state.className = `state ${stale ? "STALE" : status.state}`;
+  const over = stale || ENDED.has(status.state);
   const start = when(status.started_at);
-  const end = when(status.ended_at) || now();
+  // an ended run's clock stops at its end; one whose coordinator is gone, at its last record
+  const end = when(status.ended_at) || (stale && recordedAt) || now();
   const took = start ? ` · ${duration(end - start)}` : "";
   document.getElementById("head").textContent =
     `attempt ${status.attempt} · restarts ${status.restarts}${took} · run ${status.run_id}`;
-  document.getElementById("reason").textContent = (status.reason || "").split("\n")[0];
+  document.getElementById("reason").textContent = stale
+    ? "its coordinator is gone: this is the run's last record, not a live run (`orchestrate down` with its run directory stops anything it left)"
+    : (status.reason || "").split("\n")[0];
   // the server's progress, of every task (the page gets the first rows only)
   const text = [];
   let fraction = 0;
@@ -84,11 +130,11 @@ function renderHead(status, progress) {
     if (progress.total) {
       fraction = Math.min(1, progress.step / progress.total);
       text.push(`step ${progress.step}/${progress.total} (${Math.round(fraction * 100)}%)`);
-      if (progress.eta_s !== null && !status.ended_at) text.push(`ETA ${duration(progress.eta_s)}`);
+      if (progress.eta_s !== null && !over) text.push(`ETA ${duration(progress.eta_s)}`);
     } else {
       text.push(`step ${progress.step}`);
     }
-    if (progress.steps_per_s !== null && !status.ended_at) {
+    if (progress.steps_per_s !== null && !over) {
       text.push(`${num(progress.steps_per_s)} steps/s`);
       if (progress.examples_per_s !== null) text.push(`${Math.round(progress.examples_per_s)} examples/s`);
     }
@@ -102,7 +148,9 @@ function renderTasks(status, count, states) {
   const names = metricNames(tasks);
   const head = ["task", "state", "step", ...names, "heartbeat", "steps/s", "restarts", "RSS", "host"];
   const thead = document.querySelector("#tasks thead");
-  thead.replaceChildren(el("tr", {}, ...head.map((h) => el("th", h === "state" || h === "host" ? { class: "left" } : {}, h))));
+  // a long name is cut (the cell's title has it whole): the table stays within the window
+  const cut = (h) => (h.length > 16 ? `${h.slice(0, 15)}…` : h);
+  thead.replaceChildren(el("tr", {}, ...head.map((h) => el("th", { title: h, ...(h === "state" || h === "host" ? { class: "left" } : {}) }, cut(h)))));
   const rows = tasks.map((t) => {
     const ended = ["SUCCEEDED", "FAILED", "LOST", "STOPPED"].includes(t.state);
     const beat = when(t.last_heartbeat_at);
@@ -111,7 +159,7 @@ function renderTasks(status, count, states) {
       t.task,
       el("span", { class: `state ${t.state}` }, shownState),
       t.last_step === null ? "" : String(t.last_step),
-      ...names.map((n) => num((t.metrics || {})[n])),
+      ...names.map((n) => num(own(t.metrics, n))),
       beat && !ended ? age(now() - beat) : "",
       (t.role === "chief" || t.role === "worker") && !ended ? num(t.steps_per_s) : "",
       t.restarts ? String(t.restarts) : "",
@@ -169,9 +217,10 @@ function renderFailures(status) {
 
 function plot(name, byTask) {
   const W = 420, H = 190, L = 46, R = 8, T = 8, B = 22;
-  const all = Object.values(byTask).flat();
+  const all = [...byTask.values()].flat().map(([x, y, a]) => [x, value(y), a]);
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]).filter(Number.isFinite);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  let [y0, y1] = ys.length ? [Math.min(...ys), Math.max(...ys)] : [0, 1];
   if (x0 === x1) x1 = x0 + 1;
   if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
   const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
@@ -184,31 +233,49 @@ function plot(name, byTask) {
   svg.append(el("svg:text", { x: L, y: H - 6 }, `step ${x0}`));
   svg.append(el("svg:text", { x: W - R, y: H - 6, "text-anchor": "end" }, `${x1}`));
   const legend = el("div", { class: "legend" });
-  Object.entries(byTask).forEach(([task, points], i) => {
+  [...byTask.entries()].forEach(([task, points], i) => {
     const color = COLORS[i % COLORS.length];
-    let d = "", attempt = null;
-    for (const [x, y, a] of points) {
-      if (!Number.isFinite(y)) continue;
-      d += `${a !== attempt ? "M" : "L"}${sx(x).toFixed(1)},${sy(y).toFixed(1)} `;
+    let d = "", attempt = null, gap = true, firstOdd = null;
+    for (const [x, raw, a] of points) {
+      const y = value(raw);
+      if (!Number.isFinite(y)) {
+        // NaN or ±inf: a mark on the edge it points to (NaN: the top), the line broken there
+        const top = !(y === -Infinity);
+        const mark = el("svg:text", { x: sx(x), y: top ? T + 9 : H - B - 2, "text-anchor": "middle", class: "nonfinite", "data-task": task }, "×");
+        mark.append(el("svg:title", {}, `${task} step ${x}: ${num(y)}`));
+        mark.style.fill = color;
+        svg.append(mark);
+        if (firstOdd === null) firstOdd = `${num(y)} at step ${x}`;
+        gap = true;
+        continue;
+      }
+      d += `${gap || a !== attempt ? "M" : "L"}${sx(x).toFixed(1)},${sy(y).toFixed(1)} `;
       attempt = a;
+      gap = false;
     }
     svg.append(el("svg:path", { d, fill: "none", stroke: color, "stroke-width": 1.5, "data-task": task, "data-points": points.length }));
-    const key = el("span", {}, `━ ${task}`);
+    const key = el("span", {}, `━ ${task}${firstOdd ? ` (${firstOdd})` : ""}`);
     key.style.color = color; // CSSOM, not a style attribute: the page's CSP allows no inline style
     legend.append(key);
   });
-  return el("figure", {}, el("figcaption", {}, name), svg, legend);
+  return el("figure", {}, el("figcaption", { title: name }, name), svg, legend);
 }
 
 function renderCurves(curves) {
-  const byName = {};
+  const byName = new Map(); // a name is data: never an object's key (`__proto__`, `constructor`)
   for (const [task, metrics] of Object.entries(curves)) {
-    for (const [name, points] of Object.entries(metrics)) (byName[name] ||= {})[task] = points;
+    for (const [name, points] of Object.entries(metrics)) {
+      if (!byName.has(name)) byName.set(name, new Map());
+      byName.get(name).set(task, points);
+    }
   }
-  const names = Object.keys(byName).sort((a, b) => (a === "loss" ? -1 : b === "loss" ? 1 : a.localeCompare(b)));
-  const plots = document.getElementById("plots");
+  const names = [...byName.keys()].sort((a, b) => (a === "loss" ? -1 : b === "loss" ? 1 : a.localeCompare(b)));
   if (!names.length) return;
-  plots.replaceChildren(...names.slice(0, 12).map((n) => plot(n, byName[n])));
+  document.getElementById("plots").replaceChildren(...names.slice(0, MAX_PLOTS).map((n) => plot(n, byName.get(n))));
+  const left = names.slice(MAX_PLOTS);
+  document.getElementById("plots-more").textContent = left.length
+    ? `${MAX_PLOTS} of ${names.length} values drawn (loss first, then by name); not drawn: ${left.join(", ")} — metrics.jsonl has every point`
+    : "";
 }
 
 function renderFooter(tb) {
@@ -236,22 +303,25 @@ async function refreshLog() {
     pre.textContent = data.lines.join("\n");
     if (atBottom) pre.scrollTop = pre.scrollHeight;
   } catch (err) {
-    document.getElementById("log").textContent = String(err);
+    if (!ended) document.getElementById("log").textContent = String(err); // at the end: the last tail stays
   }
 }
 
+let ended = false; // the page has shown the run's end
+
 async function tick() {
   try {
-    const data = await getJSON(`/api/state?events=${eventCount}`);
+    const data = await getJSON(`/api/state?events=${eventCount}&page=${pageId}`);
     clockSkew = data.now - Date.now() / 1000;
     eventCount = data.event_count;
     events.push(...data.events);
     if (events.length > 2000) events.splice(0, events.length - 2000);
     lastStatus = data.status;
     if (lastStatus && lastStatus.tasks) {
-      renderHead(lastStatus, data.progress);
+      renderHead(lastStatus, data.progress, data.stale, data.recorded_at);
       renderTasks(lastStatus, data.task_count, data.task_states);
       renderFailures(lastStatus);
+      ended = ENDED.has(lastStatus.state);
     }
     renderEvents();
     renderFooter(data.tensorboard);
@@ -260,8 +330,15 @@ async function tick() {
       curvesAt = Date.now();
       renderCurves(await getJSON("/api/curves"));
     }
+    document.getElementById("note").textContent = "";
   } catch (err) {
-    document.getElementById("reason").textContent = `cannot reach the coordinator: ${err.message}`;
+    const note = document.getElementById("note");
+    if (ended) {
+      // the run ended and its coordinator went with it: what is shown is its end
+      note.textContent = "the run has ended and its coordinator no longer serves this page; `orchestrate show` with its run directory serves it again";
+      return;
+    }
+    note.textContent = err instanceof Refused ? err.message : `cannot reach the coordinator: ${err.message}`;
   }
   setTimeout(tick, 1000);
 }
