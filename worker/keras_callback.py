@@ -34,6 +34,7 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._scale = 1.0
         self._report = reporter().report if keeps_points() else reporter().progress
         self._steps_per_epoch: int | None = None
+        self._epoch_done = 0  # the steps of this epoch Keras has counted so far (its `batch` + 1)
         self._in_fit = False
         self._remote = False  # ParameterServerStrategy: batch logs are RemoteValues
         self._before: str | None = None  # busy with, before evaluate or predict began
@@ -53,18 +54,20 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         reporter().set_busy(_TRAINING)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch_done = 0
         reporter().set_busy(_TRAINING)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # Keras calls this once per execution, `batch` being the last step it ran: with
+        # `steps_per_execution=N` (the parameter-server tutorial's 10), every Nth step only
+        done = batch + 1
         if self._step is None:
-            try:
-                self._step = int(self.model.optimizer.iterations.numpy())
-            except (AttributeError, ValueError, TypeError):
-                self._step = batch + 1
+            self._step = _iterations(self.model, default=done)
             if self._remote:
-                self._step = max(self._step, batch + 1)  # scheduled, not yet run
+                self._step = max(self._step, done)  # scheduled, not yet run
         else:
-            self._step += 1
+            self._step += max(1, done - self._epoch_done)
+        self._epoch_done = done
         if self._remote:
             reporter().progress(self._step)  # its logs are RemoteValues: reading one waits for it
         else:
@@ -87,12 +90,20 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         reporter().set_busy(self._before)  # what it was doing before (after fit: done training)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._remote and self._step is not None:
+            # the epoch's scheduled steps have all run (Keras joins the coordinator before this):
+            # the optimizer's count is exact now, whatever was scheduled ahead of it
+            self._step = _iterations(self.model, default=self._step)
         values = _values(logs)  # epoch logs are reduced right: no scaling
         if values:  # the epoch's metrics: val_* included, and under ParameterServerStrategy the only ones
             self._report(self._step, **values)
+        elif self._step is not None:
+            reporter().progress(self._step)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._in_fit = False
+        if self._step is not None:  # a finished fit's last word is its last step
+            reporter().progress(_iterations(self.model, default=self._step))
         reporter().set_busy("done training")  # saving the model, evaluating: whatever follows fit
 
 
@@ -104,6 +115,15 @@ def _values(logs: dict[str, Any] | None, scale: float = 1.0) -> dict[str, float]
         if number is not None:
             out[name] = number * scale
     return out
+
+
+def _iterations(model: Any, default: int) -> int:
+    """The training steps Keras has counted (the optimizer's iterations: a restored run's count
+    goes on from its checkpoint), or `default` when the model has no such count."""
+    try:
+        return int(model.optimizer.iterations.numpy())
+    except (AttributeError, ValueError, TypeError):
+        return default
 
 
 def _uses_coordinator(model: Any) -> bool:

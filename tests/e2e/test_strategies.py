@@ -208,7 +208,8 @@ PS_SCRIPT = """
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)), tf.keras.layers.Dense(1)])
-        model.compile(tf.keras.optimizers.SGD(0.05), loss="mse")
+        # as the tutorial (its 10): Keras calls a batch-level callback once per execution
+        model.compile(tf.keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=5)
 
     def dataset_fn(input_context):
         x = tf.random.stateless_normal((64, 4), seed=(1, 2))
@@ -217,7 +218,7 @@ PS_SCRIPT = """
 
     model.fit(
         tf.keras.utils.experimental.DatasetCreator(dataset_fn),
-        epochs=2,
+        epochs=3,
         steps_per_epoch=10,
         callbacks=[worker.ReportCallback()],  # batch-level: accepted under ParameterServerStrategy
         verbose=0,
@@ -255,12 +256,15 @@ def test_parameter_server_mode_1_script_runs_on_every_task(tmp_path):
     # the servers count as up by themselves (their tf.distribute.Server started): no startup deadline
     up = {e["task"] for e in events if e.get("new") == "RUNNING" and e.get("kind") == "task"}
     assert up == {"chief-0", "worker-0", "worker-1", "ps-0"}
-    assert "FIT DONE 20" in (run_dir / "logs" / "chief-0.log").read_text()
+    assert "FIT DONE 30" in (run_dir / "logs" / "chief-0.log").read_text()
     status = json.loads((run_dir / "status.json").read_text())
     chief = next(t for t in status["tasks"] if t["task"] == "chief-0")
-    assert chief["last_step"] == 20 and chief["total_steps"] == 20 and "loss" in chief["metrics"]
+    # the step Keras counts (the optimizer's), not the callback's calls (one per 5 steps): a finished
+    # job's last report is its last step
+    assert chief["last_step"] == 30 and chief["total_steps"] == 30 and "loss" in chief["metrics"]
+    assert "step 30/30 (100%)" in res.stdout
     points = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [p["step"] for p in points if "loss" in p] == [10, 20]  # the epochs' metrics
+    assert [p["step"] for p in points if "loss" in p] == [10, 20, 30]  # the epochs' metrics
     stopping = next(e for e in events if e.get("new") == "STOPPING")
     done = next(e for e in events if e.get("new") == "SUCCEEDED" and e.get("kind") == "run")
 
