@@ -421,8 +421,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     console = Console()
     console.print(f"run directory: {run_dir}")
+    # a run whose coordinator died is shown as of its last record: its clock does not tick on
+    at = (run_dir / "status.json").stat().st_mtime if stale else None
     console.print(
-        render_status(status, recent_events(read_events(run_dir)), width=console.width, max_rows=None)
+        render_status(status, recent_events(read_events(run_dir)), width=console.width, now=at, max_rows=None)
     )
     if stale:
         console.print(

@@ -440,8 +440,11 @@ def keeps_points(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _number(value: Any) -> float | None:
-    # numpy scalars, 0-d tensors, Python numbers; NaN is kept (a NaN loss is worth seeing)
+    # numpy scalars, 0-d tensors, Python numbers; NaN is kept (a NaN loss is worth seeing), an
+    # integer past a float's range is ±inf
     try:
         return float(value)
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
     except (TypeError, ValueError):
         return None

@@ -219,14 +219,14 @@ class Heartbeat:
                 seq=seq,
                 sent_at=float(sent_at),
                 pid=pid,
-                rss_bytes=rss,
+                rss_bytes=_bounded(rss),
                 cpu_percent=float(cpu),
                 connecting=connecting,
                 ready=ready,
-                step=step,
-                total_steps=total,
-                examples_per_step=per_step,
-                metrics={safe_text(k): float(v) for k, v in metrics.items()} if metrics else {},
+                step=_bounded(step),
+                total_steps=_bounded(total),
+                examples_per_step=_bounded(per_step),
+                metrics={safe_text(k): number(v) for k, v in metrics.items()} if metrics else {},  # type: ignore[misc]
                 points=points,
                 done=done,
                 user_frame=safe_text(frame[:MAX_FRAME_CHARS]) if frame else frame,
@@ -237,6 +237,14 @@ class Heartbeat:
             )
         except (TypeError, KeyError, ValueError, OverflowError) as exc:  # an int too large for a float
             raise ValueError(f"malformed heartbeat: {exc}") from None
+
+
+_INT64 = 2**63 - 1
+
+
+def _bounded(value: int | None) -> Any:
+    """A count as a 64-bit integer at most (what every reader of a document can hold)."""
+    return value if value is None or -_INT64 <= value <= _INT64 else (_INT64 if value > 0 else -_INT64)
 
 
 def _point(point: Any) -> dict[str, Any]:
@@ -338,9 +346,13 @@ def dumps(value: Any, **options: Any) -> str:
 
 
 def number(value: Any) -> float | None:
-    """A reported value as a float: a JSON number, or one of `NONFINITE`'s strings; else None."""
+    """A reported value as a float: a JSON number (an integer past a float's range as ±inf), or one
+    of `NONFINITE`'s strings; else None."""
     if type(value) in _NUMBER:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
     return NONFINITE.get(value) if type(value) is str else None
 
 

@@ -4,6 +4,7 @@ the end of `orchestrate up`."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import socket
@@ -810,3 +811,16 @@ def test_status_shows_the_runs_notable_events_with_their_causes(
     assert code == 0
     assert "events:" in out and "00:00:09 worker-1 FAILED: was killed by SIGKILL" in out
     assert "RUNNING: up" not in out  # only what a person must not miss
+
+
+def test_status_of_a_run_whose_coordinator_died_stops_its_clock_at_the_last_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = fabricate_run(tmp_path / "run", state="RUNNING", reason="training")
+    status = json.loads((run_dir / "status.json").read_text())
+    status["started_at"] = "2026-01-01T00:00:00.000Z"
+    (run_dir / "status.json").write_text(json.dumps(status))
+    record_time = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc).timestamp()
+    os.utime(run_dir / "status.json", (record_time, record_time))  # written 5 min in, then it died
+    code, out, _ = run(capsys, "status", str(run_dir))
+    assert code == 0 and "5:00" in out and "its coordinator is gone" in out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orchestrator.logtail import LogTailer
+from orchestrator.logtail import LogTailer, tail_lines
 
 
 def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
@@ -37,3 +37,14 @@ def test_a_second_stop_reads_nothing_again(tmp_path: Path) -> None:
     tailer.stop()
     tailer.poll()
     assert seen == ["one", "two"]
+
+
+def test_a_tail_ends_lines_at_newlines_only(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    bar = "".join(f"{i}/20 [{'=' * i}]\r" for i in range(1, 21)) + "20/20 [done]"
+    log.write_text(f"old\n===== orchestrate: attempt 1 =====\nEpoch 1\n{bar}\r\nnext\x0cpage\u2028x\n")
+    assert tail_lines(log, 10) == ["Epoch 1", bar, "next\x0cpage\u2028x"]  # one line per line written
+    assert tail_lines(log, 0) == [] and tail_lines(log, 1) == ["next\x0cpage\u2028x"]
+    big = tmp_path / "big.log"
+    big.write_text("x" * 300_000 + "\nlast\n")  # the tail begins part way through a line: left off
+    assert tail_lines(big, 5) == ["last"]

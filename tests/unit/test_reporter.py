@@ -157,3 +157,20 @@ def test_what_a_task_reports_stays_within_what_a_heartbeat_may_carry(server, cap
     assert len(kept) == wire.MAX_METRICS and "loss" in kept and "m0" in kept
     said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(said) == 2 + 6  # task, the long name, and the names past 64: each said once
+
+
+def test_a_name_no_view_shows_as_it_is_is_reported_as_its_escape_said_once(server, caplog):
+    srv, store, points = server
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
+    rep.start()
+    for step in range(1, 4):
+        rep.report(step, **{"bad\ud800name": float("nan"), "rev\u202eesrever": 1.0, "損失": float("inf")})
+    rep.finish()
+    kept = store.snapshot()["worker-0"].metrics
+    assert set(kept) == {"bad\\ud800name", "rev\\u202eesrever", "損失"}
+    assert kept["損失"] == float("inf") and kept["bad\\ud800name"] != kept["bad\\ud800name"]  # NaN
+    assert [sorted(p) for p in points] == [
+        ["bad\\ud800name", "rev\\u202eesrever", "step", "time", "損失"]
+    ] * 3
+    said = [r.getMessage() for r in caplog.records if "is shown as" in r.getMessage()]
+    assert len(said) == 2 and "'bad\\\\ud800name'" in said[0]  # once per name, in the task's log

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from orchestrator.quiet import console_writes_anything
 from orchestrator.view import (
     LiveView,
     PlainView,
@@ -320,3 +321,30 @@ def test_an_ended_run_shows_no_eta_or_rates() -> None:
     ended = {**TRAINING, "state": "SUCCEEDED", "ended_at": iso(NOW)}
     text = "\n".join(lines_of(render_status(ended, width=100, now=NOW), 100))
     assert "step 120/400 (30%)" in text and "ETA" not in text and "steps/s ·" not in text
+
+
+def test_nan_and_infinity_are_shown_as_such_from_memory_and_from_a_document() -> None:
+    for nan, inf in ((float("nan"), float("-inf")), ("NaN", "-Infinity")):  # the supervisor's, status.json's
+        doc = status(task("worker-0", "worker", last_step=7, metrics={"loss": nan, "grad": inf, "損失": 0.5}))
+        assert "loss NaN · grad -inf · 損失 0.5" in " · ".join(progress_of(doc, NOW).parts())
+        console = Console(file=io.StringIO(), width=100, force_terminal=False)
+        console.print(render_status(doc, [], width=100, now=NOW))
+        row = next(line for line in console.file.getvalue().splitlines() if line.startswith("worker-0"))
+        assert "NaN" in row and "-inf" in row
+
+
+def test_a_console_that_writes_ascii_only_writes_whatever_a_job_reports() -> None:
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    console_writes_anything(out)
+    view = PlainView(out, progress_every_s=1, clock=Clock())
+    doc = status(
+        task("worker-0", "worker", last_step=7, metrics={"損失": 0.5, "bad\\ud800name": float("nan")})
+    )
+    view.update(doc)
+    view._clock.t = 2  # type: ignore[attr-defined]
+    view.update(doc)
+    view.log_line("worker-0", "エポック 1/2 \u202e done")
+    out.flush()
+    text = out.buffer.getvalue().decode("ascii")
+    assert "\\u640d\\u5931 0.5" in text and "bad\\ud800name NaN" in text  # as escapes, nothing raised
+    assert "\\u30a8\\u30dd\\u30c3\\u30af 1/2 \\u202e done" in text

@@ -26,6 +26,8 @@ let curvesAt = 0;
 let selected = null;
 let lastStatus = null;
 let clockSkew = 0; // server time - browser time
+let ended = false; // the page has shown the run's end
+let gone = false; // ...and its server has gone with the run: nothing more to ask
 const events = [];
 
 function takeToken() {
@@ -295,7 +297,7 @@ async function selectTask(task) {
 }
 
 async function refreshLog() {
-  if (!selected) return;
+  if (!selected || gone) return;
   try {
     const data = await getJSON(`/api/logs/${encodeURIComponent(selected)}?lines=60`);
     const pre = document.getElementById("log");
@@ -306,8 +308,6 @@ async function refreshLog() {
     if (!ended) document.getElementById("log").textContent = String(err); // at the end: the last tail stays
   }
 }
-
-let ended = false; // the page has shown the run's end
 
 async function tick() {
   try {
@@ -336,6 +336,7 @@ async function tick() {
     if (ended) {
       // the run ended and its coordinator went with it: what is shown is its end
       note.textContent = "the run has ended and its coordinator no longer serves this page; `orchestrate show` with its run directory serves it again";
+      gone = true;
       return;
     }
     note.textContent = err instanceof Refused ? err.message : `cannot reach the coordinator: ${err.message}`;
