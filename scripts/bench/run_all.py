@@ -1,4 +1,5 @@
-"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees),
+"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees; P11
+the run's page against a stranger holding its connections),
 print one table, keep the figures.
 
 Each benchmark is its own script (runnable alone) that prints one JSON document; this runs them
@@ -35,6 +36,7 @@ PLAN = [
     ("P9", "ship_state.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
     ("P8", "slurm_launch.py", (["--rounds", "5"], ["--rounds", "1"])),
     ("P10", "researcher_view.py", (["--kills", "5"], ["--kills", "2", "--measure-s", "8"])),
+    ("P11", "web_strangers.py", (["--measure-s", "10"], ["--measure-s", "3"])),
 ]
 
 
@@ -198,6 +200,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             f"with none; page p99 {page['page_p99_ms']} ms "
             "| 1,000 tasks: `capacity.py --pages 1` |"
         )
+    for case, r in results.get("P11", {}).get("results", {}).items():
+        if "ratio_to_alone" in r:
+            out.append(
+                f"| P11 the page's owner, {case} | {r['answered_per_s']:.0f} requests/s answered "
+                f"(×{r['ratio_to_alone']:.2f} of alone), {r['failed']} failed, p99 {r['p99_ms']} ms "
+                "| before issue 22: 0 answered |"
+            )
     for name, r in results.items():
         if "error" in r:
             out.append(f"| {name} | FAILED ({r['error']}) | see the JSON |")
