@@ -186,13 +186,15 @@ def up(
         for listener in (view.event, on_event):
             if listener is not None:
                 record.listen(listener)
+        again = _resume_argv(spec_path, run_dir, backend_option)
+        # who supervises the run, before its page is served: a resumed run's page never takes the
+        # coordinator that wrote the run before for this one, gone (its `stale` rule)
+        record.write_coordinator(_coordinator_info(run_id, server.url, again))
         urls = _serve_page(cleanup, run_dir, web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
-        again = _resume_argv(spec_path, run_dir, backend_option)
-        record.write_coordinator(_coordinator_info(run_id, server.url, again))
         if record.broken:
             raise LaunchError(f"{record.broken}; nothing was started")
         console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files

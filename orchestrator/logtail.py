@@ -103,8 +103,8 @@ def tail_lines(path: Path, count: int, since_marker: bool = True) -> list[str]:
     lines = [line.rstrip("\r") for line in data.decode(errors="replace").split("\n")]
     if lines and lines[-1] == "":
         lines.pop()
-    if start > 0 and lines:
-        lines.pop(0)  # begun part way through
+    if start > 0 and len(lines) > 1:
+        lines.pop(0)  # begun part way through (unless it is all there is: a bar redrawn for long)
     if since_marker:
         for i in range(len(lines) - 1, -1, -1):
             if lines[i].startswith("===== orchestrate:"):

@@ -83,5 +83,9 @@ def console_writes_anything(*streams: Any) -> None:
     encoding has no room for (a C locale, PYTHONIOENCODING=ascii, a name reported in any script)
     goes out as its backslash escape instead of raising UnicodeEncodeError in the coordinator."""
     for stream in streams or (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
-            stream.reconfigure(errors="backslashreplace")
+        if isinstance(stream, io.TextIOWrapper) and stream.errors not in _WRITES_ANYTHING:
+            stream.reconfigure(errors="backslashreplace")  # strict, or surrogateescape (C locale)
+
+
+#: Error handlers with which a stream writes any str (what else it may have: strict, surrogateescape).
+_WRITES_ANYTHING = frozenset({"backslashreplace", "replace", "xmlcharrefreplace", "namereplace", "ignore"})

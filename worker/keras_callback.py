@@ -90,9 +90,10 @@ class ReportCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         reporter().set_busy(self._before)  # what it was doing before (after fit: done training)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._remote and self._step is not None:
-            # the epoch's scheduled steps have all run (Keras joins the coordinator before this):
-            # the optimizer's count is exact now, whatever was scheduled ahead of it
+        if self._step is not None:
+            # the optimizer's count, exact at an epoch's end: under ParameterServerStrategy every
+            # scheduled step has run by now (Keras joins the coordinator first); elsewhere it
+            # corrects any miscount of Keras' `batch` (its meaning varies across Keras releases)
             self._step = _iterations(self.model, default=self._step)
         values = _values(logs)  # epoch logs are reduced right: no scaling
         if values:  # the epoch's metrics: val_* included, and under ParameterServerStrategy the only ones

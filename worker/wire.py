@@ -262,11 +262,19 @@ def _point(point: Any) -> dict[str, Any]:
             if number(value) is None:
                 raise ValueError(f"point value {safe_text(name)!r}: a number")
             clean = False
-        elif clean and _UNSAFE.search(name):
+        elif clean and (_UNSAFE.search(name) or type(value) is int and not -_INT64 <= value <= _INT64):
             clean = False
     if clean:
         return point
-    return {safe_text(k): v if type(v) in _NUMBER else NONFINITE[v] for k, v in point.items()}
+    return {safe_text(k): _taken(k, v) for k, v in point.items()}
+
+
+def _taken(name: str, value: Any) -> Any:
+    """A point's value as the record keeps it: NaN and ±inf's strings as floats, an integer past
+    64 bits as ±inf (the step as the largest 64-bit count)."""
+    if type(value) is int and not -_INT64 <= value <= _INT64:
+        return _bounded(value) if name == "step" else number(value)
+    return value if type(value) in _NUMBER else NONFINITE[value]
 
 
 def _error(raw: dict[str, Any]) -> TaskError:

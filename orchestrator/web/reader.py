@@ -5,7 +5,6 @@ The same for a live run (its coordinator writes the files) and a finished one (`
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -17,7 +16,7 @@ from orchestrator.logtail import tail_lines
 from orchestrator.quiet import collapse_redraws
 from orchestrator.rundir import coordinator_alive, has_ended
 from orchestrator.web.curves import Curves
-from worker.wire import safe_text
+from worker.wire import loads, safe_text
 
 #: Events kept for the page (the newest; events.jsonl keeps them all).
 MAX_EVENTS = 1_000
@@ -95,10 +94,11 @@ class RunReader:
             if key == self._status_key:
                 return
             with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-                status = json.loads(f.read())
+                status = loads(f.read())
         except (OSError, ValueError):
             return  # not written yet, or being replaced: the last one stands
-        if isinstance(status, dict):
+        tasks = status.get("tasks") if isinstance(status, dict) else None
+        if isinstance(tasks, list) and all(isinstance(t, dict) for t in tasks):  # else not ours
             self._status, self._status_key = status, key
 
     def status(self) -> dict[str, Any]:
@@ -136,7 +136,7 @@ class RunReader:
 
 def _json(line: bytes) -> dict[str, Any] | None:
     try:
-        value = json.loads(line)
+        value = loads(line)
     except ValueError:
         return None  # a line torn by a crash
     return value if isinstance(value, dict) else None

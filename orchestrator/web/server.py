@@ -48,7 +48,7 @@ from orchestrator.view import progress_of
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
 from worker.http1 import Connections, Limits
-from worker.wire import dumps
+from worker.wire import dumps, safe_text
 
 log = logging.getLogger("orchestrator.web")
 
@@ -194,6 +194,7 @@ class WebServer:
             keepalive_timeout=15,
             handler_cancellation=True,
             logger=_ProtocolLog(self._complaints),
+            shutdown_timeout=1.0,  # at the end: the answers on their way are finished, briefly
         )
         await runner.setup()
         factory = runner.server
@@ -206,9 +207,9 @@ class WebServer:
         finally:
             self.connections.stop()
             server.close()
+            await runner.cleanup()  # the answers being written (an open page's last state) go out
             for guard in list(self._guards.values()):
                 guard.drop()
-            await runner.cleanup()
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -311,11 +312,12 @@ class WebServer:
         return _json({"lines": [line[:2000] for line in lines]})
 
     def _saw(self, page: str, ended: bool) -> None:
-        """A page asked for the state (and whether what it got is the run's end)."""
-        _, saw_end = self._pages.pop(page, (0.0, False))
+        """A page asked for the state (and whether what it got is the run's end). Updated in place:
+        `linger`, on another thread, never misses a page between two of its requests."""
+        _, saw_end = self._pages.get(page, (0.0, False))
         self._pages[page] = (time.monotonic(), saw_end or ended)
-        while len(self._pages) > MAX_PAGES:
-            del self._pages[next(iter(self._pages))]  # the one that asked longest ago
+        if len(self._pages) > MAX_PAGES:
+            del self._pages[min(self._pages, key=lambda p: self._pages[p][0])]  # asked longest ago
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.reader.poll()
@@ -399,8 +401,8 @@ class _Complaints:
             return
         more = f" (and {self._held} more refused since the last said)" if self._held else ""
         self._last, self._held = now, 0
-        what = what.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")[:200]
-        self._log.warning("web: %d for %s: %s%s", status, what, why.splitlines()[0][:300] if why else "", more)
+        # a stranger's bytes, as every view shows a job's text (no control reaches the console)
+        self._log.warning("web: %d for %s: %s%s", status, safe_text(what[:200]), safe_text(why[:300]), more)
 
     def about(self, request: web.Request, status: int, why: str) -> None:
         self.say(f"{request.method} {request.path}", status, why)

@@ -35,7 +35,7 @@ OUTPUT = Path(os.environ.get("ORCHESTRATE_TEST_OUTPUT", REPO / "test-output"))
 
 JOB = """
     import time, worker
-    steps = 800
+    steps = 4000  # ~200 s: longer than the tests, which end it
     worker.set_total_steps(steps)
     odd = {"bad\\ud800name": 1.0, "rev\\u202eesrever": 2.0, "__proto__": 3.0, "constructor": 4.0, "損失": 5.0}
     many = {f"metric_{k:02d}_with_a_long_name": float(k) for k in range(18)}
@@ -174,7 +174,8 @@ def test_the_live_page_in_a_real_browser(live: LiveRun) -> None:
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=30_000)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            context = browser.new_context(viewport={"width": 1280, "height": 900})  # one browser's
+            page = context.new_page()
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("request", lambda r: None if r.url.startswith(live.base) else outside.append(r.url))
@@ -215,6 +216,29 @@ def test_the_live_page_in_a_real_browser(live: LiveRun) -> None:
             assert wait_until(lambda: "trained" in page.locator("#log").inner_text(), 10)
             log = page.locator("#log").inner_text()
             assert "20/20 [epoch" in log and "1/20 [=]" not in log  # a redrawn bar: its last state
+            # another run's page beside it (`orchestrate show` of this run: another port, another
+            # token), then a reload: each keeps its own token (no cookie for them to evict)
+            shown = live.run_dir.parent / "show.txt"
+            show = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", "show", str(live.run_dir), "--web", "127.0.0.1:0"],
+                stdout=open(shown, "wb"),  # noqa: SIM115 - closed with the process
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                assert wait_until(lambda: "token=" in shown.read_text(), 20), shown.read_text()
+                other = context.new_page()
+                other.goto(shown.read_text().splitlines()[0].strip().split(": ", 1)[1])
+                other.wait_for_selector('#tasks tr[data-task="worker-1"]', timeout=15_000)
+                page.reload()
+                page.wait_for_selector('#tasks tr[data-task="worker-1"]', timeout=15_000)
+                for tab in (page, other):
+                    tab.wait_for_timeout(1500)  # a poll or two more: none refused
+                    assert tab.locator("#note").inner_text() == "" and tab.url.endswith("/")
+                    assert tab.locator("#state").inner_text() == "RUNNING"
+                other.close()
+            finally:
+                show.terminate()
+                show.wait(timeout=10)
             OUTPUT.mkdir(parents=True, exist_ok=True)
             shot = OUTPUT / "web-page.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -48,3 +48,7 @@ def test_a_tail_ends_lines_at_newlines_only(tmp_path: Path) -> None:
     big = tmp_path / "big.log"
     big.write_text("x" * 300_000 + "\nlast\n")  # the tail begins part way through a line: left off
     assert tail_lines(big, 5) == ["last"]
+    # a bar redrawn for long on one line (no newline until its epoch ends), longer than a tail reads
+    long = "".join(f"{i}/99999 [{'=' * 30}]\r" for i in range(1, 12_000))
+    big.write_text(f"Epoch 1\n{long}")
+    assert len(long) > 256 * 1024 and tail_lines(big, 5)[-1].endswith("11999/99999 [" + "=" * 30 + "]")

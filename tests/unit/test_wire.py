@@ -158,3 +158,7 @@ def test_huge_values_are_bounded_and_shown_truthfully():
     assert hb.metrics == {"big": math.inf, "small": -math.inf}  # past a float's range: ±inf
     assert hb.step == 2**63 - 1 and hb.rss_bytes == -(2**63 - 1)  # what every reader can hold
     assert wire.number(10**400) == math.inf
+    point = wire.Heartbeat.from_dict({**raw, "points": [{"step": 10**400, "big": 10**400, "ok": 2}]}).points[
+        0
+    ]
+    assert point == {"step": 2**63 - 1, "big": math.inf, "ok": 2}

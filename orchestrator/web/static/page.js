@@ -92,10 +92,16 @@ function now() {
 }
 
 class Refused extends Error {}
+class Unreachable extends Error {} // no answer at all: the server is not there
 
 async function getJSON(path) {
   if (!token) throw new Refused("this page needs its run's token: open the page address the run printed (status.json: urls.page)");
-  const response = await fetch(path, { credentials: "omit", cache: "no-store", headers: { Authorization: `Bearer ${token}` } });
+  let response;
+  try {
+    response = await fetch(path, { credentials: "omit", cache: "no-store", headers: { Authorization: `Bearer ${token}` } });
+  } catch (err) {
+    throw new Unreachable(err.message);
+  }
   if (response.status === 401) throw new Refused("the run's token was refused: open the page address the run printed (status.json: urls.page)");
   if (!response.ok) throw new Error(`${path}: ${response.status}`);
   return response.json();
@@ -154,7 +160,7 @@ function renderTasks(status, count, states) {
   const cut = (h) => (h.length > 16 ? `${h.slice(0, 15)}…` : h);
   thead.replaceChildren(el("tr", {}, ...head.map((h) => el("th", { title: h, ...(h === "state" || h === "host" ? { class: "left" } : {}) }, cut(h)))));
   const rows = tasks.map((t) => {
-    const ended = ["SUCCEEDED", "FAILED", "LOST", "STOPPED"].includes(t.state);
+    const taskEnded = ["SUCCEEDED", "FAILED", "LOST", "STOPPED"].includes(t.state);
     const beat = when(t.last_heartbeat_at);
     const shownState = t.busy && t.state === "RUNNING" ? t.busy : t.state;
     const cells = [
@@ -162,8 +168,8 @@ function renderTasks(status, count, states) {
       el("span", { class: `state ${t.state}` }, shownState),
       t.last_step === null ? "" : String(t.last_step),
       ...names.map((n) => num(own(t.metrics, n))),
-      beat && !ended ? age(now() - beat) : "",
-      (t.role === "chief" || t.role === "worker") && !ended ? num(t.steps_per_s) : "",
+      beat && !taskEnded ? age(now() - beat) : "",
+      (t.role === "chief" || t.role === "worker") && !taskEnded ? num(t.steps_per_s) : "",
       t.restarts ? String(t.restarts) : "",
       t.rss_bytes ? `${Math.round(t.rss_bytes / 1048576)} MiB` : "",
       t.host,
@@ -333,7 +339,7 @@ async function tick() {
     document.getElementById("note").textContent = "";
   } catch (err) {
     const note = document.getElementById("note");
-    if (ended) {
+    if (ended && err instanceof Unreachable) {
       // the run ended and its coordinator went with it: what is shown is its end
       note.textContent = "the run has ended and its coordinator no longer serves this page; `orchestrate show` with its run directory serves it again";
       gone = true;
