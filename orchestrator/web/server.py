@@ -14,9 +14,9 @@ cookie to every port of a host, so any other server on 127.0.0.1 would receive i
 pages would evict each other's. The page's three files (the same for every run, no data in them)
 are served without it. Loopback by default.
 
-What a client can make it hold is bounded: connections (`worker.http1.Connections`, the heartbeat
-server's rule: a connection that has not shown the token within `hello_s` is closed, and strangers
-are the first evicted at the cap, so another user's idle sockets never keep the owner out),
+What a client can make it hold is bounded: connections (web/guard.py: a connection that has not
+shown the token within `hello_s` is closed, and strangers are the first evicted at the cap, so
+another user's idle sockets never keep the owner out),
 request heads (aiohttp's limits), no request bodies, parameters within their ranges, responses of
 bounded size. A request it cannot take gets a 4xx and one log line (at most one a second), never
 a traceback.
@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from orchestrator.errors import LaunchError
 from orchestrator.rundir import has_ended
 from orchestrator.view import progress_of
+from orchestrator.web.guard import Complaints, Guard, ProtocolLog
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
 from worker.http1 import Connections, Limits
-from worker.wire import dumps, safe_text
+from worker.wire import dumps
 
 log = logging.getLogger("orchestrator.web")
 
@@ -69,7 +70,6 @@ MAX_CURVE_POINTS = 2000
 MAX_PAGES = 64
 #: A page that asked within this long is open: the end of the run waits (a little) for it.
 PAGE_OPEN_S = 3.0
-_OWNER = "owner"  # whom a valid token speaks for (one credential: the run's)
 
 
 def tensorboard_note(run_dir: Path) -> dict[str, Any]:
@@ -121,9 +121,9 @@ class WebServer:
                 max_connections=max_connections, per_client=max_connections, hello_s=hello_s, idle_s=idle_s
             )
         )
-        self._guards: dict[Any, _Guard] = {}  # transport -> its connection
+        self._guards: dict[Any, Guard] = {}  # transport -> its connection
         self._pages: dict[str, tuple[float, bool]] = {}  # page id -> (last asked, has seen the end)
-        self._complaints = _Complaints(log)
+        self._complaints = Complaints(log)
         self.requests = 0
 
     # --- addresses ---------------------------------------------------------------------------
@@ -193,13 +193,15 @@ class WebServer:
             access_log=None,
             keepalive_timeout=15,
             handler_cancellation=True,
-            logger=_ProtocolLog(self._complaints),
+            logger=ProtocolLog(self._complaints),
             shutdown_timeout=1.0,  # at the end: the answers on their way are finished, briefly
         )
         await runner.setup()
         factory = runner.server
         assert factory is not None
-        server = await self._loop.create_server(lambda: _Guard(self, factory()), sock=self._sock)
+        server = await self._loop.create_server(
+            lambda: Guard(self.connections, self._guards, factory()), sock=self._sock
+        )
         self.connections.sweep()  # every second: connections past their deadline are closed
         self._ready.set()
         try:
@@ -325,102 +327,8 @@ class WebServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-class _Guard(asyncio.Protocol):
-    """One connection, as `worker.http1.Connections` caps and times it (a stranger until a request
-    shows the token: closed at its deadline, first evicted at the cap); everything else is
-    aiohttp's protocol's."""
-
-    def __init__(self, server: WebServer, inner: Any):
-        self._server, self._inner = server, inner
-        self._transport: asyncio.Transport | None = None
-        self.client: Hashable | None = None  # _OWNER once a request showed the token
-        self.deadline = float("inf")
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        connections = self._server.connections
-        if not connections.join(self):
-            transport.abort()  # every slot is the owner's own
-            return
-        self.deadline = time.monotonic() + connections.limits.hello_s
-        self._server._guards[transport] = self
-        self._inner.connection_made(transport)
-
-    def known(self) -> None:
-        """A request on it showed the token: the owner's (kept while it is used)."""
-        if self.client is None:
-            self.client = _OWNER
-            self._server.connections.known(self, _OWNER)
-        self.deadline = time.monotonic() + self._server.connections.limits.idle_s
-
-    def data_received(self, data: bytes) -> None:
-        if self.client is not None:
-            self.deadline = time.monotonic() + self._server.connections.limits.idle_s
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return bool(self._inner.eof_received())
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.leave(self)
-        if self._server._guards.pop(self._transport, None) is not None:
-            self._inner.connection_lost(exc)
-
-    def drop(self) -> None:
-        """Close now (its time is up, or a newcomer needs the room)."""
-        self.deadline = float("inf")
-        self._server.connections.leave(self)
-        if self._transport is not None:
-            self._transport.abort()
-
-
 class _BadRequest(Exception):
     """A request this server does not take (400, with this text)."""
-
-
-class _Complaints:
-    """One log line per refused request, at most one a second (the others counted in the next):
-    any user of the machine can send malformed requests, and none fills the console."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 1.0):
-        self._log, self._every_s = logger, every_s
-        self._last = -float("inf")
-        self._held = 0
-
-    def say(self, what: str, status: int, why: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._every_s:
-            self._held += 1
-            return
-        more = f" (and {self._held} more refused since the last said)" if self._held else ""
-        self._last, self._held = now, 0
-        # a stranger's bytes, as every view shows a job's text (no control reaches the console)
-        self._log.warning("web: %d for %s: %s%s", status, safe_text(what[:200]), safe_text(why[:300]), more)
-
-    def about(self, request: web.Request, status: int, why: str) -> None:
-        self.say(f"{request.method} {request.path}", status, why)
-
-
-class _ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's logger for its protocol: a request it cannot parse (any bytes a stranger sends)
-    is one rate-limited line, never a traceback."""
-
-    def __init__(self, complaints: _Complaints):
-        super().__init__(log, {})
-        self._complaints = complaints
-
-    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
-        exc = exc_info if isinstance(exc_info, BaseException) else None
-        why = f"{type(exc).__name__}: {exc}" if exc is not None else str(msg)
-        status = getattr(exc, "code", None)
-        self._complaints.say("a request it cannot read", status if isinstance(status, int) else 500, why)
 
 
 def serve_run(run_dir: Path, host: str, port: int) -> WebServer:
