@@ -250,8 +250,8 @@ def _bounded(value: int | None) -> Any:
 def _point(point: Any) -> dict[str, Any]:
     """A progress point: numbers by name (`time`, `step`, the reported values), a line of
     metrics.jsonl. The coordinator adds `task` and `attempt`: a point may not name them. Returned
-    with its names as `safe_text` shows them and its values as floats (the same dict when it
-    needs neither: this runs for every point of every task)."""
+    with its names as `safe_text` shows them and its values as `_taken` keeps them (the same dict
+    when it needs neither: this runs for every point of every task)."""
     if type(point) is not dict or len(point) > MAX_METRICS + 2:
         raise ValueError(f"a point is a JSON object of at most {MAX_METRICS + 2} numbers")
     clean = True
@@ -333,7 +333,7 @@ NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 def strict(value: Any) -> Any:
     """`value` with every NaN or ±inf float (in dicts and lists, at any depth) as its string."""
-    if type(value) is float or isinstance(value, float):
+    if isinstance(value, float):  # numpy's float64 too
         if math.isfinite(value):
             return value
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
