@@ -19,7 +19,7 @@ import yaml
 
 from orchestrator.coordinator import RunResult, StopRequest
 from orchestrator.errors import UsageError
-from orchestrator.spec.model import Backend, ClusterSpec
+from orchestrator.spec.model import ClusterSpec
 
 SpecLike = str | Path | Mapping[str, Any] | ClusterSpec
 ViewName = Literal["none", "plain", "live"]
@@ -166,7 +166,7 @@ def _spec(
     if isinstance(spec, ClusterSpec):
         data = spec.model_dump(mode="json", exclude_none=True)
         if override is not None:
-            data["backend"] = override.value
+            data["backend"] = override
         text = yaml.safe_dump(data, sort_keys=False)
         return parse_spec(text, file="<ClusterSpec>", base_dir=folder), None, text, folder
     if isinstance(spec, Mapping):
@@ -175,7 +175,7 @@ def _spec(
     raise UsageError(f"spec: a path, a dict or a ClusterSpec, not {type(spec).__name__}")
 
 
-def _backend(name: str | None) -> Backend | None:
+def _backend(name: str | None) -> str | None:
     from orchestrator.spec.load import backend_named
 
     return None if name is None else backend_named(name, f"backend={name!r}")

@@ -67,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if found:
-            from orchestrator.spec.load import did_you_mean
+            from orchestrator.errors import did_you_mean
 
             choices = re.findall(r"'([^']*)'", found.group(2))
             close = did_you_mean(found.group(1), choices)
@@ -198,7 +198,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     tasks = sum(sum(h.tasks.values()) for h in spec.hosts)
     print(
         f"{args.spec}: ok — {spec.name}: {spec.strategy.value}, {tasks} tasks on {len(spec.hosts)} host(s), "
-        f"backend {spec.backend.value}"
+        f"backend {spec.backend}"
     )
     return EXIT_OK
 
@@ -221,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return EXIT_OK
-    print(f"{plan.name}: {plan.strategy.value} on the {plan.backend.value} backend, {len(plan.tasks)} tasks")
+    print(f"{plan.name}: {plan.strategy.value} on the {plan.backend} backend, {len(plan.tasks)} tasks")
     print(f"cluster: {json.dumps(dict(plan.cluster))}")
     print("policy (spec key policy: <role>: {decides, on_failure, at_end}):")
     for role, rule in plan.policy.items():
@@ -251,7 +251,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     spec = _load(args)
     report = launch.check(spec)
     if report is None:
-        print(f"{args.spec}: backend {spec.backend.value} runs every task on this machine; nothing to check")
+        print(f"{args.spec}: backend {spec.backend} runs every task on this machine; nothing to check")
         return EXIT_OK
     table = Table(title=report.title)
     for column in report.rows[0]:

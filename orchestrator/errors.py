@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass
 
 #: `orchestrate`'s exit codes (DESIGN §2); `orchestrate wait` exits with a run's.
@@ -70,3 +72,10 @@ class RunDirError(OrchestrateError):
     """A run directory is missing or is not one of ours."""
 
     exit_code = 1
+
+
+def did_you_mean(word: str, choices: Collection[str]) -> str | None:
+    """The one choice `word` is most likely a typo of, if any is close (a command, a spec key, a
+    backend's name)."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.launch.placement import Placement, job_files_root
-from orchestrator.spec.model import Backend, ClusterSpec, Role, Strategy
+from orchestrator.spec.model import ClusterSpec, Role, Strategy
 from orchestrator.spec.roles import RolePolicy, TaskSlot, role_policies, task_slots
 from worker import wire
 
@@ -66,7 +66,7 @@ class LaunchPlan:
     name: str
     run_id: str
     strategy: Strategy
-    backend: Backend
+    backend: str
     cluster: Mapping[str, list[str]]
     tasks: tuple[TaskPlan, ...] = field(default_factory=tuple)
     policy: Mapping[Role, RolePolicy] = field(default_factory=dict)
@@ -90,7 +90,7 @@ class LaunchPlan:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["strategy"] = self.strategy.value
-        out["backend"] = self.backend.value
+        out["backend"] = self.backend
         out["tasks"] = list(out["tasks"])  # asdict keeps the tuple; the JSON form has lists only
         out["secrets"] = sorted(self.secrets)
         if out["state"] is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.errors import SpecProblem
+from orchestrator.launch import registry
 from orchestrator.spec.model import MAX_TASKS, AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
 from orchestrator.spec.roles import role_policies
 from worker.wire import RESERVED_ENV
@@ -17,7 +18,9 @@ _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
 
 
 def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
-    if spec.backend is Backend.SLURM and spec.slurm is None:
+    if not registry.is_registered(spec.backend):
+        return [SpecProblem(("backend",), registry.unknown_message(spec.backend))]
+    if spec.backend == Backend.SLURM and spec.slurm is None:
         return [SpecProblem(("backend",), "backend slurm needs a slurm: section (nodes, tasks_per_node)")]
     if not spec.hosts:
         return [
@@ -35,7 +38,7 @@ def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
 
 def _check_slurm(spec: ClusterSpec) -> list[SpecProblem]:
     slurm = spec.slurm
-    if spec.backend is not Backend.SLURM or slurm is None or slurm.time is None:
+    if spec.backend != Backend.SLURM or slurm is None or slurm.time is None:
         return []
     limit_s, lead_s = slurm.time_s() or 0.0, slurm.warning_lead_s(spec.health.stop_grace_s)
     if limit_s > 2 * lead_s:
@@ -57,7 +60,7 @@ def _tasks_key(spec: ClusterSpec, host: int, role: Role | None = None) -> tuple[
     """Where a host's task counts are written: hosts[i].tasks, or slurm.tasks_per_node (its
     nodes stand for hosts)."""
     tail: tuple[str, ...] = (role.value,) if role is not None else ()
-    if spec.backend is Backend.SLURM and spec.slurm is not None:
+    if spec.backend == Backend.SLURM and spec.slurm is not None:
         if isinstance(spec.slurm.tasks_per_node, list):
             return ("slurm", "tasks_per_node", host, *tail)
         return ("slurm", "tasks_per_node", *tail)
@@ -76,11 +79,11 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
                 )
         if not host.tasks:
             problems.append(SpecProblem(_tasks_key(spec, i), "this host runs no task; give e.g. {worker: 1}"))
-        if spec.backend is Backend.SLURM and not isinstance(spec.slurm.tasks_per_node, list):  # type: ignore[union-attr]
+        if spec.backend == Backend.SLURM and not isinstance(spec.slurm.tasks_per_node, list):  # type: ignore[union-attr]
             break  # the same counts on every node: said once
     for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
         slurm_mapping = spec.slurm is not None and not isinstance(spec.slurm.tasks_per_node, list)
-        if spec.role_count(role) > 1 and spec.backend is Backend.SLURM and slurm_mapping:
+        if spec.role_count(role) > 1 and spec.backend == Backend.SLURM and slurm_mapping:
             problems.append(
                 SpecProblem(
                     _tasks_key(spec, 0, role),
@@ -160,7 +163,7 @@ def _check_ports(spec: ClusterSpec) -> list[SpecProblem]:
     for i, host in enumerate(spec.hosts):
         if host.base_port is None:
             continue
-        where = "127.0.0.1" if spec.backend is Backend.LOCAL else host.address
+        where = "127.0.0.1" if spec.backend == Backend.LOCAL else host.address
         count = sum(host.tasks.values())
         if host.base_port + count - 1 > 65535:
             problems.append(

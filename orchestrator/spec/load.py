@@ -12,7 +12,6 @@ problem — YAML, encoding, control characters, size — is a SpecError with a l
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import stat
@@ -25,9 +24,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.errors import SpecError, SpecProblem, UsageError
+from orchestrator.errors import SpecError, SpecProblem, UsageError, did_you_mean
 from orchestrator.spec.checks import check_spec
-from orchestrator.spec.model import MAX_HOSTS, Backend, ClusterSpec
+from orchestrator.spec.model import MAX_HOSTS, ClusterSpec
 
 Path_ = tuple[str | int, ...]
 
@@ -37,17 +36,18 @@ MAX_DEPTH = 32  # a spec nests 5 deep
 MAX_VALUES = 100_000  # keys, items and scalars, every alias expanded
 
 
-def backend_named(name: str, given_as: str) -> Backend:
-    """The backend a user named (`--backend NAME`, the API's `backend=`); UsageError listing the
-    names otherwise. `given_as`: how the user wrote it, for the message."""
-    try:
-        return Backend(name)
-    except ValueError:
-        names = ", ".join(b.value for b in Backend)
-        raise UsageError(f"{given_as}: no such backend (one of: {names})") from None
+def backend_named(name: str, given_as: str) -> str:
+    """The backend a user named (`--backend NAME`, the API's `backend=`), when it is registered
+    (launch/registry.py); UsageError naming the likely one and listing them otherwise. `given_as`:
+    how the user wrote it, for the message."""
+    from orchestrator.launch import registry
+
+    if not registry.is_registered(name):
+        raise UsageError(f"{given_as}: {registry.unknown_message(name)}")
+    return name
 
 
-def load_spec(path: str | Path, backend: Backend | None = None) -> ClusterSpec:
+def load_spec(path: str | Path, backend: str | None = None) -> ClusterSpec:
     """Read and validate the spec at `path`. `backend` (from --backend) overrides the spec's."""
     path = Path(path)
     text = _read_text(path)
@@ -89,7 +89,7 @@ def _read_text(path: Path) -> str:
         raise fail(f"not UTF-8 text: byte 0x{data[exc.start]:02x} on this line", line) from None
 
 
-def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None = None) -> ClusterSpec:
+def parse_spec(text: str, *, file: str, base_dir: Path, backend: str | None = None) -> ClusterSpec:
     data, lines = _read_yaml(text, file)
     if not isinstance(data, dict):
         raise SpecError(file, [SpecProblem((), "the spec must be a mapping (name:, hosts:, job:, …)", 1)])
@@ -97,7 +97,7 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: Backend | None 
     if controls:
         raise SpecError(file, [_locate(p, lines) for p in controls])
     if backend is not None:
-        data = {**data, "backend": backend.value}
+        data = {**data, "backend": backend}
     # hosts may be left out only where the slurm: section places the tasks; said with the rest
     no_hosts = "hosts" not in data and data.get("backend") != "slurm"
     hosts_missing = [_locate(SpecProblem(("hosts",), "required key is missing"), lines)] if no_hosts else []
@@ -332,12 +332,6 @@ def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
             _index(item, path + (i,), lines, problems)
-
-
-def did_you_mean(word: str, choices: Collection[str]) -> str | None:
-    """The one choice `word` is most likely a typo of, if any is close."""
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return found[0] if found else None
 
 
 def _known_keys(path: Path_) -> list[str]:

@@ -370,7 +370,11 @@ SECRET_NAME = re.compile(
 class ClusterSpec(_Strict):
     name: str = Field(pattern=r"^[a-z0-9-]+$", max_length=63, description="names the run: [a-z0-9-]+")
     strategy: Strategy = Strategy.MULTI_WORKER_MIRRORED
-    backend: Backend = Backend.LOCAL
+    backend: str = Field(
+        "local",
+        description="where the tasks run: local | ssh | slurm, or a backend an installed package registers "
+        "(entry-point group tf_orchestrate.backends)",
+    )
     hosts: list[HostSpec] = Field(
         default_factory=list,
         max_length=MAX_HOSTS,
@@ -391,7 +395,7 @@ class ClusterSpec(_Strict):
     def _slurm_nodes(self) -> ClusterSpec:
         # backend slurm: the nodes used stand where hosts stand for the others (the planner, the
         # checks and the placement rules read hosts); their addresses are known once allocated.
-        if self.backend is Backend.SLURM and self.slurm is not None:
+        if self.backend == Backend.SLURM and self.slurm is not None:
             nodes = [HostSpec(address=f"<node {i}>", tasks=t) for i, t in enumerate(self.slurm.layout(), 1)]
             object.__setattr__(self, "hosts", nodes)  # frozen: set once, while validating
         return self

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -101,10 +103,26 @@ def slurm_lab() -> Iterator[SlurmLab | None]:
                 os.environ["SLURM_CONF"] = old
 
 
-@pytest.fixture(scope="module", params=["local", "ssh", "slurm"])
+#: A backend from outside the project: a package registering it through the entry-point group
+#: (tests/plugins: its module and its .dist-info, as pip installs them), found by name.
+PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+
+
+@pytest.fixture(scope="module")
+def plugin_installed() -> Iterator[None]:
+    sys.path.insert(0, str(PLUGINS))  # where an installed package's files are found
+    try:
+        yield
+    finally:
+        sys.path.remove(str(PLUGINS))
+
+
+@pytest.fixture(scope="module", params=["local", "ssh", "slurm", "pigeon"])
 def opened(
     request: pytest.FixtureRequest, lab: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Opened]:
+    if request.param == "pigeon":
+        request.getfixturevalue("plugin_installed")
     root = tmp_path_factory.mktemp(request.param)
     (root / "job").mkdir()
     (root / "job" / "job.py").write_text(textwrap.dedent(SCRIPT))
@@ -209,3 +227,39 @@ def test_reattach_stops_what_a_vanished_coordinator_left_from_the_records_alone(
     assert lines and all(reached for _, reached in lines), lines
     assert wait_until(lambda: run_processes(opened.run_id) == [], 15), run_processes(opened.run_id)
     assert stop_all(handles, grace_s=1.0) == []  # their handles learn it too
+
+
+def test_a_job_runs_on_a_backend_a_package_registers(tmp_path: Path) -> None:
+    """`backend: pigeon`, a name no product file knows: `orchestrate up` finds it through the
+    package's entry point and runs a 2-worker job on it to its end; a typo of it is said."""
+    (tmp_path / "job.py").write_text(
+        "import worker\nfor i in range(1, 21):\n    worker.report(step=i, loss=1.0 / i)\n"
+    )
+    spec = (
+        "name: pigeon\nbackend: pigeon\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\n"
+        "job: {script: job.py}\n"
+    )
+    (tmp_path / "spec.yaml").write_text(spec)
+    paths = [str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    up = [sys.executable, "-m", "orchestrator", "up", "spec.yaml", "--run-dir", "run", "--plain"]
+    res = subprocess.run(up, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "SUCCEEDED" and [t["last_step"] for t in status["tasks"]] == [20, 20]
+    assert json.loads((tmp_path / "run" / "backend.json").read_text())["backend"] == "pigeon"
+    assert run_processes(status["run_id"]) == []
+    (tmp_path / "typo.yaml").write_text(spec.replace("backend: pigeon", "backend: pidgeon"))
+    res = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "validate", "typo.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    assert (
+        "typo.yaml:2: backend: no backend 'pidgeon' (did you mean 'pigeon'?); "
+        "registered: local, ssh, slurm, pigeon" in res.stderr
+    )

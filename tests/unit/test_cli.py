@@ -99,7 +99,11 @@ def test_validate_an_unknown_backend_is_a_usage_error(
     code, out, err = run(capsys, "validate", str(spec_file(tmp_path, LOCAL_SPEC)), "--backend", "k8s")
     assert code == 2
     assert out == ""
-    assert err == "orchestrate: --backend k8s: no such backend (one of: local, ssh, slurm)\n"
+    assert err == "orchestrate: --backend k8s: no backend 'k8s'; registered: local, ssh, slurm\n"
+    code, _, err = run(capsys, "validate", str(spec_file(tmp_path, LOCAL_SPEC)), "--backend", "sssh")
+    assert code == 2
+    said = "no backend 'sssh' (did you mean 'ssh'?); registered: local, ssh, slurm"
+    assert err == f"orchestrate: --backend sssh: {said}\n"
 
 
 def test_validate_a_malformed_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

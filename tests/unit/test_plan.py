@@ -65,7 +65,7 @@ def local_places(spec: ClusterSpec, ports: Mapping[str, int] | None = None) -> d
 def places_of(spec: ClusterSpec) -> dict[str, Placement]:
     """The spec's backend's placements: local ports 20000 + i in task order; ssh hosts' folders as
     written (before connecting) and their ports from base_port."""
-    return local_places(spec) if spec.backend is Backend.LOCAL else ssh_preview(spec, RUN_ID)
+    return local_places(spec) if spec.backend == Backend.LOCAL else ssh_preview(spec, RUN_ID)
 
 
 def plan_of(spec: ClusterSpec) -> LaunchPlan:

@@ -886,7 +886,7 @@ def test_minimal_spec_loads_with_defaults(tmp_path: Path) -> None:
     spec = parse(tmp_path, MINIMAL)
     assert spec.name == "demo"
     assert spec.strategy is Strategy.MULTI_WORKER_MIRRORED
-    assert spec.backend is Backend.LOCAL
+    assert spec.backend == Backend.LOCAL
     assert spec.hosts[0].tasks == {Role.WORKER: 2}
     assert spec.role_count(Role.WORKER) == 2 and spec.role_count(Role.CHIEF) == 0
     assert spec.job.script == tmp_path / "train.py"
@@ -1078,13 +1078,13 @@ def test_backend_override(tmp_path: Path, written: str, override: Backend | None
     (tmp_path / "train.py").write_text("")
     path = tmp_path / "spec.yaml"
     path.write_text(y(MINIMAL) + f"backend: {written}\n")
-    assert load_spec(path, backend=override).backend is expected
+    assert load_spec(path, backend=override).backend == expected
 
 
 def test_backend_override_changes_port_check(tmp_path: Path) -> None:
     # Same base_port on two different addresses: fine over ssh, a clash when simulated locally.
     text = GOOD_SPECS[3][1]
-    assert parse(tmp_path, text).backend is Backend.SSH
+    assert parse(tmp_path, text).backend == Backend.SSH
     with pytest.raises(SpecError) as info:
         parse(tmp_path, text, backend=Backend.LOCAL)
     assert [(ln, k) for ln, k, _ in problems_of(info.value)] == [(9, "hosts[1].base_port")]

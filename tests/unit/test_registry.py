@@ -1,0 +1,123 @@
+"""orchestrator/launch/registry.py: backends found by name — the built-in ones, imported only when
+asked for, and those an installed package registers under the entry-point group (a real
+distribution's metadata on sys.path, read by importlib.metadata: no mock)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import RunDirError
+from orchestrator.launch import reattach, registry
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_built_in_backends_are_registered_and_each_says_its_name() -> None:
+    assert registry.names()[:3] == ["local", "ssh", "slurm"]
+    for name in ("local", "ssh", "slurm"):
+        kind = registry.get(name)
+        assert kind.name == name and isinstance(kind, registry.BackendKind)
+        assert registry.get(name) is kind  # loaded once
+
+
+def test_local_and_a_preview_of_ssh_never_load_paramiko() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from orchestrator.launch import registry
+        from orchestrator.spec.load import parse_spec
+        registry.get("local")
+        spec = parse_spec(
+            "name: t\\nbackend: ssh\\nhosts: [{address: 10.0.0.1, tasks: {worker: 2}}]\\n"
+            "job: {script: digits_fit.py}\\n",
+            file="s.yaml", base_dir=Path(sys.argv[1]),
+        )
+        registry.get("ssh").preview(spec, "t-1", Path("/tmp/run"), Path(sys.argv[1]))
+        print(sorted(m for m in ("paramiko", "fabric", "invoke") if m in sys.modules))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "examples")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_an_unknown_name_is_an_error_naming_the_likely_one_never_a_fall_through() -> None:
+    with pytest.raises(
+        registry.UnknownBackend,
+        match=r"no backend 'sluurm' \(did you mean 'slurm'\?\); registered: local, ssh, slurm",
+    ):
+        registry.get("sluurm")
+    with pytest.raises(RunDirError, match="unknown backend 'carrier-pigeon'"):
+        reattach({"backend": "carrier-pigeon"}, {}, {})
+
+
+def distribution(root: Path, package: str, entry_points: str, module: str) -> None:
+    """An installed distribution, as pip leaves one: its module and its .dist-info metadata."""
+    (root / f"{package}.py").write_text(textwrap.dedent(module))
+    info = root / f"{package}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{registry.GROUP}]\n{textwrap.dedent(entry_points)}")
+
+
+def test_a_package_registers_a_backend_through_the_entry_point_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    distribution(
+        tmp_path,
+        "carrier_pigeon_backend",
+        """\
+        pigeon = carrier_pigeon_backend:KIND
+        pigeon-broken = carrier_pigeon_backend:MISSING
+        pigeon-wrong = carrier_pigeon_backend:WRONG
+        """,
+        """\
+        from orchestrator.launch.kinds import LocalKind
+
+        class PigeonKind(LocalKind):  # the local backend under another name, for the registry's sake
+            name = "pigeon"
+
+        KIND = PigeonKind()
+        WRONG = object()
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.names()[3:] == ["pigeon", "pigeon-broken", "pigeon-wrong"]
+    assert registry.get("pigeon").name == "pigeon"
+    with pytest.raises(
+        registry.UnknownBackend, match=r"cannot load carrier_pigeon_backend:MISSING .*AttributeError"
+    ):
+        registry.get("pigeon-broken")
+    with pytest.raises(registry.UnknownBackend, match="is not a backend kind named 'pigeon-wrong'"):
+        registry.get("pigeon-wrong")
+    with pytest.raises(registry.UnknownBackend, match=r"did you mean 'pigeon'\?"):
+        registry.get("pidgeon")
+
+
+def test_the_specs_backend_takes_the_registered_names_and_says_a_typo_at_its_line(tmp_path: Path) -> None:
+    from orchestrator.errors import SpecError
+    from orchestrator.spec.load import parse_spec
+
+    (tmp_path / "job.py").write_text("")
+    text = (
+        "name: t\nbackend: sluurm\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\njob: {script: job.py}\n"
+    )
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    assert (
+        "s.yaml:2: backend: no backend 'sluurm' (did you mean 'slurm'?); registered: local, ssh, slurm"
+        in str(caught.value)
+    )
+    assert parse_spec(text.replace("sluurm", "local"), file="s.yaml", base_dir=tmp_path).backend == "local"
