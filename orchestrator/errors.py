@@ -7,7 +7,7 @@ import heapq
 from collections.abc import Collection
 from dataclasses import dataclass
 
-#: `orchestrate`'s exit codes (DESIGN §2); `orchestrate wait` exits with a run's.
+#: `orchestrate`'s exit codes (docs/architecture.md §2); `orchestrate wait` exits with a run's.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LAUNCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 

@@ -13,7 +13,7 @@ from orchestrator.plan import LaunchPlan
 from orchestrator.spec.load import key_lines
 from orchestrator.supervise.policy import Failure
 
-#: What Keras 3 raises under tf.distribute where tf-keras trains (DESIGN §7: five of the six
+#: What Keras 3 raises under tf.distribute where tf-keras trains (docs/architecture.md §7: five of the six
 #: official tutorials, keras-team/keras#20585), matched in the error's message or traceback.
 KERAS3_SIGNS = (
     re.compile(r"PerReplica.*to a Tensor", re.S),

@@ -49,7 +49,8 @@ class TaskPlan:
 
 @dataclass(frozen=True)
 class StatePlan:
-    """Where a run's checkpoints live, and who must see them (DESIGN §4, ORCHESTRATE_CHECKPOINT_DIR).
+    """Where a run's checkpoints live, and who must see them (ORCHESTRATE_CHECKPOINT_DIR;
+    docs/architecture.md §4).
 
     Each task's folder is its env's ORCHESTRATE_CHECKPOINT_DIR, on its own host. Unless the spec
     declares a shared folder, the owner's folder is the truth: before an attempt restores, its
@@ -145,7 +146,7 @@ def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement
             "PYTHONUNBUFFERED": "1",
         }
         if spec.strategy is Strategy.PARAMETER_SERVER:
-            # A call to a lost task fails at once instead of waiting for it (DESIGN §7).
+            # A call to a lost task fails at once instead of waiting for it (docs/architecture.md §7).
             env["GRPC_FAIL_FAST"] = "use_caller"
         if slot.name in gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]

@@ -1,4 +1,4 @@
-"""Run record layer: the run directory (DESIGN §5) — spec.yaml, plan.json, status.json,
+"""Run record layer: the run directory (docs/architecture.md §5) — spec.yaml, plan.json, status.json,
 events.jsonl, metrics.jsonl, logs/, coordinator.json (who supervises this run) and backend.json
 (where its tasks run), the last two for `down`.
 

@@ -1,4 +1,4 @@
-"""A test lab of SSH hosts on this machine (DESIGN §8), for the ssh backend's tests.
+"""A test lab of SSH hosts on this machine (docs/architecture.md §8), for the ssh backend's tests.
 
 - `NetnsLab` (needs root): each host is as separate as a real machine, but for its processes'
   ids. Its own network namespace on a private bridge with its own address (10.77.N.0/24, made

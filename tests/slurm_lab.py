@@ -1,4 +1,4 @@
-"""A real multi-node Slurm cluster on this machine (DESIGN §8), for the slurm backend's tests.
+"""A real multi-node Slurm cluster on this machine (docs/architecture.md §8), for the slurm backend's tests.
 
 `SlurmLab` (root, Debian's `slurm-wlm` and `munge`) builds, all of its own and named after one random
 tag (`sl-<hex>`), so that two labs, the SSH lab (10.77.x.x) and a system Slurm never meet:

@@ -1,5 +1,5 @@
 """Worker runtime: tune TensorFlow's own coordination service before a MultiWorkerMirroredStrategy
-connects, so peers fail fast too (DESIGN §7: TF waits an hour for a missing peer and notices a
+connects, so peers fail fast too (docs/architecture.md §7: TF waits an hour for a missing peer and notices a
 frozen one only after its 10 s heartbeat).
 
 This configures exactly what MWMS would configure itself (TF 2.21, collective_all_reduce_strategy

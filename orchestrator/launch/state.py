@@ -1,4 +1,4 @@
-"""Launch layer, ssh backend: the run's state between hosts that share no disk (DESIGN §4).
+"""Launch layer, ssh backend: the run's state between hosts that share no disk (docs/architecture.md §4).
 
 The owner's checkpoint folder is the truth (plan.state). Before an attempt that restores, its
 latest checkpoint is brought home into the run directory and home's copy is sent to every reader's

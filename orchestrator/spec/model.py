@@ -1,4 +1,4 @@
-"""Spec layer: pydantic models of the cluster spec (DESIGN §3). Unknown keys are errors.
+"""Spec layer: pydantic models of the cluster spec (docs/architecture.md §3). Unknown keys are errors.
 
 Relative paths are resolved against the spec file's folder, passed in the validation context as
 `base_dir`. Checks that involve several keys at once (role counts, ports, strategy/role fit) live

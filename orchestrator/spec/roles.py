@@ -1,5 +1,5 @@
 """Spec layer: what the supervisor does with each role's tasks — the strategy's defaults, with the
-spec's `policy:` entries over them (DESIGN §7 says why each default is what it is).
+spec's `policy:` entries over them (docs/architecture.md §7 says why each default is what it is).
 
 - `decides`: the job succeeds when every task of the deciding roles has exited 0.
 - `on_failure`: restart_job (stop all, restart all from the last checkpoint), restart_task (this

@@ -1,5 +1,5 @@
 """Supervision layer: the supervisor's records of a run — one task's live view, the run's outcome —
-and how they read in status.json (DESIGN §5).
+and how they read in status.json (docs/architecture.md §5).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class SupervisorResult:
 
 
 def run_exit_code(state: ClusterState, root_cause: Failure | None) -> int | None:
-    """0 succeeded · 1 the job failed · 3 it could not be launched · 130 interrupted (DESIGN §2)."""
+    """0 succeeded · 1 the job failed · 3 it could not be launched · 130 interrupted
+    (docs/architecture.md §2)."""
     if not state.is_terminal:
         return None
     if state is ClusterState.SUCCEEDED:

@@ -545,7 +545,8 @@ class Supervisor:
     # --- views -------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """The status.json document (DESIGN §5; its JSON Schema: `orchestrate schema status`)."""
+        """The status.json document (docs/architecture.md §5; its JSON Schema: `orchestrate schema
+        status`)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "name": self.plan.name,

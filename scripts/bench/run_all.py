@@ -1,4 +1,4 @@
-"""Run every benchmark (DESIGN §9, P1-P8; P9 state across hosts; P10 what a researcher sees; P11
+"""Run every benchmark (docs/architecture.md §9, P1-P8; P9 state across hosts; P10 what a researcher sees; P11
 the run's page against a stranger holding its connections),
 print one table, keep the figures.
 

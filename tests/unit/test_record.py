@@ -1,5 +1,5 @@
 """Run record layer, write side (orchestrator/record.py): run ids and folders, atomic writes,
-status.json's text, and RunRecord's events, metrics and status (DESIGN §5)."""
+status.json's text, and RunRecord's events, metrics and status (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

@@ -891,7 +891,7 @@ def test_minimal_spec_loads_with_defaults(tmp_path: Path) -> None:
     assert spec.role_count(Role.WORKER) == 2 and spec.role_count(Role.CHIEF) == 0
     assert spec.job.script == tmp_path / "train.py"
     assert spec.job.loop is None and spec.train is None
-    # DESIGN §3 defaults
+    # docs/architecture.md §3 defaults
     assert spec.health.heartbeat_interval_s == 1.0
     assert spec.health.heartbeat_timeout_s == 10
     assert spec.health.stall_timeout_s == 120
