@@ -194,7 +194,7 @@ class Supervisor:
         """Stop every task at once, whatever the state (the coordinator's last resort after a bug of
         ours); the tasks whose exit could not be confirmed."""
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
-        return [h.task.name for h in stop_all(handles, grace_s)]
+        return [h.task.name for h in stop_all(handles, grace_s, clock=self._clock, sleep=self._sleep)]
 
     # --- states ------------------------------------------------------------------------------
 
@@ -490,7 +490,9 @@ class Supervisor:
             rec.restart_at, rec.stopping = None, None
         # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
         quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
-        self._unconfirmed(stop_all(handles, grace_s, self.hurry, quick=quick))
+        self._unconfirmed(
+            stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
+        )
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
             rec.health = health.get(rec.plan.name, rec.health)

@@ -160,7 +160,7 @@ def test_anything_reported_or_printed_goes_through_the_whole_path(
         lambda t, a: "tok",
         config,
         clock=clock,
-        sleep=lambda s: None,
+        sleep=clock.advance,
         in_background=at_once,
     )
     start_running(sup, backend, store, clock)

@@ -176,7 +176,7 @@ def make(tmp_path: Path, workers: int = 2, launcher: FakeBackend | None = None, 
         lambda task, attempt: "tok",
         config,
         clock=clock,
-        sleep=lambda s: None,
+        sleep=clock.advance,  # a teardown waits on this clock, not in real time
         in_background=at_once,
     )
     return sup, launcher, store, clock, sink
@@ -599,7 +599,7 @@ def make_ps(tmp_path: Path, **cfg: Any):
         lambda task, attempt: "tok",
         config,
         clock=clock,
-        sleep=lambda s: None,
+        sleep=clock.advance,
         in_background=at_once,
     )
     return sup, launcher, store, clock, sink
@@ -758,10 +758,11 @@ def test_servers_stuck_in_join_are_stopped_without_waiting_out_the_grace(tmp_pat
     launcher.handles["chief-0"].code = 0
     sup.step()
     assert sup.state is ClusterState.STOPPING
-    started = time.monotonic()
-    sup.step()  # the teardown: real time (stop_all)
+    before, started = clock.now, time.monotonic()
+    sup.step()  # the teardown, on the supervisor's clock (stop_all takes it)
     assert sup.state is ClusterState.SUCCEEDED
-    assert time.monotonic() - started < QUICK_GRACE_S + 1.5
+    assert QUICK_GRACE_S <= clock.now - before < QUICK_GRACE_S + 0.5  # the servers' grace, not the 30 s
+    assert time.monotonic() - started < 1.0  # and no real time waited
     assert {n: launcher.handles[n].code for n in ("worker-0", "worker-1", "ps-0")} == dict.fromkeys(
         ("worker-0", "worker-1", "ps-0"), -9
     )
