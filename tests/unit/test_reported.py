@@ -82,7 +82,7 @@ def heartbeats(draw: st.DrawFn) -> dict[str, Any]:
     return raw
 
 
-class Path_:
+class WholePath:
     """One run directory, record and page for every example (a server per example would cost more
     than the test): each example adds its heartbeat and its printed bytes to them."""
 
@@ -118,8 +118,8 @@ class Path_:
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path_]:
-    p = Path_(tmp_path_factory.mktemp("reported"))
+def path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WholePath]:
+    p = WholePath(tmp_path_factory.mktemp("reported"))
     yield p
     p.close()
 
@@ -143,7 +143,7 @@ def strict(text: str | bytes) -> Any:
     ),
 )
 def test_anything_reported_or_printed_goes_through_the_whole_path(
-    path: Path_, tmp_path: Path, raw: dict[str, Any], printed: list[bytes]
+    path: WholePath, tmp_path: Path, raw: dict[str, Any], printed: list[bytes]
 ) -> None:
     (tmp_path / "sup").mkdir(exist_ok=True)
     plan = plan_of(tmp_path / "sup", SPEC.format(workers=2), {"worker-0": 20000, "worker-1": 20001})
