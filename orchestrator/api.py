@@ -164,7 +164,7 @@ def _spec(
         model = load_spec(path, backend=override)
         return model, path, path.read_text(encoding="utf-8"), path.resolve().parent
     if isinstance(spec, ClusterSpec):
-        data = spec.model_dump(mode="json", exclude_none=True)
+        data = spec.as_data()
         if override is not None:
             data["backend"] = override
         text = yaml.safe_dump(data, sort_keys=False)

@@ -489,9 +489,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     if args.document == "spec":
-        from orchestrator.spec.model import ClusterSpec
+        from orchestrator.spec import sections
 
-        print(json.dumps(ClusterSpec.model_json_schema(), indent=2))
+        print(json.dumps(sections.json_schema(), indent=2))
     else:
         from orchestrator.schemas import json_schema
 

@@ -1,6 +1,6 @@
 """Run record layer: follow the tasks' log files and hand each new line to the console view.
 
-Tasks write their logs directly (see launch/local.py); this thread only reads, so a slow console
+Tasks write their logs directly (see launch/local/); this thread only reads, so a slow console
 never slows a task down.
 """
 

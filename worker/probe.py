@@ -185,7 +185,7 @@ def node(count: str, lock: str = "-", *ports: str) -> dict[str, Any]:
     for _ in range(500 + 100 * int(count)):
         if len(chosen) >= int(count):
             break
-        port = rng.randrange(15000, high)  # as the local backend's ports (orchestrator/launch/ports.py)
+        port = rng.randrange(15000, high)  # as the local backend's ports (orchestrator/launch/local/ports.py)
         if port not in taken and port not in chosen and port_free(port) and not port_locked(lock, port):
             chosen.append(port)
     return {

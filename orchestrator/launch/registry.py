@@ -2,9 +2,8 @@
 installed package registers under the entry-point group `tf_orchestrate.backends` (as pytest finds
 its plugins and submitit its executors).
 
-A name maps to a `BackendKind`: what the coordinator and the CLI need of a backend before there is
-a run (`open` one for a run, `reattach` a run's processes from its record, `preview` where the tasks
-would go, `check` the hosts). Nothing is imported until a name is asked for: `local` never loads
+A name maps to a `Kind` (launch/kind.py): what the coordinator, the CLI and the spec need of a
+backend before there is a run. Nothing is imported until a name is asked for: `local` never loads
 paramiko, and a broken plugin troubles only the runs that name it. An unknown name is an error that
 lists the registered ones, never a fall-through to some default.
 """
@@ -13,60 +12,26 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Mapping
 from importlib import metadata
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from orchestrator.errors import UsageError, did_you_mean
-
-if TYPE_CHECKING:
-    from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.placement import Placement
-    from orchestrator.spec.model import ClusterSpec
+from orchestrator.launch.kind import Kind
 
 #: The entry-point group a package registers its backends in (name = the spec's `backend:`).
 GROUP = "tf_orchestrate.backends"
 #: The built-in backends: name -> "module:attribute" of their kind, imported when first asked for.
 BUILTIN = {
-    "local": "orchestrator.launch.kinds:LOCAL",
-    "ssh": "orchestrator.launch.kinds:SSH",
-    "slurm": "orchestrator.launch.kinds:SLURM",
+    "local": "orchestrator.launch.local:KIND",
+    "ssh": "orchestrator.launch.ssh:KIND",
+    "slurm": "orchestrator.launch.slurm:KIND",
 }
-
-
-@runtime_checkable
-class BackendKind(Protocol):
-    """A backend as the coordinator and the CLI find it by name (docs/backends.md)."""
-
-    name: str
-
-    def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
-        """The backend for one run (not opened yet: `Backend.open` reaches the hosts)."""
-        ...
-
-    def reattach(
-        self, record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]
-    ) -> Leftovers:
-        """A run's processes, from its records alone (`orchestrate down` once its coordinator died)."""
-        ...
-
-    def preview(
-        self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path
-    ) -> tuple[dict[str, Placement], str]:
-        """Where the tasks would run, reaching nothing (`orchestrate plan`), and a note."""
-        ...
-
-    def check(self, spec: ClusterSpec) -> CheckReport | None:
-        """`orchestrate check`: the report, or None where there is nothing to check."""
-        ...
 
 
 class UnknownBackend(UsageError):
     """A backend name nothing registered."""
 
 
-_loaded: dict[str, BackendKind] = {}
+_loaded: dict[tuple[str, str], Kind] = {}  # (name, what registers it) -> its kind
 _lock = threading.Lock()
 
 
@@ -80,36 +45,40 @@ def is_registered(name: str) -> bool:
     return name in BUILTIN or name in _entry_points()
 
 
-def get(name: str) -> BackendKind:
+def get(name: str) -> Kind:
     """The backend kind registered as `name`; UnknownBackend (with the likely one meant) otherwise,
-    or when what a package registered cannot be loaded."""
-    with _lock:
-        kind = _loaded.get(name)
-        if kind is None:
-            kind = _loaded[name] = _load(name)
-        return kind
-
-
-def _load(name: str) -> BackendKind:
+    or when what a package registered cannot be loaded. Each is loaded once (per what registers
+    it: a package installed meanwhile in its place is loaded anew)."""
     if name in BUILTIN:
-        module, _, attribute = BUILTIN[name].partition(":")
-        kind = getattr(importlib.import_module(module), attribute)
         source = BUILTIN[name]
+        point = None
     else:
         point = _entry_points().get(name)
         if point is None:
             raise UnknownBackend(unknown_message(name))
         source = f"{point.value} (package {point.dist.name if point.dist else '?'})"
+    with _lock:
+        kind = _loaded.get((name, source))
+        if kind is None:
+            kind = _loaded[(name, source)] = _load(name, source, point)
+        return kind
+
+
+def _load(name: str, source: str, point: metadata.EntryPoint | None) -> Kind:
+    if point is None:
+        module, _, attribute = source.partition(":")
+        kind = getattr(importlib.import_module(module), attribute)
+    else:
         try:
             kind = point.load()
         except Exception as exc:  # noqa: BLE001 - any failure of someone else's package, said plainly
             raise UnknownBackend(
                 f"backend {name!r}: cannot load {source}: {type(exc).__name__}: {exc}"
             ) from None
-    if not isinstance(kind, BackendKind) or kind.name != name:
+    if not isinstance(kind, Kind) or kind.name != name:
         raise UnknownBackend(
             f"backend {name!r}: {source} is not a backend kind named {name!r} "
-            "(an object with name, open, reattach, preview and check: docs/backends.md)"
+            "(an instance of a subclass of orchestrator.launch.kind.Kind: docs/backends.md)"
         )
     return kind
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from orchestrator.errors import SpecProblem
 from orchestrator.launch import registry
-from orchestrator.spec.model import MAX_TASKS, AtEnd, Backend, ClusterSpec, OnFailure, Role, Strategy
+from orchestrator.launch.kind import Kind
+from orchestrator.spec.model import MAX_TASKS, AtEnd, ClusterSpec, OnFailure, Role, Strategy
 from orchestrator.spec.roles import role_policies
+from orchestrator.spec.sections import missing_section
 from worker.wire import RESERVED_ENV
 
 _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
@@ -20,87 +22,55 @@ _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
 def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
     if not registry.is_registered(spec.backend):
         return [SpecProblem(("backend",), registry.unknown_message(spec.backend))]
-    if spec.backend == Backend.SLURM and spec.slurm is None:
-        return [SpecProblem(("backend",), "backend slurm needs a slurm: section (nodes, tasks_per_node)")]
+    try:
+        kind = registry.get(spec.backend)
+    except registry.UnknownBackend as exc:
+        return [SpecProblem(("backend",), str(exc))]
+    if kind.places_tasks and spec.section(kind.name) is None:
+        return [missing_section(kind)]
     if not spec.hosts:
         return [
             SpecProblem(("hosts",), "give at least one host, e.g. - {address: 127.0.0.1, tasks: {worker: 2}}")
         ]
-    problems: list[SpecProblem] = []
-    problems += _check_slurm(spec)
-    problems += _check_counts(spec)
-    problems += _check_strategy_roles(spec)
-    problems += _check_ports(spec)
-    problems += _check_job(spec)
-    problems += _check_policy(spec)
-    return problems
+    own = kind.spec_problems(spec)
+    general: list[SpecProblem] = []
+    general += _check_counts(spec, kind)
+    general += _check_strategy_roles(spec, kind)
+    general += _check_ports(spec, kind)
+    general += _check_job(spec)
+    general += _check_policy(spec)
+    # the backend's message is the more precise where both found something; each said once
+    taken = {p.path for p in own}
+    return own + list(dict.fromkeys(p for p in general if p.path not in taken))
 
 
-def _check_slurm(spec: ClusterSpec) -> list[SpecProblem]:
-    slurm = spec.slurm
-    if spec.backend != Backend.SLURM or slurm is None or slurm.time is None:
-        return []
-    limit_s, lead_s = slurm.time_s() or 0.0, slurm.warning_lead_s(spec.health.stop_grace_s)
-    if limit_s > 2 * lead_s:
-        return []
-    return [
-        SpecProblem(
-            ("slurm", "time"),
-            f"{limit_s:g} s is too short: Slurm is asked for SIGTERM {lead_s} s before the limit (a final "
-            f"checkpoint: health.stop_grace_s + 30 s, at least 60), so give more than {2 * lead_s} s",
-        )
+def _where(spec: ClusterSpec, kind: Kind, role: Role) -> list[tuple[str | int, ...]]:
+    keys = [
+        (*kind.tasks_key(spec, i), role.value) for i, h in enumerate(spec.hosts) if h.tasks.get(role, 0) > 0
     ]
+    return list(dict.fromkeys(keys))
 
 
-def _where(spec: ClusterSpec, role: Role) -> list[tuple[str | int, ...]]:
-    return [_tasks_key(spec, i, role) for i, h in enumerate(spec.hosts) if h.tasks.get(role, 0) > 0]
-
-
-def _tasks_key(spec: ClusterSpec, host: int, role: Role | None = None) -> tuple[str | int, ...]:
-    """Where a host's task counts are written: hosts[i].tasks, or slurm.tasks_per_node (its
-    nodes stand for hosts)."""
-    tail: tuple[str, ...] = (role.value,) if role is not None else ()
-    if spec.backend == Backend.SLURM and spec.slurm is not None:
-        if isinstance(spec.slurm.tasks_per_node, list):
-            return ("slurm", "tasks_per_node", host, *tail)
-        return ("slurm", "tasks_per_node", *tail)
-    return ("hosts", host, "tasks", *tail)
-
-
-def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
+def _check_counts(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
     problems = []
     for i, host in enumerate(spec.hosts):
+        key = kind.tasks_key(spec, i)
         for role, count in host.tasks.items():
             if count < 1:
                 problems.append(
-                    SpecProblem(
-                        _tasks_key(spec, i, role), "count must be at least 1 (leave the role out for none)"
-                    )
+                    SpecProblem((*key, role.value), "count must be at least 1 (leave the role out for none)")
                 )
         if not host.tasks:
-            problems.append(SpecProblem(_tasks_key(spec, i), "this host runs no task; give e.g. {worker: 1}"))
-        if spec.backend == Backend.SLURM and not isinstance(spec.slurm.tasks_per_node, list):  # type: ignore[union-attr]
-            break  # the same counts on every node: said once
+            problems.append(SpecProblem(key, "this host runs no task; give e.g. {worker: 1}"))
     for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
-        slurm_mapping = spec.slurm is not None and not isinstance(spec.slurm.tasks_per_node, list)
-        if spec.role_count(role) > 1 and spec.backend == Backend.SLURM and slurm_mapping:
-            problems.append(
-                SpecProblem(
-                    _tasks_key(spec, 0, role),
-                    f"a cluster has at most one {noun}; this mapping puts one on each of "
-                    f"{len(spec.hosts)} nodes: give a list, one entry per node, e.g. "
-                    f"[{{{noun}: 1, worker: 1}}, {{worker: 1}}]",
-                )
-            )
-            continue
         if spec.role_count(role) > 1:
-            where = _where(spec, role)
+            where = _where(spec, kind, role)
             others = ", ".join(_key(p) for p in where[:3]) + (
                 f" and {len(where) - 3} more" if len(where) > 3 else ""
             )
             problems.append(
                 SpecProblem(
-                    _where(spec, role)[-1],
+                    where[-1],
                     f"a cluster has at most one {noun}, this spec has {spec.role_count(role)} ({others})",
                 )
             )
@@ -120,18 +90,18 @@ def _check_counts(spec: ClusterSpec) -> list[SpecProblem]:
     return problems
 
 
-def _check_strategy_roles(spec: ClusterSpec) -> list[SpecProblem]:
+def _check_strategy_roles(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
     problems = []
     ps = spec.role_count(Role.PS)
     if spec.strategy is Strategy.MULTI_WORKER_MIRRORED and ps:
         problems += [
             SpecProblem(p, "multi_worker_mirrored has no parameter servers; use strategy: parameter_server")
-            for p in _where(spec, Role.PS)
+            for p in _where(spec, kind, Role.PS)
         ]
     elif spec.strategy is Strategy.MIRRORED:
         problems += [
             SpecProblem(p, "mirrored has no parameter servers; use strategy: parameter_server")
-            for p in _where(spec, Role.PS)
+            for p in _where(spec, kind, Role.PS)
         ]
         training = sum(spec.role_count(r) for r in _TRAINING_ROLES)
         if training > 1:
@@ -154,8 +124,8 @@ def _check_strategy_roles(spec: ClusterSpec) -> list[SpecProblem]:
     return problems
 
 
-def _check_ports(spec: ClusterSpec) -> list[SpecProblem]:
-    """Hosts with a base_port on one address (the local backend: all on this machine) must have
+def _check_ports(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
+    """Hosts with a base_port on one machine (the backend's `port_scope`: for local, all) must have
     disjoint port ranges. Compared as ranges, sorted (not port by port: 1,024 hosts of 4,096
     tasks each were four million ports)."""
     problems = []
@@ -163,7 +133,7 @@ def _check_ports(spec: ClusterSpec) -> list[SpecProblem]:
     for i, host in enumerate(spec.hosts):
         if host.base_port is None:
             continue
-        where = "127.0.0.1" if spec.backend == Backend.LOCAL else host.address
+        where = kind.port_scope(spec, host)
         count = sum(host.tasks.values())
         if host.base_port + count - 1 > 65535:
             problems.append(

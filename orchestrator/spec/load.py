@@ -25,6 +25,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.errors import SpecError, SpecProblem, UsageError, did_you_mean
+from orchestrator.launch import registry
+from orchestrator.spec import sections
 from orchestrator.spec.checks import check_spec
 from orchestrator.spec.model import MAX_HOSTS, ClusterSpec
 
@@ -40,8 +42,6 @@ def backend_named(name: str, given_as: str) -> str:
     """The backend a user named (`--backend NAME`, the API's `backend=`), when it is registered
     (launch/registry.py); UsageError naming the likely one and listing them otherwise. `given_as`:
     how the user wrote it, for the message."""
-    from orchestrator.launch import registry
-
     if not registry.is_registered(name):
         raise UsageError(f"{given_as}: {registry.unknown_message(name)}")
     return name
@@ -98,15 +98,23 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: str | None = No
         raise SpecError(file, [_locate(p, lines) for p in controls])
     if backend is not None:
         data = {**data, "backend": backend}
-    # hosts may be left out only where the slurm: section places the tasks; said with the rest
-    no_hosts = "hosts" not in data and data.get("backend") != "slurm"
+    data, found = sections.split(data)
+    # hosts may be left out only where the backend's own section places the tasks; said with the rest
+    kind = sections.kind_of(data)
+    no_hosts = "hosts" not in data and not (kind is not None and kind.places_tasks)
     hosts_missing = [_locate(SpecProblem(("hosts",), "required key is missing"), lines)] if no_hosts else []
+    context = {"base_dir": base_dir}
+    models, errors, wrong = sections.validate(found, context)
     try:
-        spec = ClusterSpec.model_validate(data, context={"base_dir": base_dir})
+        spec = ClusterSpec.model_validate(data, context=context)
     except ValidationError as exc:
-        raise SpecError(file, hosts_missing + [_problem(err, lines) for err in exc.errors()]) from None
-    if hosts_missing:
-        raise SpecError(file, hosts_missing)
+        errors = [dict(e) for e in exc.errors()] + errors
+    if hosts_missing or errors or wrong:
+        raise SpecError(
+            file,
+            hosts_missing + [_problem(err, lines) for err in errors] + [_locate(p, lines) for p in wrong],
+        )
+    spec = sections.complete(spec, models)
     problems = check_spec(spec)
     if problems:
         raise SpecError(file, [_locate(p, lines) for p in problems])
@@ -336,8 +344,11 @@ def _index(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list
 
 def _known_keys(path: Path_) -> list[str]:
     """The keys the spec allows in the section at `path` (`("hosts", 0)`: a host's keys)."""
-    kinds: list[Any] = [ClusterSpec]
-    for part in path:
+    model = sections.section_model(str(path[0])) if path else None
+    kinds: list[Any] = [model] if model is not None else [ClusterSpec]
+    if not path:
+        return [*ClusterSpec.model_fields, *(n for n in registry.names() if sections.section_model(n))]
+    for part in path[1:] if model is not None else path:
         inner: list[Any] = []
         for kind in kinds:
             if isinstance(part, str) and isinstance(kind, type) and issubclass(kind, BaseModel):

@@ -140,7 +140,8 @@ def serve_whole(n: int, way: str, folder: Path) -> None:
     from orchestrator.errors import LaunchError
     from orchestrator.health.credentials import Credentials
     from orchestrator.launch.api import Backend, Heartbeats, ProcessInfo, Sig, TaskHandle
-    from orchestrator.launch.placement import Placement, local_placements
+    from orchestrator.launch.local.placement import local_placements
+    from orchestrator.launch.placement import Placement
     from orchestrator.plan import TaskPlan
     from orchestrator.spec.load import parse_spec
     from orchestrator.spec.model import ClusterSpec

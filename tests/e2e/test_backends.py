@@ -231,13 +231,16 @@ def test_reattach_stops_what_a_vanished_coordinator_left_from_the_records_alone(
 
 def test_a_job_runs_on_a_backend_a_package_registers(tmp_path: Path) -> None:
     """`backend: pigeon`, a name no product file knows: `orchestrate up` finds it through the
-    package's entry point and runs a 2-worker job on it to its end; a typo of it is said."""
+    package's entry point and runs a 2-worker job on it to its end, its section of the spec
+    (`pigeon:`) read by it; a typo of it is said."""
     (tmp_path / "job.py").write_text(
-        "import worker\nfor i in range(1, 21):\n    worker.report(step=i, loss=1.0 / i)\n"
+        "import os, sys, worker\n"
+        "assert os.environ['PIGEON_MESSAGE'] == 'hello', os.environ.get('PIGEON_MESSAGE')\n"
+        "for i in range(1, 21):\n    worker.report(step=i, loss=1.0 / i)\n"
     )
     spec = (
         "name: pigeon\nbackend: pigeon\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\n"
-        "job: {script: job.py}\n"
+        "job: {script: job.py}\npigeon: {message: hello}\n"
     )
     (tmp_path / "spec.yaml").write_text(spec)
     paths = [str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])]

@@ -279,9 +279,9 @@ def test_a_checkpoint_folder_declared_shared_but_not_is_caught_before_anything_s
 def test_a_host_without_room_for_the_checkpoint_is_a_clear_error_and_keeps_its_old_one(lab, tmp_path):
     needs_separate_disks(lab)
     from orchestrator.errors import LaunchError
-    from orchestrator.launch import ship
-    from orchestrator.launch.hosts import Host, close_all, connect
-    from orchestrator.spec.model import SshSpec
+    from orchestrator.launch.ssh import ship
+    from orchestrator.launch.ssh.hosts import Host, close_all, connect
+    from orchestrator.launch.ssh.spec import SshSpec
 
     # a small disk of its own on host 1 (a tmpfs in its mount namespace), holding an older checkpoint
     small = lab.scratch / "small"
@@ -352,9 +352,9 @@ def test_an_evaluator_on_another_host_scores_every_checkpoint_shipped_to_it(lab,
 def test_a_host_cut_off_while_its_checkpoint_is_copied_fails_in_bounded_time(lab, tmp_path):
     needs_separate_disks(lab)
     from orchestrator.errors import LaunchError
-    from orchestrator.launch import ship
-    from orchestrator.launch.hosts import Host, close_all, connect
-    from orchestrator.spec.model import SshSpec
+    from orchestrator.launch.ssh import ship
+    from orchestrator.launch.ssh.hosts import Host, close_all, connect
+    from orchestrator.launch.ssh.spec import SshSpec
 
     home = tmp_path / "home"
     home.mkdir()

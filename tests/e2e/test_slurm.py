@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.launch.slurm_step import port_lock
+from orchestrator.launch.slurm.step import port_lock
 from tests.conftest import CliRun, run_processes, wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
 from worker.probe import port_locked

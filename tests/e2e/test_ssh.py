@@ -442,9 +442,9 @@ def test_down_stops_a_task_left_behind_when_its_shim_and_the_coordinator_died(ss
 
 
 def test_files_travel_once_and_only_when_changed(lab, tmp_path):
-    from orchestrator.launch.hosts import Host, close_all, connect, probe
-    from orchestrator.launch.sync import job_files, upload
-    from orchestrator.spec.model import SshSpec
+    from orchestrator.launch.ssh.hosts import Host, close_all, connect, probe
+    from orchestrator.launch.ssh.spec import SshSpec
+    from orchestrator.launch.ssh.sync import job_files, upload
 
     src = tmp_path / "src"
     (src / "data").mkdir(parents=True)

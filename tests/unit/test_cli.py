@@ -21,7 +21,7 @@ import pytest
 from orchestrator import cli, rundir
 from orchestrator.coordinator import RunResult
 from orchestrator.plan import LaunchPlan
-from orchestrator.spec.model import Backend, Strategy
+from orchestrator.spec.model import Strategy
 from orchestrator.supervise.policy import Failure, FailureKind
 from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
@@ -376,7 +376,7 @@ def outcome(
         ended_at="2026-01-01T00:01:00.000Z",
         **kw,
     )
-    plan = LaunchPlan("demo", "demo-x", Strategy.MULTI_WORKER_MIRRORED, Backend.LOCAL, {})
+    plan = LaunchPlan("demo", "demo-x", Strategy.MULTI_WORKER_MIRRORED, "local", {})
     return RunResult(run_dir=run_dir, result=result, plan=plan)
 
 

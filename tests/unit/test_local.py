@@ -25,9 +25,9 @@ from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch import api
 from orchestrator.launch.api import Heartbeats, Prepared, TaskHandle, stop_all
-from orchestrator.launch.local import LocalBackend, LocalLeftovers, group_alive
+from orchestrator.launch.local.backend import LocalBackend, LocalLeftovers, group_alive
+from orchestrator.launch.local.ports import default_lock_dir
 from orchestrator.launch.placement import Placement
-from orchestrator.launch.ports import default_lock_dir
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec import ClusterSpec, parse_spec
 

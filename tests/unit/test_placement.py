@@ -6,12 +6,11 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from orchestrator.launch.placement import (
+from orchestrator.launch.local.placement import local_placements
+from orchestrator.launch.placement import Placement, job_files_root
+from orchestrator.launch.ssh.placement import (
     SSH_DEFAULT_BASE_PORT,
     SSH_DEFAULT_WORKDIR,
-    Placement,
-    job_files_root,
-    local_placements,
     ssh_placements,
     ssh_ports,
     ssh_preview,

@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.launch.placement import Placement, local_placements, ssh_placements, ssh_preview
+from orchestrator.launch.local.placement import local_placements
+from orchestrator.launch.placement import Placement
+from orchestrator.launch.ssh.placement import ssh_placements, ssh_preview
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec import ClusterSpec, Role, parse_spec
-from orchestrator.spec.model import Backend
 from orchestrator.spec.roles import task_slots
 
 RUN_ID = "demo-20250101-000000"
@@ -65,7 +66,7 @@ def local_places(spec: ClusterSpec, ports: Mapping[str, int] | None = None) -> d
 def places_of(spec: ClusterSpec) -> dict[str, Placement]:
     """The spec's backend's placements: local ports 20000 + i in task order; ssh hosts' folders as
     written (before connecting) and their ports from base_port."""
-    return local_places(spec) if spec.backend == Backend.LOCAL else ssh_preview(spec, RUN_ID)
+    return local_places(spec) if spec.backend == "local" else ssh_preview(spec, RUN_ID)
 
 
 def plan_of(spec: ClusterSpec) -> LaunchPlan:

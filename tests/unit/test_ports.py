@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.ports import default_lock_dir, reserve_ports
+from orchestrator.launch.local.ports import default_lock_dir, reserve_ports
 from orchestrator.spec import ClusterSpec, parse_spec
 from orchestrator.spec.roles import task_slots
 

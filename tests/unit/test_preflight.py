@@ -1,4 +1,4 @@
-"""Launch layer, ssh preflight (orchestrator/launch/preflight.py): what `orchestrate check` says of
+"""Launch layer, ssh preflight (orchestrator/launch/ssh/preflight.py): what `orchestrate check` says of
 each host, from the facts its probe gathered. No SSH here: the reports are built by hand."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.launch.hosts import Host
-from orchestrator.launch.preflight import (
+from orchestrator.launch.ssh.hosts import Host
+from orchestrator.launch.ssh.preflight import (
     MIN_DISK_BYTES,
     HostReport,
     problems,

@@ -10,9 +10,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.errors import RunDirError
 from orchestrator.launch import reattach, registry
+from orchestrator.launch.kind import Kind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +23,7 @@ def test_the_built_in_backends_are_registered_and_each_says_its_name() -> None:
     assert registry.names()[:3] == ["local", "ssh", "slurm"]
     for name in ("local", "ssh", "slurm"):
         kind = registry.get(name)
-        assert kind.name == name and isinstance(kind, registry.BackendKind)
+        assert kind.name == name and isinstance(kind, Kind)
         assert registry.get(name) is kind  # loaded once
 
 
@@ -84,7 +86,7 @@ def test_a_package_registers_a_backend_through_the_entry_point_group(
         pigeon-wrong = carrier_pigeon_backend:WRONG
         """,
         """\
-        from orchestrator.launch.kinds import LocalKind
+        from orchestrator.launch.local import LocalKind
 
         class PigeonKind(LocalKind):  # the local backend under another name, for the registry's sake
             name = "pigeon"
@@ -121,3 +123,81 @@ def test_the_specs_backend_takes_the_registered_names_and_says_a_typo_at_its_lin
         in str(caught.value)
     )
     assert parse_spec(text.replace("sluurm", "local"), file="s.yaml", base_dir=tmp_path).backend == "local"
+
+
+PLUGINS = REPO / "tests" / "plugins"
+
+
+@pytest.fixture()
+def pigeon(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))  # where an installed package's files are found
+
+
+SPEC = (
+    "name: t\nbackend: {backend}\nhosts: [{{address: 127.0.0.1, tasks: {{worker: 2}}}}]\n"
+    "job: {{script: job.py}}\n"
+)
+
+
+def test_a_backends_section_is_validated_by_it_at_its_lines(tmp_path: Path, pigeon: None) -> None:
+    """A top-level key named after a registered backend is its section: a package's too, with its
+    errors at their lines and a typo of its keys answered with the likely one."""
+    from orchestrator.errors import SpecError
+    from orchestrator.spec.load import parse_spec
+
+    (tmp_path / "job.py").write_text("")
+    text = SPEC.format(backend="pigeon") + "pigeon:\n  message: hello\n"
+    spec = parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    found = spec.section("pigeon")
+    assert found is not None and found.model_dump() == {"message": "hello"}
+    assert spec.section("ssh") is None
+    for section, line, wanted in (
+        ("pigeon:\n  message: Hello!\n", 6, "s.yaml:6: pigeon.message: String should match pattern"),
+        ("pigeon:\n  mesage: hi\n", 6, "s.yaml:6: pigeon.mesage: unknown key; did you mean `message`?"),
+        ("pigoen:\n  message: hi\n", 5, "s.yaml:5: pigoen: unknown key; did you mean `pigeon`?"),
+        ("slurm: {nodes: 0, tasks_per_node: {worker: 1}}\n", 5, "s.yaml:5: slurm.nodes: Input should be"),
+        ("local: {}\n", 5, "s.yaml:5: local: backend local has no section of its own; remove it"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            parse_spec(SPEC.format(backend="pigeon") + section, file="s.yaml", base_dir=tmp_path)
+        assert wanted in str(caught.value), (line, str(caught.value))
+
+
+def test_another_backends_section_is_kept_for_a_run_on_it(tmp_path: Path) -> None:
+    """The same spec run with --backend: each backend's section validated, the chosen one read."""
+    from orchestrator.launch.ssh.spec import section as ssh_section
+    from orchestrator.spec.load import parse_spec
+
+    (tmp_path / "job.py").write_text("")
+    text = SPEC.format(backend="ssh") + "ssh: {connect_timeout_s: 3}\n"
+    on_ssh = parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    on_local = parse_spec(text, file="s.yaml", base_dir=tmp_path, backend="local")
+    assert ssh_section(on_ssh).connect_timeout_s == 3 and on_local.backend == "local"
+    assert ssh_section(on_local).connect_timeout_s == 3  # kept: the spec is the same
+
+
+def test_a_spec_with_sections_goes_round_the_python_api(tmp_path: Path) -> None:
+    """`ClusterSpec.as_data()` gives data that validates to the same spec (sections and the hosts
+    a backend's section placed included)."""
+    from orchestrator.spec.load import parse_spec
+
+    (tmp_path / "job.py").write_text("")
+    text = (
+        "name: t\nbackend: slurm\njob: {script: job.py}\n"
+        "slurm: {nodes: 3, tasks_per_node: {worker: 2}, spare_nodes: 1}\nssh: {connect_timeout_s: 3}\n"
+    )
+    spec = parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    assert [h.address for h in spec.hosts] == ["<node 1>", "<node 2>"]
+    data = spec.as_data()
+    assert "hosts" not in data and data["slurm"]["nodes"] == 3 and data["ssh"]["connect_timeout_s"] == 3
+    again = parse_spec(yaml.safe_dump(data), file="again.yaml", base_dir=tmp_path)
+    assert again == spec
+
+
+def test_the_specs_schema_has_every_registered_backends_section(pigeon: None) -> None:
+    from orchestrator.spec.sections import json_schema
+
+    schema = json_schema()
+    assert {"ssh", "slurm", "pigeon"} <= set(schema["properties"])
+    assert schema["properties"]["pigeon"]["properties"]["message"]["pattern"] == "^[a-z]+$"
+    assert "HostKeyPolicy" in schema["$defs"] and "local" not in schema["properties"]

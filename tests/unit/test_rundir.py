@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator import rundir
 from orchestrator.errors import RunDirError
-from orchestrator.launch.local import group_alive
+from orchestrator.launch.local.backend import group_alive
 from orchestrator.rundir import (
     coordinator_alive,
     down,

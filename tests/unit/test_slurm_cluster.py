@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import LaunchError, SpecError
-from orchestrator.launch import slurm_check
-from orchestrator.launch import slurm_cluster as slurm
-from orchestrator.launch.slurm_cluster import Request, Slurm, check_cluster, route_address
+from orchestrator.launch.slurm import check as slurm_check
+from orchestrator.launch.slurm import cluster as slurm
+from orchestrator.launch.slurm.cluster import Request, Slurm, check_cluster, route_address
+from orchestrator.launch.slurm.spec import section as slurm_section
 from orchestrator.spec.load import parse_spec
-from orchestrator.spec.model import Backend, ClusterSpec, Role
+from orchestrator.spec.model import ClusterSpec, Role
 
 
-def load(tmp_path: Path, slurm_yaml: str, extra: str = "", backend: Backend | None = None) -> ClusterSpec:
+def load(tmp_path: Path, slurm_yaml: str, extra: str = "", backend: str | None = None) -> ClusterSpec:
     (tmp_path / "job.py").write_text("")
     text = (
         textwrap.dedent(
@@ -101,9 +102,7 @@ def test_backend_slurm_needs_a_slurm_section_and_the_others_need_hosts(tmp_path:
 
 def test_backend_slurm_from_the_command_line_uses_the_slurm_section_over_hosts(tmp_path: Path) -> None:
     extra = "hosts:\n  - {address: 127.0.0.1, tasks: {worker: 5}}\n"
-    spec = load(
-        tmp_path, "nodes: 2\ntasks_per_node: {worker: 1}\n", extra.replace("", ""), backend=Backend.SLURM
-    )
+    spec = load(tmp_path, "nodes: 2\ntasks_per_node: {worker: 1}\n", extra.replace("", ""), backend="slurm")
     assert [h.tasks for h in spec.hosts] == [{Role.WORKER: 1}, {Role.WORKER: 1}]
 
 
@@ -120,7 +119,7 @@ def test_backend_slurm_from_the_command_line_uses_the_slurm_section_over_hosts(t
 )
 def test_slurm_time_formats(tmp_path: Path, text: str, seconds: float) -> None:
     spec = load(tmp_path, f'nodes: 1\ntasks_per_node: {{worker: 1}}\ntime: "{text}"\n')
-    assert spec.slurm is not None and spec.slurm.time_s() == seconds
+    assert slurm_section(spec).time_s() == seconds
 
 
 # --- command lines ---------------------------------------------------------------------------
@@ -281,11 +280,11 @@ def test_a_command_that_does_not_answer_in_time_is_a_launch_error_naming_the_key
 def test_slurm_workdir_must_be_absolute(tmp_path: Path) -> None:
     assert "slurm.workdir" in problems(tmp_path, "nodes: 1\ntasks_per_node: {worker: 1}\nworkdir: scratch\n")
     spec = load(tmp_path, "nodes: 1\ntasks_per_node: {worker: 1}\nworkdir: /scratch/ann\n")
-    assert spec.slurm is not None and spec.slurm.workdir == "/scratch/ann"
+    assert slurm_section(spec).workdir == "/scratch/ann"
 
 
 def test_what_is_copied_to_nodes_leaves_out_hidden_files_caches_and_symlinks(tmp_path: Path) -> None:
-    from orchestrator.launch.slurm_files import tree
+    from orchestrator.launch.slurm.files import tree
 
     (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.spec import Backend, ClusterSpec, Role, Strategy, load_spec, parse_spec
+from orchestrator.launch.ssh.spec import section as ssh_section
+from orchestrator.spec import ClusterSpec, Role, Strategy, load_spec, parse_spec
 
 FILE = "spec.yaml"
 LINE_RE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<key>\(top level\)|\S+): (?P<msg>.+)$")
@@ -886,7 +887,7 @@ def test_minimal_spec_loads_with_defaults(tmp_path: Path) -> None:
     spec = parse(tmp_path, MINIMAL)
     assert spec.name == "demo"
     assert spec.strategy is Strategy.MULTI_WORKER_MIRRORED
-    assert spec.backend == Backend.LOCAL
+    assert spec.backend == "local"
     assert spec.hosts[0].tasks == {Role.WORKER: 2}
     assert spec.role_count(Role.WORKER) == 2 and spec.role_count(Role.CHIEF) == 0
     assert spec.job.script == tmp_path / "train.py"
@@ -898,8 +899,8 @@ def test_minimal_spec_loads_with_defaults(tmp_path: Path) -> None:
     assert spec.health.startup_timeout_s == 120
     assert spec.restart.max_restarts == 3
     assert spec.restart.backoff_s == 2
-    assert spec.ssh.host_key_policy.value == "strict"
-    assert spec.ssh.connect_timeout_s == 10
+    assert ssh_section(spec).host_key_policy.value == "strict"
+    assert ssh_section(spec).connect_timeout_s == 10
 
 
 def test_spec_is_frozen(tmp_path: Path) -> None:
@@ -1068,13 +1069,13 @@ def test_load_spec_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("written", "override", "expected"),
     [
-        ("local", None, Backend.LOCAL),
-        ("local", Backend.SSH, Backend.SSH),
-        ("ssh", Backend.LOCAL, Backend.LOCAL),
-        ("ssh", None, Backend.SSH),
+        ("local", None, "local"),
+        ("local", "ssh", "ssh"),
+        ("ssh", "local", "local"),
+        ("ssh", None, "ssh"),
     ],
 )
-def test_backend_override(tmp_path: Path, written: str, override: Backend | None, expected: Backend) -> None:
+def test_backend_override(tmp_path: Path, written: str, override: str | None, expected: str) -> None:
     (tmp_path / "train.py").write_text("")
     path = tmp_path / "spec.yaml"
     path.write_text(y(MINIMAL) + f"backend: {written}\n")
@@ -1084,9 +1085,9 @@ def test_backend_override(tmp_path: Path, written: str, override: Backend | None
 def test_backend_override_changes_port_check(tmp_path: Path) -> None:
     # Same base_port on two different addresses: fine over ssh, a clash when simulated locally.
     text = GOOD_SPECS[3][1]
-    assert parse(tmp_path, text).backend == Backend.SSH
+    assert parse(tmp_path, text).backend == "ssh"
     with pytest.raises(SpecError) as info:
-        parse(tmp_path, text, backend=Backend.LOCAL)
+        parse(tmp_path, text, backend="local")
     assert [(ln, k) for ln, k, _ in problems_of(info.value)] == [(9, "hosts[1].base_port")]
 
 

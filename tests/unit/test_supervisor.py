@@ -25,7 +25,8 @@ from orchestrator.launch.api import (
     stop_all,
     stop_in_background,
 )
-from orchestrator.launch.placement import Placement, local_placements
+from orchestrator.launch.local.placement import local_placements
+from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan, make_plan
 from orchestrator.spec.load import parse_spec
 from orchestrator.supervise.config import SupervisorConfig

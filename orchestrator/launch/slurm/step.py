@@ -19,7 +19,7 @@ from pathlib import Path
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle
 from orchestrator.launch.shim_events import ShimEvents
-from orchestrator.launch.slurm_cluster import Slurm
+from orchestrator.launch.slurm.cluster import Slurm
 from orchestrator.plan import TaskPlan
 from orchestrator.record import private_open
 

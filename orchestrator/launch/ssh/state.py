@@ -18,9 +18,9 @@ from typing import Any
 import fabric
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch import ship
 from orchestrator.launch.api import on_all
-from orchestrator.launch.hosts import Host, raise_if_failed
+from orchestrator.launch.ssh import ship
+from orchestrator.launch.ssh.hosts import Host, raise_if_failed
 from orchestrator.plan import LaunchPlan, StatePlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire

@@ -32,8 +32,8 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.hosts import PROBE_SOURCE, Host, probe
-from orchestrator.launch.sync import sha256_file
+from orchestrator.launch.ssh.hosts import PROBE_SOURCE, Host, probe
+from orchestrator.launch.ssh.sync import sha256_file
 
 STAGING_PREFIX = ".incoming-"
 

@@ -18,7 +18,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
-from orchestrator.launch.slurm_cluster import (
+from orchestrator.launch.slurm.cluster import (
     PROBE_SOURCE,
     SHIM,
     Request,
@@ -28,6 +28,7 @@ from orchestrator.launch.slurm_cluster import (
     salloc_argv,
     srun_argv,
 )
+from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.spec.model import ClusterSpec
 
 
@@ -41,7 +42,9 @@ def preview_lines(
         alloc = f"inside Slurm job {job} (SLURM_JOB_ID): its nodes are used, the allocation is left as it is"
     else:
         alloc = f"allocation: {shlex.join(salloc_argv(spec, run_id))}"
-    python = tuple(shlex.split(spec.slurm.python)) if spec.slurm and spec.slurm.python else (sys.executable,)
+    conf = spec.section("slurm")
+    chosen = conf.python if isinstance(conf, SlurmSpec) else None
+    python = tuple(shlex.split(chosen)) if chosen else (sys.executable,)
     step = shlex.join(srun_argv(job or "JOB", "NODE", f"{job_name(run_id)}-TASK", python))
     return [
         alloc,
@@ -55,8 +58,7 @@ def preview_lines(
 def check(spec: ClusterSpec) -> CheckReport:
     """`orchestrate check`: the partition can run the request; one short step on the nodes
     (Python, TensorFlow, the files they see); the nodes reach each other on a TF port."""
-    assert spec.slurm is not None
-    conf = spec.slurm
+    conf = section(spec)
     title = f"{spec.name}: Slurm, {conf.nodes} node(s)"
     slurm = Slurm(conf.connect_timeout_s)
     try:

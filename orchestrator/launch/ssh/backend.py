@@ -26,7 +26,6 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
-from orchestrator.launch import preflight
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
@@ -37,16 +36,19 @@ from orchestrator.launch.api import (
     TaskHandle,
     on_all,
 )
-from orchestrator.launch.hosts import Host, close_all, connect, hosts_of, probe, raise_if_failed, run_json
-from orchestrator.launch.placement import Placement, job_files_root, ssh_placements, ssh_ports
+from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.shim_events import ShimEvents
-from orchestrator.launch.state import StateCopies
-from orchestrator.launch.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
-from orchestrator.launch.tunnel import open_reverse_tunnel
+from orchestrator.launch.ssh import preflight
+from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe, raise_if_failed, run_json
+from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
+from orchestrator.launch.ssh.spec import SshSpec
+from orchestrator.launch.ssh.spec import section as ssh_section
+from orchestrator.launch.ssh.state import StateCopies
+from orchestrator.launch.ssh.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
+from orchestrator.launch.ssh.tunnel import open_reverse_tunnel
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso, private_open
-from orchestrator.spec.model import Backend as BackendName
-from orchestrator.spec.model import ClusterSpec, SshSpec
+from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from worker import wire
 
@@ -157,12 +159,13 @@ class _HostContext:
 
 
 class SshBackend(Backend):
-    name = BackendName.SSH.value
+    name = "ssh"
     listen_key = "ssh.coordinator_address"
     starts_at_once = True
 
     def __init__(self, spec: ClusterSpec, run_id: str, home: Path):
         self._spec = spec
+        self._ssh = ssh_section(spec)
         self._run_id = run_id
         self._hosts = hosts_of(spec)
         self._conns: dict[int, fabric.Connection] = {}
@@ -183,13 +186,13 @@ class SshBackend(Backend):
             self._connection,
             self._suspect.add,
             # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
-            io_timeout_s=max(10.0, 3 * spec.ssh.connect_timeout_s),
+            io_timeout_s=max(10.0, 3 * ssh_section(spec).connect_timeout_s),
             every_s=max(2.0, spec.health.heartbeat_interval_s),
         )
 
     def listen(self) -> tuple[str, int]:
         """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""
-        direct = self._spec.ssh.coordinator_address
+        direct = self._ssh.coordinator_address
         if direct is None:
             return "127.0.0.1", 0
         host, _, port = direct.partition(":")
@@ -201,7 +204,7 @@ class SshBackend(Backend):
         every host with a problem."""
         self._heartbeat = (heartbeats.host, heartbeats.port)
         self._credentials = heartbeats.credentials
-        self._direct_url = heartbeats.url if self._spec.ssh.coordinator_address else None
+        self._direct_url = heartbeats.url if self._ssh.coordinator_address else None
         self._files = worker_files() + job_files(job_files_root(self._spec))
         files = [f.sha256 for f in self._files]
         reports = preflight.inspect(self._spec, ssh_ports(self._spec), peers=False, files=files)
@@ -225,7 +228,7 @@ class SshBackend(Backend):
         )
 
     def record(self) -> dict[str, Any]:
-        ssh = self._spec.ssh
+        ssh = self._ssh
         return {
             "backend": self.name,
             "run_id": self._run_id,
@@ -300,7 +303,7 @@ class SshBackend(Backend):
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         try:
             handle = self._open(task, attempt, token, log_path)
-            handle.wait_started(self._spec.ssh.connect_timeout_s + 10.0)
+            handle.wait_started(self._ssh.connect_timeout_s + 10.0)
         except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
             self._suspect.add(task.host_index)
             raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
@@ -339,7 +342,7 @@ class SshBackend(Backend):
         transport = conn.transport
         assert transport is not None
         try:
-            channel = transport.open_session(timeout=self._spec.ssh.connect_timeout_s)
+            channel = transport.open_session(timeout=self._ssh.connect_timeout_s)
             channel.exec_command(command)
             channel.sendall((json.dumps(job) + "\n").encode())
         except (OSError, EOFError, paramiko.SSHException) as exc:
@@ -360,7 +363,7 @@ class SshBackend(Backend):
             if conn is not None:
                 close_all({index: conn})
             log.info("%s: reconnecting", self._hosts[index].label)
-            conn = connect(self._hosts[index], self._spec.ssh)
+            conn = connect(self._hosts[index], self._ssh)
             self._conns[index] = conn
             self._suspect.discard(index)
             ctx = self._contexts[index]
@@ -394,9 +397,7 @@ class SshBackend(Backend):
                 "interval_s": health.heartbeat_interval_s,
                 "give_up_s": health.heartbeat_timeout_s,  # as its tasks (ORCHESTRATE_COORDINATOR_TIMEOUT_S)
             }
-            relay = _Relay.start(
-                conn, self._hosts[index], script, config, self._spec.ssh.connect_timeout_s + 10
-            )
+            relay = _Relay.start(conn, self._hosts[index], script, config, self._ssh.connect_timeout_s + 10)
             self._relays[index] = relay
             return relay.url
 

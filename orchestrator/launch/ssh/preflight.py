@@ -23,7 +23,8 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import CheckReport, on_all
-from orchestrator.launch.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, probe
+from orchestrator.launch.ssh.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, probe
+from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 
@@ -95,7 +96,7 @@ def inspect(
 
     def one(report: HostReport) -> None:
         try:
-            report.conn = connect(report.host, spec.ssh)
+            report.conn = connect(report.host, ssh_section(spec))
             workdir = spec.hosts[report.host.index].workdir or "~/.orchestrate"
             ports_here = map(str, sorted(report.ports))
             report.facts = probe(report.conn, report.host, "facts", workdir, *ports_here, stdin=wanted)
@@ -130,7 +131,7 @@ def declared_shared(spec: ClusterSpec) -> dict[str, str]:
         out[str(spec.train.checkpoint_dir)] = "train.checkpoint_dir"
     if spec.job.checkpoint_dir is not None:
         out[str(spec.job.checkpoint_dir)] = "job.checkpoint_dir"
-    for i, path in enumerate(spec.ssh.shared_dirs):
+    for i, path in enumerate(ssh_section(spec).shared_dirs):
         out.setdefault(path, f"ssh.shared_dirs[{i}]")
     return out
 
@@ -186,8 +187,8 @@ def _check_peers(spec: ClusterSpec, reports: list[HostReport], ports: Mapping[st
             if not free:
                 continue
             assert r.conn is not None and r.conn.transport is not None
-            chan = r.conn.transport.open_session(timeout=spec.ssh.connect_timeout_s)
-            chan.settimeout(spec.ssh.connect_timeout_s + 10)
+            chan = r.conn.transport.open_session(timeout=ssh_section(spec).connect_timeout_s)
+            chan.settimeout(ssh_section(spec).connect_timeout_s + 10)
             chan.exec_command(shlex.join([*r.host.python, "-c", PROBE_SOURCE, "listen", *free]))
             listeners.append(chan)
             bound = json.loads(chan.makefile("r").readline() or "{}")

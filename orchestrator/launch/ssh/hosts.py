@@ -25,12 +25,13 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.spec.model import ClusterSpec, HostKeyPolicy, HostSpec, SshSpec
+from orchestrator.launch.ssh.spec import HostKeyPolicy, SshSpec
+from orchestrator.spec.model import ClusterSpec, HostSpec
 
 log = logging.getLogger("orchestrator.ssh")
 T = TypeVar("T")
 
-PROBE_SOURCE = (Path(__file__).resolve().parents[2] / "worker" / "probe.py").read_text(encoding="utf-8")
+PROBE_SOURCE = (Path(__file__).resolve().parents[3] / "worker" / "probe.py").read_text(encoding="utf-8")
 _known_hosts_lock = threading.Lock()
 
 

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.spec.model import ClusterSpec, SlurmSpec
+from orchestrator.launch.slurm.spec import SlurmSpec, section
+from orchestrator.spec.model import ClusterSpec
 
 log = logging.getLogger("orchestrator.slurm")
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol")
 NOT_INSTALLED = "Slurm's commands are not installed here"
-RUNTIME_ROOT = Path(__file__).resolve().parents[2]  # the folder holding worker/
+RUNTIME_ROOT = Path(__file__).resolve().parents[3]  # the folder holding worker/
 SHIM = RUNTIME_ROOT / "worker" / "shim.py"
 PROBE_SOURCE = (RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
 # srun reads these as its own options; inside an allocation they describe the allocation, not a step
@@ -153,9 +154,9 @@ class Request:
 
     @classmethod
     def of(cls, spec: ClusterSpec) -> Request:
-        assert spec.slurm is not None
-        most = max(sum(t.values()) for t in spec.slurm.layout())
-        return cls(spec.slurm.nodes, most, spec.slurm.partition)
+        conf = section(spec)
+        most = max(sum(t.values()) for t in conf.layout())
+        return cls(conf.nodes, most, conf.partition)
 
 
 def check_cluster(slurm: Slurm, request: Request) -> tuple[str, list[dict[str, str]]]:
@@ -243,7 +244,7 @@ class Allocation:
         cls, slurm: Slurm, spec: ClusterSpec, run_id: str, folder: Path, cancel: threading.Event
     ) -> Allocation:
         """salloc, holding the allocation with a pipe from us; waits up to slurm.queue_timeout_s."""
-        assert spec.slurm is not None
+        conf = section(spec)
         argv = salloc_argv(spec, run_id)
         n = 1 + sum(1 for _ in folder.glob("salloc-*.log"))  # one pair of files per request
         out, err = folder / f"salloc-{n}.out", folder / f"salloc-{n}.log"
@@ -260,7 +261,7 @@ class Allocation:
             except FileNotFoundError:
                 raise LaunchError(f"{NOT_INSTALLED} (salloc not found on PATH)") from None
         alloc = cls("", [], owned=True, holder=holder, log_path=err)
-        deadline = time.monotonic() + spec.slurm.queue_timeout_s
+        deadline = time.monotonic() + conf.queue_timeout_s
         try:
             while True:
                 line = out.read_text(errors="replace").strip()
@@ -279,7 +280,7 @@ class Allocation:
                     why = alloc.pending_reason(slurm)
                     raise LaunchError(
                         f"the allocation (job {alloc.job_id or '?'}) was still pending after "
-                        f"{spec.slurm.queue_timeout_s:g} s (slurm.queue_timeout_s){why}; "
+                        f"{conf.queue_timeout_s:g} s (slurm.queue_timeout_s){why}; "
                         "the request is cancelled"
                     )
                 time.sleep(0.05)
@@ -350,8 +351,7 @@ class Allocation:
 
 
 def salloc_argv(spec: ClusterSpec, run_id: str) -> list[str]:
-    assert spec.slurm is not None
-    s: SlurmSpec = spec.slurm
+    s = section(spec)
     request = Request.of(spec)
     argv = [
         "salloc",

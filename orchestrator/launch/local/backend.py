@@ -32,11 +32,11 @@ from orchestrator.launch.api import (
     TaskHandle,
     stop_all,
 )
-from orchestrator.launch.placement import Placement, local_placements
-from orchestrator.launch.ports import PortReservation, reserve_ports
+from orchestrator.launch.local.placement import local_placements
+from orchestrator.launch.local.ports import PortReservation, reserve_ports
+from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso, private_open
-from orchestrator.spec.model import Backend as BackendName
 from orchestrator.spec.model import ClusterSpec, Role
 from worker import wire
 
@@ -74,7 +74,7 @@ class LocalTaskHandle(TaskHandle):
 
 
 class LocalBackend(Backend):
-    name = BackendName.LOCAL.value
+    name = "local"
 
     def __init__(self, spec: ClusterSpec, run_dir: Path, spec_dir: Path, python: str = sys.executable):
         self._spec = spec

@@ -50,7 +50,7 @@ from orchestrator.launch.api import (
     on_all,
 )
 from orchestrator.launch.placement import Placement
-from orchestrator.launch.slurm_cluster import (
+from orchestrator.launch.slurm.cluster import (
     PROBE_SOURCE,
     RUNTIME_ROOT,
     SHIM,
@@ -65,19 +65,19 @@ from orchestrator.launch.slurm_cluster import (
     srun_argv,
     step_argv,
 )
-from orchestrator.launch.slurm_files import NodeFiles
-from orchestrator.launch.slurm_step import SlurmTaskHandle, port_lock
+from orchestrator.launch.slurm.files import NodeFiles
+from orchestrator.launch.slurm.spec import SlurmSpec, section
+from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import make_private_dir, now_iso, private_open
-from orchestrator.spec.model import Backend as BackendName
-from orchestrator.spec.model import ClusterSpec, SlurmSpec
+from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.slurm")
 
 
 class SlurmBackend(Backend):
-    name = BackendName.SLURM.value
+    name = "slurm"
     listen_key = "slurm.coordinator_address"
     starts_at_once = True
 
@@ -89,9 +89,8 @@ class SlurmBackend(Backend):
         spec_dir: Path,
         env: Mapping[str, str] | None = None,
     ):
-        assert spec.slurm is not None
         self._spec = spec
-        self._conf: SlurmSpec = spec.slurm
+        self._conf: SlurmSpec = section(spec)
         self._run_id = run_id
         self._run_dir = run_dir.resolve()
         self._spec_dir = spec_dir

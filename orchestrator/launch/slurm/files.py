@@ -21,7 +21,8 @@ from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.placement import job_files_root
-from orchestrator.launch.slurm_cluster import PROBE_SOURCE, RUNTIME_ROOT, Slurm, job_name, step_argv
+from orchestrator.launch.slurm.cluster import PROBE_SOURCE, RUNTIME_ROOT, Slurm, job_name, step_argv
+from orchestrator.launch.slurm.spec import section
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import private_open
 from orchestrator.spec.model import ClusterSpec, Role
@@ -40,10 +41,9 @@ class NodeFiles:
         python: tuple[str, ...],
         timeout_s: float,
     ):
-        assert spec.slurm is not None
         self._slurm, self._spec, self._run_id, self._run_dir = slurm, spec, run_id, run_dir
         self._python, self._timeout_s = python, timeout_s
-        workdir = spec.slurm.workdir or f"/tmp/orchestrate-{os.getuid()}"
+        workdir = section(spec).workdir or f"/tmp/orchestrate-{os.getuid()}"
         self.folder = posixpath.join(workdir, "runs", run_id)  # the run's copy, on every node
 
     def ship_code(self, job_id: str, nodes: list[str]) -> None:

@@ -1,0 +1,58 @@
+"""The local backend: every task a subprocess on this machine (a one-machine simulation of the
+cluster). `backend.py` runs them, `ports.py` reserves their TF ports, `placement.py` places them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from orchestrator.launch.kind import Kind
+
+if TYPE_CHECKING:
+    from orchestrator.launch.api import Backend, Leftovers
+    from orchestrator.launch.placement import Placement
+    from orchestrator.spec.model import ClusterSpec, HostSpec
+
+
+class LocalKind(Kind):
+    """Subprocesses on this machine."""
+
+    name: ClassVar[str] = "local"
+
+    def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
+        from orchestrator.launch.local.backend import LocalBackend
+
+        return LocalBackend(spec, run_dir, spec_dir)
+
+    def reattach(
+        self, record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]
+    ) -> Leftovers:
+        from orchestrator.launch.local.backend import LocalLeftovers
+
+        return LocalLeftovers(record, status)
+
+    def preview(
+        self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path
+    ) -> tuple[dict[str, Placement], str]:
+        from orchestrator.launch.local.placement import local_placements
+        from orchestrator.launch.local.ports import preview_ports
+
+        ports, busy = preview_ports(spec)
+        places = local_placements(
+            spec,
+            ports,
+            run_dir=run_dir,
+            spec_dir=spec_dir,
+            coordinator_url="http://127.0.0.1:<chosen at launch>",
+            python=sys.executable,
+        )
+        note = "local ports are free now and chosen again at launch unless the spec fixes base_port"
+        return places, "\n".join([note, *(f"warning: {b}" for b in busy)])
+
+    def port_scope(self, spec: ClusterSpec, host: HostSpec) -> str:
+        return "127.0.0.1"  # every "host" is this machine
+
+
+KIND = LocalKind()
