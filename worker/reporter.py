@@ -163,6 +163,11 @@ class Reporter:
     def busy(self) -> str | None:
         return self._busy
 
+    @property
+    def step(self) -> int | None:
+        """The latest step reported."""
+        return self._step
+
     def set_total_steps(self, total: int | None, examples_per_step: int | None = None) -> None:
         with self._lock:
             self._total_steps = total

@@ -2,7 +2,8 @@
 
 `python -m worker run --script FILE -- ARGS` starts the heartbeat thread first (before TensorFlow's
 seconds-long import), then runs FILE as `__main__` with the arguments. An exception is reported
-to the coordinator as the root cause (type, message, traceback) and the task exits 1.
+to the coordinator as the root cause (type, message, traceback) in its last heartbeat and in its
+error file (worker/failure.py), and the task exits 1.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from worker import strategy_hook, tf_tuning, wire
+from worker import failure, strategy_hook, tf_tuning, wire
 from worker.reporter import Reporter, ReporterConfig, keeps_points
 
 _reporter: Reporter | None = None
@@ -74,12 +75,24 @@ def run_reported(main: Callable[[], object]) -> int:
         return code
     except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything; we report it
         error = describe(exc)
+        record_failure(error, rep.step)  # first: the heartbeat that carries it may never arrive
         traceback.print_exc()
         sys.stderr.flush()
         rep.finish(error)
         return 1
     rep.finish()
     return 0
+
+
+def record_failure(error: wire.TaskError, step: int | None) -> None:
+    """The task's failure, written to its error file (worker/failure.py) where it runs under a
+    coordinator; said in its log where the file cannot be written."""
+    run_dir, task, attempt = (os.environ.get(k) for k in (wire.ENV_RUN_DIR, wire.ENV_TASK, wire.ENV_ATTEMPT))
+    if not run_dir or not task or not attempt or not attempt.isdigit():
+        return
+    target = failure.path(run_dir, task, int(attempt))
+    if not failure.write(target, error, step):
+        print(f"orchestrate: could not write the error file {target}", file=sys.stderr)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -6,7 +6,7 @@ and it imports nothing of this package: it is what puts the package in place.
 
 Protocol (one SSH channel per task attempt):
 - stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
-  attempt, grace_s, and optionally follow and forward_signals}.
+  attempt, grace_s, and optionally error_file, follow, forward_signals and port_lock}.
   The shim first fills the run's folder from the cache (`files`: [relpath,
   sha256, mode] — the job's files and the worker runtime), then starts the task. The
   environment travels here rather than on a command line: no shell ever parses a value (a JSON
@@ -21,8 +21,10 @@ Protocol (one SSH channel per task attempt):
   and `forward_signals: false` (Slurm signals every process of the step itself, the task included:
   a time limit's SIGTERM must reach the task once, not twice), and `port_lock`: a node-local
   file the shim holds locked while the task lives, so that another run's probe avoids its port.
-- stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then
-  {"event": "exit", "code": N} (negative N: killed by signal -N). Anything else on stderr comes
+- stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then,
+  for a task that failed and wrote its error file (job's `error_file`, worker/failure.py),
+  {"event": "failure", "document": {…}}, then {"event": "exit", "code": N} (negative N: killed by
+  signal -N). Anything else on stderr comes
   from a failed start (e.g. the shell's "python3: not found").
 
 Before starting, the shim stops a previous attempt of the same task still alive on this host
@@ -47,6 +49,7 @@ import time
 from typing import Any
 
 _RUN_ID_ENV = "ORCHESTRATE_RUN_ID"
+_MAX_ERROR_FILE_BYTES = 128 * 1024  # worker/failure.py's MAX_BYTES
 
 
 def main(argv: list[str]) -> int:
@@ -129,8 +132,34 @@ def main(argv: list[str]) -> int:
     _terminate_group(pgid, grace_s=2.0)  # nothing of the task outlives it (its own children included)
     if follower is not None:
         follower.finish()
+    if code != 0 and job.get("error_file"):
+        written = _read_error_file(job["error_file"])
+        if written is not None:
+            _emit({"event": "failure", "document": written})
     _emit({"event": "exit", "code": code})
     return code if code >= 0 else 128 - code
+
+
+def _read_error_file(path: str) -> Any:
+    """The task's error file (worker/failure.py), parsed; None where it wrote none. Read whole up
+    to _MAX_ERROR_FILE_BYTES, never through a symlink; the coordinator checks what it says."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(_MAX_ERROR_FILE_BYTES + 1)
+        except OSError:
+            return None
+    if len(data) > _MAX_ERROR_FILE_BYTES:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
 def _lock_port(path: str) -> int | None:

@@ -6,6 +6,7 @@ the supervisor's clock (injected), so detectors are testable without sleeping.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker import wire
+from worker.failure import Written
 from worker.wire import Heartbeat, Restored, TaskError
 
 
@@ -135,6 +137,18 @@ class HealthStore:
         if points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, points)
         return wire.OK_STATUS
+
+    def add_written_error(self, task: str, attempt: int, written: Written) -> TaskHealth | None:
+        """What a task wrote as it died (its error file), where no heartbeat brought its error:
+        taken as if its last heartbeat had said it. The task's health then; None for another attempt."""
+        with self._lock:
+            old = self._tasks.get(task)
+            if old is None or attempt != self._attempt:
+                return None
+            if old.error is None:
+                step = old.step if old.step is not None else written.step
+                old = self._tasks[task] = dataclasses.replace(old, error=written.error, step=step)
+            return old
 
     def snapshot(self) -> dict[str, TaskHealth]:
         with self._lock:

@@ -29,6 +29,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
+from worker.failure import Written
 
 T = TypeVar("T")
 
@@ -122,6 +123,12 @@ class TaskHandle(abc.ABC):
 
     def release(self) -> None:
         """Let go of what watching it holds (a channel); called once it is stopped or given up."""
+        return None
+
+    def written_error(self) -> Written | None:
+        """Once it has exited: the exception it wrote to its error file as it died
+        (worker/failure.py), None where it wrote none or the file cannot be had. Read by the
+        supervisor when no heartbeat brought the error."""
         return None
 
 

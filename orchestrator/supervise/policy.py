@@ -13,7 +13,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.spec.model import OnFailure
+from orchestrator.launch.api import QUICK_GRACE_S
+from orchestrator.spec.model import AtEnd, OnFailure
 from worker import wire
 from worker.wire import TaskError
 
@@ -212,3 +213,77 @@ def job_decision(failure: Failure, snap: Snapshot) -> Decision:
 def backoff_s(base_s: float, restarts_used: int, cap_s: float = 60.0) -> float:
     """Wait before restart number `restarts_used + 1`: base, 2×base, 4×base, … up to cap_s."""
     return min(cap_s, base_s * 2.0 ** min(restarts_used, 64))  # a task restarted alone 1,024 times
+
+
+# --- what the supervisor does around a decision: who is blamed, how long a stop waits, what a
+# restart costs, when a job whose training is done ends -------------------------------------------
+
+
+def blame_frozen_peer(decision: Decision, frozen: Failure | None, snap: Snapshot) -> Decision:
+    """A job stopped for a peer-loss error (the survivors raise it a moment after a peer froze or
+    vanished): a peer found frozen then (detect.frozen_peer) is the cause, and decides instead."""
+    if not decision.failure.is_peer_loss or frozen is None:
+        return decision
+    return job_decision(frozen, snap)
+
+
+def stop_grace_s(failed: bool, stop_grace_s: float, failure_grace_s: float) -> float:
+    """The grace of a whole-job stop: the spec's (a final checkpoint) when asked for or done; after
+    a failure at most `failure_grace_s` (the job's collectives are broken: nothing can be agreed)."""
+    return min(stop_grace_s, failure_grace_s) if failed else stop_grace_s
+
+
+def task_stop_grace_s(at_end: AtEnd, failure_grace_s: float) -> float:
+    """The grace of one task stopped alone to be restarted: a server (stopped at the end, it saves
+    nothing) gets QUICK_GRACE_S at most."""
+    return min(failure_grace_s, QUICK_GRACE_S) if at_end is AtEnd.STOP else failure_grace_s
+
+
+@dataclass(frozen=True)
+class JobRestart:
+    wait_s: float  # before the next attempt
+    counted: bool  # against restart.max_restarts (a preemption is not)
+
+
+def job_restart(decision: Decision, restarts_used: int, base_backoff_s: float) -> JobRestart:
+    """What restarting the job costs: the backoff for the restarts so far, and whether it counts."""
+    return JobRestart(backoff_s(base_backoff_s, restarts_used), not decision.failure.is_preemption)
+
+
+@dataclass(frozen=True)
+class EndOfTraining:
+    """The deciding tasks are done: wait (until `deadline`) for the tasks that end by themselves, or
+    stop the job now as succeeded."""
+
+    done: str  # what ended, for the run's reason
+    stop: bool
+    deadline: float | None = None  # waiting until then
+    note: str | None = None  # said once, as the wait begins
+
+
+def end_of_training(
+    now: float,
+    deciders: Sequence[str],
+    training: Sequence[str],
+    waiting: Sequence[str],
+    deadline: float | None,
+    final_wait_s: float,
+) -> EndOfTraining:
+    """`deciders` exited 0 (of the `training` tasks); `waiting`: those of a role that ends by
+    itself (the evaluator) still running; `deadline`: the wait begun earlier, if any."""
+    done = (
+        "every training task exited 0"
+        if set(deciders) == set(training)
+        else f"{', '.join(deciders)} exited 0"
+    )
+    if not waiting:
+        return EndOfTraining(done, stop=True)
+    names = ", ".join(waiting)
+    note = None
+    if deadline is None:
+        deadline = now + final_wait_s
+        note = f"{done}; waiting up to {final_wait_s:g} s for {names} to finish"
+    if now < deadline:
+        return EndOfTraining(done, stop=False, deadline=deadline, note=note)
+    late = f"{done}; {names} still running after health.final_wait_s = {final_wait_s:g}"
+    return EndOfTraining(late, stop=True, deadline=deadline, note=note)

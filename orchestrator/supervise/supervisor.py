@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator.errors import LaunchError
-from orchestrator.health.store import HealthStore
+from orchestrator.health.store import HealthStore, TaskHealth
 from orchestrator.launch.api import (
-    QUICK_GRACE_S,
     Backend,
     TaskHandle,
     stop_all,
@@ -258,8 +257,20 @@ class Supervisor:
         for name, rec in self.tasks.items():
             rec.health = health.get(name, rec.health)
             if rec.handle is not None and not rec.state.is_terminal and rec.restart_at is None:
-                views[name] = self._view(rec, rec.handle.poll())
+                code = rec.handle.poll()
+                if code not in (None, 0) and (rec.health is None or rec.health.error is None):
+                    rec.health = self._written_error(rec) or rec.health
+                views[name] = self._view(rec, code)
         return _Poll(now, views)
+
+    def _written_error(self, rec: TaskRecord) -> TaskHealth | None:
+        """A failed task's error from its error file, where its last heartbeat did not bring it."""
+        assert rec.handle is not None
+        written = rec.handle.written_error()
+        if written is None:
+            return None
+        log.info("%s: its error came from its error file (no heartbeat brought it)", rec.plan.name)
+        return self._store.add_written_error(rec.plan.name, rec.handle.attempt, written)
 
     @staticmethod
     def _view(rec: TaskRecord, exit_code: int | None = None) -> TaskView:
@@ -304,12 +315,12 @@ class Supervisor:
                 self._sink.event(kind="warning", task=decision.failure.tasks[0], reason=decision.reason)
         stop = next((d for d in decisions if d.stops_job), None)
         if stop is not None:
-            if stop.failure.is_peer_loss:  # the survivors' error: name the frozen peer if there is one
+            if stop.failure.is_peer_loss:  # the survivors' error: a frozen peer is the one to name
                 still = [v for v in poll.tasks.values() if not self.tasks[v.name].state.is_terminal]
                 frozen = detect.frozen_peer(still, now, self.config, self.attempt)
                 if frozen is not None and frozen.failure is not None:
                     self._apply([frozen])
-                    stop = policy.job_decision(frozen.failure, self._snapshot())
+                stop = policy.blame_frozen_peer(stop, frozen.failure if frozen else None, self._snapshot())
             self._begin_stop(_Stop(ClusterState.FAILED, stop.failure.describe(), stop))
             return
         in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
@@ -383,37 +394,31 @@ class Supervisor:
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
-        if {r.plan.name for r in deciders} == {r.plan.name for r in self.tasks.values() if r.plan.in_cluster}:
-            done = "every training task exited 0"
-        else:
-            done = f"{', '.join(r.plan.name for r in deciders)} exited 0"
         waiting = [
-            r
+            r.plan.name
             for r in self.tasks.values()
             if r.policy.at_end is AtEnd.WAIT and r.handle is not None and not r.state.is_terminal
         ]
-        if waiting and self._end_deadline is None:
-            self._end_deadline = now + self.config.final_wait_s
-            names = ", ".join(r.plan.name for r in waiting)
-            self._sink.event(
-                kind="run",
-                attempt=self.attempt,
-                reason=f"{done}; waiting up to {self.config.final_wait_s:g} s for {names} to finish",
-            )
-        if waiting and self._end_deadline is not None and now < self._end_deadline:
-            return
-        if waiting:
-            names = ", ".join(r.plan.name for r in waiting)
-            done += f"; {names} still running after health.final_wait_s = {self.config.final_wait_s:g}"
-        self._begin_stop(_Stop(ClusterState.SUCCEEDED, done))
+        training = [r.plan.name for r in self.tasks.values() if r.plan.in_cluster]
+        end = policy.end_of_training(
+            now,
+            [r.plan.name for r in deciders],
+            training,
+            waiting,
+            self._end_deadline,
+            self.config.final_wait_s,
+        )
+        self._end_deadline = end.deadline
+        if end.note is not None:
+            self._sink.event(kind="run", attempt=self.attempt, reason=end.note)
+        if end.stop:
+            self._begin_stop(_Stop(ClusterState.SUCCEEDED, end.done))
 
     def _schedule_task_restart(self, rec: TaskRecord, decision: Decision) -> None:
         """Stop what is left of the task (a frozen one still runs) on a thread of its own, then
         restart it once that is done and the backoff has passed."""
         assert rec.handle is not None
-        grace_s = self.config.failure_grace_s
-        if rec.policy.at_end is AtEnd.STOP:  # a server: nothing to save
-            grace_s = min(grace_s, QUICK_GRACE_S)
+        grace_s = policy.task_stop_grace_s(rec.policy.at_end, self.config.failure_grace_s)
         rec.stopping = self._in_background([rec.handle], grace_s, self.hurry)
         wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
         rec.restart_at = self._clock() + wait_s
@@ -480,9 +485,8 @@ class Supervisor:
     def _teardown(self) -> None:
         assert self._stop is not None
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
-        grace_s = self.config.stop_grace_s
-        if self._stop.outcome is ClusterState.FAILED:
-            grace_s = min(grace_s, self.config.failure_grace_s)
+        failed = self._stop.outcome is ClusterState.FAILED
+        grace_s = policy.stop_grace_s(failed, self.config.stop_grace_s, self.config.failure_grace_s)
         for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
             if rec.stopping is not None:
                 rec.stopping.exception()  # done within its own grace
@@ -508,11 +512,10 @@ class Supervisor:
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
             if stop.decision.action is Action.RESTART_JOB:
-                wait_s = policy.backoff_s(self.config.backoff_s, self.restarts)
-                if not stop.decision.failure.is_preemption:
-                    self.restarts += 1
-                self._restart_at = self._clock() + wait_s
-                self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {wait_s:g} s")
+                restart = policy.job_restart(stop.decision, self.restarts, self.config.backoff_s)
+                self.restarts += 1 if restart.counted else 0
+                self._restart_at = self._clock() + restart.wait_s
+                self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {restart.wait_s:g} s")
                 return
             self._finish(ClusterState.FAILED, stop.decision.reason)
             return

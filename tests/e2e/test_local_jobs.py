@@ -92,6 +92,42 @@ def test_exception_in_script_fails_with_root_cause(job_factory):
     assert run_processes(job.run_id) == []
 
 
+#: A job that cuts its own heartbeat channel (as a pulled cable would: every later heartbeat is
+#: refused) and then raises. No TensorFlow: the runtime's reporting is what is tested.
+CUT_THEN_RAISE = """
+    import dataclasses, os, time
+    import worker
+    from worker import runtime
+    for i in range(1, 4):
+        worker.report(step=i)
+        time.sleep(0.3)
+    if os.environ["ORCHESTRATE_TASK"] == "worker-1":
+        rep = runtime.reporter()
+        rep._config = dataclasses.replace(rep._config, url="http://127.0.0.1:9")  # nothing listens
+        rep._close()
+        time.sleep(1.5)
+        raise KeyError("label")
+    time.sleep(60)
+"""
+
+
+def test_an_exception_whose_heartbeat_is_lost_is_still_the_root_cause(job_factory):
+    """The durable error: the task's last heartbeat (which carries its exception) never arrives,
+    and its exception is still named, with its step, from the error file it wrote as it died."""
+    job = job_factory(CUT_THEN_RAISE, "restart: {max_restarts: 0}\n")
+    out = job.up(timeout_s=90)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "first failure: worker-1 raised KeyError: 'label'" in out.stdout, out.stdout
+    written = json.loads((job.run_dir / "errors" / "worker-1.0.json").read_text())
+    assert written["type"] == "KeyError" and written["step"] == 3
+    assert "KeyError: 'label'" in written["traceback"]
+    assert (job.run_dir / "errors" / "worker-1.0.json").stat().st_mode & 0o777 == 0o600
+    events = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e.get("task") == "worker-1" and e.get("new") == "FAILED"]
+    assert failed and "raised KeyError" in failed[0]["reason"]
+    assert run_processes(job.run_id) == []
+
+
 def test_worker_that_never_starts_fails_at_startup_deadline(job_factory):
     job = job_factory(
         """

@@ -152,6 +152,19 @@ def test_three_hosts_train_together_and_spec_values_pass_literally(ssh_job, lab)
     assert job.hosts_empty(), job.host_pids()
 
 
+def test_an_exception_whose_heartbeat_is_lost_comes_home_from_its_host(ssh_job):
+    """The durable error on a remote host: the task cuts its heartbeat channel, then raises; its
+    error file, on its host's disk only, comes home through its shim and names the cause."""
+    from tests.e2e.test_local_jobs import CUT_THEN_RAISE
+
+    job = ssh_job(CUT_THEN_RAISE, spec={"restart": {"max_restarts": 0}})
+    res = job.up(timeout_s=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "first failure: worker-1 raised KeyError: 'label'" in res.stdout, res.stdout
+    assert not (job.run_dir / "errors").exists()  # written on worker-1's host, not here
+    assert job.hosts_empty(), job.host_pids()
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

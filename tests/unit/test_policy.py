@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 
-from orchestrator.spec.model import OnFailure
+from orchestrator.launch.api import QUICK_GRACE_S
+from orchestrator.spec.model import AtEnd, OnFailure
+from orchestrator.supervise import policy
 from orchestrator.supervise.policy import (
     PEER_LOSS_ERRORS,
     Action,
@@ -404,3 +406,50 @@ def test_zero_base_never_waits() -> None:
 
 def test_backoff_stays_at_the_cap_after_very_many_restarts() -> None:
     assert backoff_s(2.0, 1100) == 60.0
+
+
+# --- around a decision: blame, grace, what a restart costs, the end of training -------------------
+
+
+def test_a_frozen_peer_takes_the_blame_from_the_survivors_peer_loss():
+    snap = Snapshot(attempt=1, first_attempt=False, restarts_used=0, max_restarts=3)
+    survivors = job_decision(failure("worker-0", FailureKind.EXCEPTION, error="UnavailableError"), snap)
+    frozen = failure("worker-1", FailureKind.LOST, detail="sent no heartbeat for 10.2 s")
+    blamed = policy.blame_frozen_peer(survivors, frozen, snap)
+    assert blamed.failure is frozen and blamed.action is Action.RESTART_JOB
+    assert policy.blame_frozen_peer(survivors, None, snap) is survivors  # nobody else to blame
+    own = job_decision(failure("worker-0", FailureKind.EXCEPTION, error="ValueError"), snap)
+    assert policy.blame_frozen_peer(own, frozen, snap) is own  # an error of its own: its own cause
+
+
+def test_a_failed_job_stops_within_the_failure_grace_and_a_server_within_the_quick_one():
+    assert policy.stop_grace_s(False, 30.0, 3.0) == 30.0  # asked for, or done: a final checkpoint
+    assert policy.stop_grace_s(True, 30.0, 3.0) == 3.0  # its collectives are broken
+    assert policy.stop_grace_s(True, 1.0, 3.0) == 1.0  # never more than the spec's
+    assert policy.task_stop_grace_s(AtEnd.WAIT, 3.0) == 3.0
+    assert policy.task_stop_grace_s(AtEnd.STOP, 3.0) == QUICK_GRACE_S
+
+
+def test_a_preemption_restarts_outside_the_budget_and_the_backoff_grows_with_restarts():
+    snap = Snapshot(attempt=2, first_attempt=False, restarts_used=2, max_restarts=3)
+    killed = job_decision(failure("worker-0", exit_code=-9), snap)
+    preempted = job_decision(failure("worker-0", exit_code=wire.EXIT_PREEMPTED), snap)
+    assert policy.job_restart(killed, 2, 1.5) == policy.JobRestart(wait_s=6.0, counted=True)
+    assert policy.job_restart(preempted, 2, 1.5) == policy.JobRestart(wait_s=6.0, counted=False)
+
+
+def test_the_end_of_training_waits_once_and_bounded_for_the_tasks_that_end_by_themselves():
+    training, done = ["chief-0", "worker-0"], ["chief-0"]
+    alone = policy.end_of_training(100.0, ["chief-0", "worker-0"], training, [], None, 120.0)
+    assert alone == policy.EndOfTraining("every training task exited 0", stop=True)
+    first = policy.end_of_training(100.0, done, training, ["evaluator-0"], None, 120.0)
+    assert not first.stop and first.deadline == 220.0
+    assert first.note == "chief-0 exited 0; waiting up to 120 s for evaluator-0 to finish"
+    meanwhile = policy.end_of_training(219.0, done, training, ["evaluator-0"], first.deadline, 120.0)
+    assert not meanwhile.stop and meanwhile.note is None  # said once
+    late = policy.end_of_training(220.0, done, training, ["evaluator-0"], first.deadline, 120.0)
+    assert late.stop and late.done == (
+        "chief-0 exited 0; evaluator-0 still running after health.final_wait_s = 120"
+    )
+    at_once = policy.end_of_training(100.0, done, training, ["evaluator-0"], None, 0.0)
+    assert at_once.stop and "still running after health.final_wait_s = 0" in at_once.done

@@ -34,6 +34,7 @@ from orchestrator.supervise.policy import FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.supervisor import Supervisor
 from worker import wire
+from worker.failure import Written
 from worker.wire import Heartbeat, TaskError
 
 
@@ -54,6 +55,7 @@ class FakeHandle(TaskHandle):
         self.code: int | None = None
         self.ignores_term = False  # a task stuck where SIGTERM cannot reach it: only KILL ends it
         self.cut_off = False  # its host is unreachable: no signal arrives, no exit is ever learned
+        self.written: Written | None = None  # its error file
         self._proc = ProcessInfo(pid, pid, 0.0)
         self._backend = backend
 
@@ -83,6 +85,9 @@ class FakeHandle(TaskHandle):
 
     def release(self) -> None:
         self._backend.released.append(self.task.name)
+
+    def written_error(self) -> Written | None:
+        return self.written if self.code is not None else None
 
 
 class FakeBackend(Backend):
@@ -243,6 +248,31 @@ def test_exception_is_root_cause_and_not_restarted(tmp_path):
     assert sup.root_cause.tasks == ("worker-1",) and sup.root_cause.kind is FailureKind.EXCEPTION
     assert "not restarted" in sup.reason
     assert sup.restarts == 0
+
+
+def test_an_error_no_heartbeat_brought_is_read_from_the_error_file(tmp_path):
+    """The final heartbeat was lost: the task's exception still becomes the root cause (with its
+    step), from what it wrote as it died."""
+    sup, launcher, store, clock, _ = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    written = Written(TaskError("KeyError", "'label'", "Traceback…\nKeyError: 'label'"), step=8)
+    launcher.handles["worker-1"].written = written
+    launcher.handles["worker-1"].code = 1
+    sup.step()
+    assert sup.root_cause is not None and sup.root_cause.kind is FailureKind.EXCEPTION
+    assert sup.root_cause.error == written.error and "raised KeyError: 'label'" in sup.root_cause.detail
+    assert sup.root_cause.step == 8 and sup.root_cause.tasks == ("worker-1",)
+
+
+def test_a_heartbeats_error_is_kept_over_the_error_file(tmp_path):
+    sup, launcher, store, clock, _ = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    beat(store, "worker-1", step=5, error=TaskError("ValueError", "from the heartbeat", ""))
+    launcher.handles["worker-1"].written = Written(TaskError("OSError", "from the file", ""), step=9)
+    launcher.handles["worker-1"].code = 1
+    sup.step()
+    assert sup.root_cause is not None and sup.root_cause.error is not None
+    assert sup.root_cause.error.message == "from the heartbeat" and sup.root_cause.step == 5
 
 
 def test_kill_restarts_whole_job_with_new_attempt(tmp_path):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from worker import http1, relay, shim, wire
+from worker import failure, http1, relay, shim, wire
 
 STATUSES = {
     wire.OK_STATUS,
@@ -25,6 +25,7 @@ STATUSES = {
     ("copy", "original"),
     [
         (shim._RUN_ID_ENV, wire.ENV_RUN_ID),
+        (shim._MAX_ERROR_FILE_BYTES, failure.MAX_BYTES),
         (relay.HEARTBEAT_PATH, wire.HEARTBEAT_PATH),
         (relay.BATCH_PATH, wire.BATCH_PATH),
         (relay.OK_STATUS, wire.OK_STATUS),

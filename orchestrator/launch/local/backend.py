@@ -38,7 +38,7 @@ from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec, Role
-from worker import wire
+from worker import failure, wire
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -71,6 +71,11 @@ class LocalTaskHandle(TaskHandle):
     def exited(self) -> bool:
         # its own exit code collected (so it can be reported), and its group empty
         return self.popen.poll() is not None and not group_alive(self._process.pgid)
+
+    def written_error(self) -> failure.Written | None:
+        if self.popen.poll() is None:
+            return None
+        return failure.read(failure.path(self.task.env[wire.ENV_RUN_DIR], self.task.name, self.attempt))
 
 
 class LocalBackend(Backend):

@@ -50,6 +50,7 @@ from orchestrator.launch.api import (
     on_all,
 )
 from orchestrator.launch.placement import Placement
+from orchestrator.launch.shim import shim_job
 from orchestrator.launch.slurm.cluster import (
     PROBE_SOURCE,
     RUNTIME_ROOT,
@@ -67,7 +68,7 @@ from orchestrator.launch.slurm.cluster import (
 )
 from orchestrator.launch.slurm.files import NodeFiles
 from orchestrator.launch.slurm.spec import SlurmSpec, section
-from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock
+from orchestrator.launch.slurm.step import SlurmTaskHandle, SrunStep, port_lock
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import make_private_dir, now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
@@ -349,7 +350,7 @@ class SlurmBackend(Backend):
         if attempt == 0 or self._alloc is None:
             return Prepared()
         notes = []
-        lost = sorted({h.node for h in self._handles.values() if not h.exited})
+        lost = sorted({h.where for h in self._handles.values() if not h.exited})
         for node in lost:
             if node not in self._excluded:
                 self._excluded.add(node)
@@ -443,23 +444,19 @@ class SlurmBackend(Backend):
                     f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {node} ====="
                 )
                 out.write(f"{marker}\n".encode())
-        job = {
-            "cache": "",
-            "folder": str(self._run_dir),
-            "files": [],
-            "argv": list(task.argv),
-            "env": task.launch_env(attempt=attempt, token=token),
-            "cwd": task.cwd,
-            "log": log_on_node if self._shipping else str(log_path.resolve()),
-            "pidfile": str(pidfile),
-            "run_id": self._run_id,
-            "task": task.name,
-            "attempt": attempt,
-            "grace_s": self._spec.health.stop_grace_s,
-            "port_lock": port_lock(node, str(task.port)),  # held while the task lives
-            "follow": self._shipping,  # shared: the coordinator reads the log file in place
-            "forward_signals": False,  # Slurm signals the task itself
-        }
+        job = shim_job(
+            task,
+            attempt,
+            task.launch_env(attempt=attempt, token=token),
+            run_id=self._run_id,
+            folder=str(self._run_dir),
+            log=log_on_node if self._shipping else str(log_path.resolve()),
+            pidfile=str(pidfile),
+            grace_s=self._spec.health.stop_grace_s,
+            port_lock=port_lock(node, str(task.port)),  # held while the task lives
+            follow=self._shipping,  # shared: the coordinator reads the log file in place
+            forward_signals=False,  # Slurm signals the task itself
+        )
         argv = srun_argv(self._alloc.job_id, node, f"{job_name(self._run_id)}-{task.name}", self._python)
         try:
             popen = subprocess.Popen(
@@ -472,8 +469,8 @@ class SlurmBackend(Backend):
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {task.name}: srun: {exc.strerror or exc}") from None
-        handle = SlurmTaskHandle(task, attempt, log_path, node, popen, self._slurm)
-        handle.send((json.dumps(job) + "\n").encode())
+        handle = SlurmTaskHandle(task, attempt, log_path, SrunStep(node, popen, self._slurm))
+        handle.transport.send((json.dumps(job) + "\n").encode())
         with self._lock:
             self._handles[task.name] = handle
         return handle

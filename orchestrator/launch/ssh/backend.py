@@ -31,13 +31,11 @@ from orchestrator.launch.api import (
     Heartbeats,
     Leftovers,
     Prepared,
-    ProcessInfo,
-    Sig,
     TaskHandle,
     on_all,
 )
 from orchestrator.launch.placement import Placement, job_files_root
-from orchestrator.launch.shim_events import ShimEvents
+from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport, shim_job
 from orchestrator.launch.ssh import preflight
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe, raise_if_failed, run_json
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
@@ -55,101 +53,48 @@ from worker import wire
 log = logging.getLogger("orchestrator.ssh")
 
 
-class SshTaskHandle(TaskHandle):
+class SshTaskHandle(ShimHandle):
+    """A task attempt over SSH."""
+
     kill_wait_s = 5.0  # after SIGKILL, how long a host may take to confirm the exit
     unconfirmed_hint = (
         "its connection was lost; such a task stops by itself once its SSH connection or the "
         "coordinator is gone, and a new attempt there stops any leftover first"
     )
 
-    def __init__(
-        self,
-        task: TaskPlan,
-        attempt: int,
-        log_path: Path,
-        host: Host,
-        channel: paramiko.Channel,
-        on_lost: Callable[[int], None],
-    ):
-        super().__init__(task, attempt, log_path)
+
+class SshChannel(Transport):
+    """A shim's streams over one SSH channel (one per task attempt)."""
+
+    closed_text = "the channel closed"
+    unreachable_at_end = True  # the channel's end: its connection is gone, nothing more is learned
+
+    def __init__(self, host: Host, channel: paramiko.Channel, on_lost: Callable[[int], None]):
         self.host = host
+        self.where = host.label
         self._channel = channel
         self._on_lost = on_lost  # its host's connection is renewed before the next use
-        self._events = ShimEvents()
-        self._threads = [
-            threading.Thread(target=self._pump_output, daemon=True, name=f"{task.name}-out"),
-            threading.Thread(target=self._pump_events, daemon=True, name=f"{task.name}-events"),
-        ]
-        for t in self._threads:
-            t.start()
 
-    @property
-    def process(self) -> ProcessInfo:
-        return self._events.info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
-
-    @property
-    def where(self) -> str:
-        return self.host.label
-
-    def poll(self) -> int | None:
-        return self._events.exit_code
-
-    def signal(self, sig: Sig) -> None:
-        self.send(sig.value)  # the shim signals the group (TERM with CONT)
-
-    @property
-    def exited(self) -> bool:
-        return self._events.exit_code is not None  # the shim reports it once the whole group is gone
-
-    @property
-    def reachable(self) -> bool:
-        return not self._events.ended.is_set()
-
-    def release(self) -> None:
-        self._channel.close()
-        if self._events.exit_code is None:
-            self._on_lost(self.task.host_index)
-
-    def wait_started(self, timeout_s: float) -> None:
-        said = self._events.wait_started(timeout_s, closed="the channel closed")
-        if said is None:
-            return
-        self._channel.close()
-        raise LaunchError(f"cannot start {self.task.name} on {self.host.label}: {said}")
-
-    def send(self, command: str) -> None:
-        # A channel already gone is fine: the shim stops the task by itself then.
+    def send(self, data: bytes) -> None:
         with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
-            self._channel.sendall(f"{command}\n".encode())
+            self._channel.sendall(data)
 
-    def _pump_output(self) -> None:
-        with private_open(self.log_path) as out:
-            while True:
-                try:
-                    data = self._channel.recv(65536)
-                except (OSError, EOFError, paramiko.SSHException):
-                    data = b""
-                if not data:
-                    return
-                out.write(data)
-                out.flush()
-
-    def _pump_events(self) -> None:
-        buffer = b""
+    def read_events(self) -> bytes:
         try:
-            while True:
-                data = self._channel.recv_stderr(65536)
-                if not data:
-                    break
-                buffer += data
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    self._events.feed(line.decode(errors="replace"))
+            return bytes(self._channel.recv_stderr(65536))
         except (OSError, EOFError, paramiko.SSHException):
-            pass
-        if buffer:
-            self._events.feed(buffer.decode(errors="replace"))
-        self._events.close()
+            return b""
+
+    def read_output(self) -> bytes:
+        try:
+            return bytes(self._channel.recv(65536))
+        except (OSError, EOFError, paramiko.SSHException):
+            return b""
+
+    def close(self, confirmed: bool, events: ShimEvents) -> None:
+        self._channel.close()
+        if not confirmed:
+            self._on_lost(self.host.index)
 
 
 @dataclass(frozen=True)
@@ -317,20 +262,18 @@ class SshBackend(Backend):
         env = task.launch_env(attempt=attempt, token=token)
         env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index)
         cache = posixpath.join(ctx.workdir, "cache")
-        job = {
-            "cache": cache,
-            "folder": folder,
-            "files": [[f.rel, f.sha256, f.mode] for f in self._files],
-            "argv": list(task.argv),
-            "env": env,
-            "cwd": task.cwd,
-            "log": posixpath.join(folder, "logs", task.log_name),
-            "pidfile": posixpath.join(folder, "tasks", f"{task.name}.json"),
-            "run_id": self._run_id,
-            "task": task.name,
-            "attempt": attempt,
-            "grace_s": self._spec.health.stop_grace_s,
-        }
+        job = shim_job(
+            task,
+            attempt,
+            env,
+            run_id=self._run_id,
+            folder=folder,
+            log=posixpath.join(folder, "logs", task.log_name),
+            pidfile=posixpath.join(folder, "tasks", f"{task.name}.json"),
+            grace_s=self._spec.health.stop_grace_s,
+            cache=cache,
+            files=[[f.rel, f.sha256, f.mode] for f in self._files],
+        )
         with private_open(log_path) as out:
             marker = (
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label} ====="
@@ -350,7 +293,7 @@ class SshBackend(Backend):
             raise LaunchError(
                 f"cannot start {task.name} on {host.label}: {exc or type(exc).__name__}"
             ) from None
-        return SshTaskHandle(task, attempt, log_path, host, channel, self._suspect.add)
+        return SshTaskHandle(task, attempt, log_path, SshChannel(host, channel, self._suspect.add))
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
