@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from orchestrator.coordinator import RunResult, StopRequest
+from orchestrator.control import RunResult, StopRequest, UpOptions
 from orchestrator.errors import UsageError
 from orchestrator.spec.model import ClusterSpec
 
@@ -70,11 +70,7 @@ def up(
     else:
         raise UsageError(f"view={view!r}: one of none, plain, live")
     where = Path(resume) if resume is not None else (Path(run_dir) if run_dir is not None else None)
-    return coordinator.up(
-        model,
-        path,
-        spec_text=text,
-        spec_dir=folder,
+    options = UpOptions(
         run_dir=where,
         resume=resume is not None,
         view=shown,
@@ -83,6 +79,7 @@ def up(
         backend_option=backend,
         web=None if web is None else parse_address(web),
     )
+    return coordinator.up(model, path, options, spec_text=text, spec_dir=folder)
 
 
 class Run:

@@ -28,7 +28,7 @@ from orchestrator.errors import (
 from orchestrator.quiet import console_writes_anything
 
 if TYPE_CHECKING:
-    from orchestrator.coordinator import RunResult
+    from orchestrator.control import RunResult
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_LAUNCH", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -272,6 +272,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from orchestrator import coordinator
+    from orchestrator.control import UpOptions, detach
     from orchestrator.record import new_run_dir
     from orchestrator.web import parse_address
 
@@ -285,15 +286,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         argv += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
         if args.backend:
             argv += ["--backend", args.backend]
-        pid = coordinator.detach(argv, run_dir)
+        pid = detach(argv, run_dir)
         print(f"started {spec.name} in the background (coordinator pid {pid})")
         print(f"  run directory: {run_dir}")
         print(f"  follow it:     orchestrate status {run_dir}   |   orchestrate logs {run_dir} -f")
         print(f"  stop it:       orchestrate down {run_dir}")
         return EXIT_OK
-    outcome = coordinator.up(
-        spec,
-        args.spec,
+    options = UpOptions(
         run_dir=args.resume or args.run_dir,
         resume=args.resume is not None,
         live=False if args.plain else None,
@@ -302,6 +301,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         web=None if args.no_web else parse_address(args.web),
         own_process=True,
     )
+    outcome = coordinator.up(spec, args.spec, options)
     return _summarize(outcome)
 
 

@@ -2,7 +2,8 @@
 supervisor, with the heartbeat server, the run record, the console view and signal handling.
 
 Whatever happens (a failure, Ctrl-C, SIGTERM, a bug of ours), every task started is stopped
-before this returns.
+before this returns. What a caller holds of a run (its options, a way to stop it, its result) is in
+control.py; `StopRequest` and `RunResult` are named here too, where callers have found them.
 """
 
 from __future__ import annotations
@@ -11,21 +12,17 @@ import contextlib
 import gc
 import logging
 import resource
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from orchestrator import launch, rundir
-from orchestrator.errors import LaunchError, RunDirError, UsageError
+from orchestrator import launch
+from orchestrator.control import RunResult, UpOptions, stop_on_signals
+from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
@@ -36,20 +33,17 @@ from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.quiet import ConsoleFilter, console_writes_anything
 from orchestrator.record import (
     RunRecord,
-    ensure_free,
-    make_private_dir,
     new_run_dir,
     new_run_id,
     now_iso,
-    private_open,
     share_with_group,
 )
+from orchestrator.rundir import resume_point
 from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import SupervisorResult
-from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
 from orchestrator.view import LiveView, PlainView, View
 
@@ -57,74 +51,6 @@ if TYPE_CHECKING:
     from orchestrator.web.server import WebServer
 
 log = logging.getLogger("orchestrator")
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How a run ended (what `orchestrator.up` returns): its record, the supervisor's outcome, the
-    plan it ended with and its last status.json."""
-
-    run_dir: Path
-    result: SupervisorResult
-    plan: LaunchPlan
-    brought_home: tuple[str, ...] = ()  # results copied from the hosts into run_dir
-    status: Mapping[str, Any] = field(default_factory=dict)  # the last status.json
-    hidden_lines: int = 0  # task output left off the console (TF's start-up noise, traceback frames)
-
-    @property
-    def state(self) -> ClusterState:
-        return self.result.state
-
-    @property
-    def ok(self) -> bool:
-        return self.result.state is ClusterState.SUCCEEDED
-
-    @property
-    def exit_code(self) -> int:
-        """`orchestrate up`'s: 0 ok, 1 failed, 3 not launched, 130 interrupted."""
-        code = self.result.exit_code
-        assert code is not None  # a run returned has ended
-        return code
-
-    @property
-    def reason(self) -> str:
-        return self.result.reason
-
-    @property
-    def run_id(self) -> str:
-        return self.plan.run_id
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The final reported values: the leading training task's, then the evaluator's."""
-        from orchestrator.view import progress_of
-
-        progress = progress_of(self.status)
-        return {**progress.metrics, **progress.eval_metrics}
-
-
-class StopRequest:
-    """A way to stop a run from another thread (`orchestrator.start(…).stop()`): the first call asks
-    for a clean stop, the second for an immediate one — as Ctrl-C does on the console."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._supervisor: Supervisor | None = None
-        self._asked: list[str] = []
-
-    def __call__(self, reason: str = "stopped by the caller") -> None:
-        with self._lock:
-            self._asked.append(reason)
-            supervisor = self._supervisor
-        if supervisor is not None:
-            supervisor.request_stop(reason)
-
-    def attach(self, supervisor: Supervisor) -> None:
-        with self._lock:
-            self._supervisor = supervisor
-            asked = list(self._asked)
-        for reason in asked:
-            supervisor.request_stop(reason)
 
 
 def status_interval_s(tasks: int) -> float:
@@ -136,61 +62,43 @@ def status_interval_s(tasks: int) -> float:
 def up(
     spec: ClusterSpec,
     spec_path: Path | None,
+    options: UpOptions | None = None,
     *,
     spec_text: str | None = None,
     spec_dir: Path | None = None,
-    run_dir: Path | None = None,
-    resume: bool = False,
-    live: bool | None = None,
-    config_overrides: dict[str, float] | None = None,
-    backend: Backend | None = None,
-    backend_option: str | None = None,
-    view: View | None = None,
-    progress_every_s: float = 15.0,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
-    stop: StopRequest | None = None,
-    web: tuple[str, int] | None = ("127.0.0.1", 0),
-    own_process: bool = False,
 ) -> RunResult:
-    """Run the job to its end, from any thread (signals are caught only on the main one).
-
-    `live`: the live view (True), plain lines (False), by the terminal (None); `view`: another
-    (`orchestrator.up` passes a silent one); `backend`: the spec's unless given (the capacity
-    benchmark gives one whose tasks are simulated); `backend_option`: the --backend given, for the
-    command that resumes the run; `on_event`: called with every events.jsonl line, as written;
-    `stop`: a way to stop the run from another thread. `web`: where the run's page and metrics
-    are served (None: not at all). `own_process`: the process is the run's alone (the CLI), so
-    its start-up objects may be frozen out of the garbage collector's way. A spec that is not a
-    file (the Python API's dict) comes as `spec_path` None, with its text and the folder its paths
-    are relative to."""
+    """Run the job to its end, from any thread (signals are caught only on the main one); how, as
+    `options` say. A spec that is not a file (the Python API's dict) comes as `spec_path` None,
+    with its text and the folder its paths are relative to."""
+    o = options or UpOptions()
     if spec_path is not None:
         spec_text, spec_dir = spec_path.read_text(encoding="utf-8"), spec_path.resolve().parent
     assert spec_text is not None and spec_dir is not None
     _raise_open_files_limit()
     run_id, first_attempt, restarts = (
-        _resume_point(run_dir, spec, spec_path) if resume else (new_run_id(spec.name), 0, 0)
+        resume_point(o.run_dir, spec, spec_path) if o.resume else (new_run_id(spec.name), 0, 0)
     )
-    run_dir, record = _open_record(run_dir, spec)
+    run_dir, record = _open_record(o.run_dir, spec)
     credentials = Credentials()
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(record.close)
-        backend = backend or launch.open_backend(spec, run_id, run_dir, spec_dir)
+        backend = o.backend or launch.open_backend(spec, run_id, run_dir, spec_dir)
         cleanup.callback(backend.close)
-        if resume:
+        if o.resume:
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        view = view or _console_view(live, progress_every_s)
+        view = o.view or _console_view(o.live, o.progress_every_s)
         cleanup.callback(view.close)
-        for listener in (view.event, on_event):
+        for listener in (view.event, o.on_event):
             if listener is not None:
                 record.listen(listener)
-        again = _resume_argv(spec_path, run_dir, backend_option)
+        again = _resume_argv(spec_path, run_dir, o.backend_option)
         # who supervises the run, before its page is served: a resumed run's page never takes the
         # coordinator that wrote the run before for this one, gone (its `stale` rule)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
-        urls = _serve_page(cleanup, run_dir, web, view)
+        urls = _serve_page(cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
@@ -200,30 +108,37 @@ def up(
         console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files
         tailer = _tail_logs(plan, record, view, console)
         cleanup.callback(tailer.stop)
+        config = SupervisorConfig.from_spec(spec, **(o.config_overrides or {}))
+        on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), urls)
         supervisor = Supervisor(
             plan,
             backend,
             store,
             record,
             credentials.task_token,
-            SupervisorConfig.from_spec(spec, **(config_overrides or {})),
-            on_change=_StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), urls),
+            config,
+            on_change=on_change,
             first_attempt=first_attempt,
             restarts=restarts,
             replan=planner,
         )
         cleanup.callback(_leave_nothing_running, supervisor)
-        if stop is not None:
-            stop.attach(supervisor)
-        if own_process:
-            # start-up's objects (the page's modules among them) live as long as the run: frozen, a full
-            # collection no longer walks them — a pause in the heartbeat thread (P6's p99 doubled)
-            gc.freeze()
-        with _stop_on_signals(supervisor):
-            result = supervisor.run()
+        result = _supervise(supervisor, o)
         home = _bring_home(backend, supervisor.plan, record)
         tailer.stop()  # the last lines, before the count of those held back
         return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
+
+
+def _supervise(supervisor: Supervisor, o: UpOptions) -> SupervisorResult:
+    """The run, supervised to its end; stopped by the caller's StopRequest or a signal."""
+    if o.stop is not None:
+        o.stop.attach(supervisor)
+    if o.own_process:
+        # start-up's objects (the page's modules among them) live as long as the run: frozen, a full
+        # collection no longer walks them — a pause in the heartbeat thread (P6's p99 doubled)
+        gc.freeze()
+    with stop_on_signals(supervisor):
+        return supervisor.run()
 
 
 def _serve_page(
@@ -414,73 +329,3 @@ def _raise_open_files_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def _resume_point(run_dir: Path | None, spec: ClusterSpec, spec_path: Path | None) -> tuple[str, int, int]:
-    """The run id, attempt number and restart count a resumed run continues with: the same run
-    goes on, its id names its folders on the hosts (and their checkpoints)."""
-    if run_dir is None:
-        raise UsageError("--resume needs the run directory")
-    try:
-        status = rundir.read_status(run_dir)
-    except RunDirError as exc:
-        raise UsageError(f"--resume {run_dir}: {exc}") from None
-    if status.get("name") != spec.name:
-        raise UsageError(
-            f"--resume {run_dir}: that run is {status.get('name')!r}, this spec is {spec.name!r}; "
-            "resume a run with the spec that started it"
-        )
-    state = ClusterState(status.get("state", "PENDING"))
-    if not state.is_terminal and rundir.coordinator_alive(run_dir):
-        raise UsageError(f"--resume {run_dir}: that run is still going (state {state.value})")
-    if state is ClusterState.SUCCEEDED:
-        raise UsageError(
-            f"--resume {run_dir}: that run SUCCEEDED ({status.get('reason', '')}) "
-            f"at {status.get('ended_at')}; "
-            "there is nothing to resume — start a new run"
-            + (f": orchestrate up {spec_path}" if spec_path is not None else "")
-        )
-    run_id = status.get("run_id")
-    if not isinstance(run_id, str) or not run_id:
-        raise UsageError(f"--resume {run_dir}: its status.json records no run_id")
-    return run_id, int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))
-
-
-class _stop_on_signals:
-    """SIGINT/SIGTERM/SIGHUP: the first asks for a clean stop, the second for an immediate one."""
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self, supervisor: Supervisor):
-        self._supervisor = supervisor
-        self._old: dict[int, object] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        self._supervisor.request_stop(f"interrupted by {name}")
-
-    def __enter__(self) -> _stop_on_signals:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # Python delivers signals to the main thread only: its handlers stay
-        for sig in self._SIGNALS:
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
-
-
-def detach(argv: list[str], run_dir: Path) -> int:
-    """Start `orchestrate up` again in the background, in its own session; return its pid."""
-    ensure_free(run_dir)
-    make_private_dir(run_dir)
-    with private_open(run_dir / "coordinator.log") as out:
-        proc = psutil.Popen(
-            [sys.executable, "-m", "orchestrator", *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-        )
-    return proc.pid

@@ -16,11 +16,12 @@ from typing import Any
 import psutil
 
 from orchestrator import launch
-from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK, RunDirError
+from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK, RunDirError, UsageError
 from orchestrator.logtail import LogTailer, tail_lines
 from orchestrator.quiet import collapse_redraws
 from orchestrator.record import LOCK_NAME as _LOCK
 from orchestrator.record import RUNS_DIR, read_json
+from orchestrator.spec.model import ClusterSpec
 from orchestrator.supervise.states import ClusterState
 
 
@@ -306,3 +307,33 @@ def task_names(run_dir: Path) -> list[str]:
         raise RunDirError(f"{run_dir}/plan.json is unreadable: {exc}") from None
     except (KeyError, TypeError):
         raise RunDirError(f"{run_dir}/plan.json lists no tasks") from None
+
+
+def resume_point(run_dir: Path | None, spec: ClusterSpec, spec_path: Path | None) -> tuple[str, int, int]:
+    """The run id, attempt number and restart count a resumed run continues with: the same run
+    goes on, its id names its folders on the hosts (and their checkpoints)."""
+    if run_dir is None:
+        raise UsageError("--resume needs the run directory")
+    try:
+        status = read_status(run_dir)
+    except RunDirError as exc:
+        raise UsageError(f"--resume {run_dir}: {exc}") from None
+    if status.get("name") != spec.name:
+        raise UsageError(
+            f"--resume {run_dir}: that run is {status.get('name')!r}, this spec is {spec.name!r}; "
+            "resume a run with the spec that started it"
+        )
+    state = ClusterState(status.get("state", "PENDING"))
+    if not state.is_terminal and coordinator_alive(run_dir):
+        raise UsageError(f"--resume {run_dir}: that run is still going (state {state.value})")
+    if state is ClusterState.SUCCEEDED:
+        raise UsageError(
+            f"--resume {run_dir}: that run SUCCEEDED ({status.get('reason', '')}) "
+            f"at {status.get('ended_at')}; "
+            "there is nothing to resume — start a new run"
+            + (f": orchestrate up {spec_path}" if spec_path is not None else "")
+        )
+    run_id = status.get("run_id")
+    if not isinstance(run_id, str) or not run_id:
+        raise UsageError(f"--resume {run_dir}: its status.json records no run_id")
+    return run_id, int(status.get("attempt", 0)) + 1, int(status.get("restarts", 0))

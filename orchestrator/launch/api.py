@@ -19,11 +19,11 @@ import abc
 import enum
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
@@ -32,21 +32,55 @@ from orchestrator.plan import LaunchPlan, TaskPlan
 from worker.failure import Written
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
-def on_all(items: Sequence[T], fn: Callable[[T], Any]) -> list[Any]:
-    """fn on every item at once; each result is fn's value or the exception it raised, in order."""
+class GroupResult(Generic[T, R]):
+    """What `on_all` did on every item, in order: each item with fn's value or the exception it
+    raised (Fabric's GroupResult): what succeeded, what failed, per item."""
+
+    def __init__(self, pairs: list[tuple[T, R | Exception]]):
+        self.pairs = pairs
+
+    def __iter__(self) -> Iterator[tuple[T, R | Exception]]:
+        return iter(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    @property
+    def succeeded(self) -> list[tuple[T, R]]:
+        return [(item, out) for item, out in self.pairs if not isinstance(out, Exception)]
+
+    @property
+    def failed(self) -> list[tuple[T, Exception]]:
+        return [(item, out) for item, out in self.pairs if isinstance(out, Exception)]
+
+    def values(self) -> list[R | Exception]:
+        return [out for _, out in self.pairs]
+
+    def raise_if_failed(self, what: str) -> list[R]:
+        """Every value, or one LaunchError that lists every failure (not only the first)."""
+        failed = self.failed
+        if failed:
+            lines = "\n  ".join(str(exc) for _, exc in failed)
+            raise LaunchError(f"{what} failed on {len(failed)} of {len(self.pairs)} hosts:\n  {lines}")
+        return [out for _, out in self.succeeded]
+
+
+def on_all(items: Sequence[T], fn: Callable[[T], R]) -> GroupResult[T, R]:
+    """fn on every item at once (a thread each, 64 at most); the group's result."""
     if not items:
-        return []
+        return GroupResult([])
 
-    def guarded(item: T) -> Any:
+    def guarded(item: T) -> R | Exception:
         try:
             return fn(item)
         except Exception as exc:  # handed back, never lost
             return exc
 
     with ThreadPoolExecutor(max_workers=min(64, len(items)), thread_name_prefix="launch") as pool:
-        return list(pool.map(guarded, items))
+        return GroupResult(list(zip(items, pool.map(guarded, items), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -249,13 +283,13 @@ class Backend(abc.ABC):
                 except LaunchError as exc:
                     out.append(exc)
             return out
-        results = on_all(
+        group = on_all(
             list(range(len(tasks))), lambda i: self.start(tasks[i], attempt, tokens[i], log_paths[i])
         )
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, LaunchError):
-                raise r
-        return results
+        for _, error in group.failed:
+            if not isinstance(error, LaunchError):
+                raise error
+        return cast(list[TaskHandle | LaunchError], group.values())  # every other exception raised above
 
     def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:
         """At the start-up deadline, with `late` tasks never up: why their cluster did not connect,

@@ -7,17 +7,23 @@ from __future__ import annotations
 import signal
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK
 from orchestrator.health.store import TaskHealth
 from orchestrator.launch.api import TaskHandle
 from orchestrator.plan import TaskPlan
-from orchestrator.record import iso_time
+from orchestrator.record import SCHEMA_VERSION, iso_time
 from orchestrator.spec.roles import RolePolicy
 from orchestrator.supervise.policy import Failure, FailureKind
 from orchestrator.supervise.states import ClusterState, TaskState
 from worker import wire
+
+
+class EventSink(Protocol):
+    def event(self, **fields: Any) -> None: ...
+
+    def log_path(self, log_name: str) -> Any: ...
 
 
 @dataclass
@@ -50,6 +56,23 @@ class SupervisorResult:
     task_restarts: tuple[Failure, ...] = ()  # failures answered by restarting that task alone
     failures: tuple[Failure, ...] = ()  # the root cause of every failed attempt, in order
     unconfirmed: tuple[str, ...] = ()  # tasks whose exit no stop could confirm (a host cut off)
+
+    @classmethod
+    def of(cls, sup: Any) -> SupervisorResult:
+        """A supervisor's outcome, as it stands."""
+        return cls(
+            sup.state,
+            sup.reason,
+            sup.attempt,
+            sup.restarts,
+            sup.root_cause,
+            sup.started_at,
+            sup.ended_at or "",
+            tuple(sup.ignored),
+            tuple(sup.task_failures),
+            tuple(sup.failures),
+            tuple(sup.unconfirmed),
+        )
 
     @property
     def failed_tasks(self) -> tuple[str, ...]:
@@ -127,3 +150,24 @@ def describe_exit(code: int) -> str:
     if code == wire.EXIT_NO_COORDINATOR:
         return f"stopped itself, cut off from the coordinator (exit code {code}; its log says more)"
     return f"exited with code {code}"
+
+
+def status_document(sup: Any) -> dict[str, Any]:
+    """The status.json document of a supervisor (docs/architecture.md §5; its JSON Schema:
+    `orchestrate schema status`)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": sup.plan.name,
+        "run_id": sup.plan.run_id,
+        "state": sup.state.value,
+        "attempt": sup.attempt,
+        "restarts": sup.restarts,
+        "reason": sup.reason,
+        "started_at": sup.started_at,
+        "ended_at": sup.ended_at,
+        "exit_code": run_exit_code(sup.state, sup.root_cause),
+        "examples_per_step": sup.plan.examples_per_step,
+        "failures": [failure_status(f) for f in sup.failures],
+        "task_restarts": [failure_status(f) for f in sup.task_failures],
+        "tasks": [task_status(r) for r in sup.tasks.values()],
+    }

@@ -3,8 +3,8 @@
 Each step polls the task group once into a frozen view (exit codes, heartbeats, the clock), moves
 task states, runs the detectors (process exit, heartbeat timeout, stall, startup deadline, a
 diverged start), hands the failures to the policy (policy.decide) and executes its decisions
-through the backend; the run's state moves through `states.CLUSTER_TRANSITIONS`. Stopping one
-task alone happens on a thread of its own, so it never holds up the detectors. Time and sleep are
+through the backend; the run's state moves through `states.CLUSTER_TRANSITIONS`. How it stops
+(the job, or one task alone on a thread of its own) is in stopping.py. Time and sleep are
 injected so tests can step it deterministically.
 """
 
@@ -17,32 +17,20 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore, TaskHealth
-from orchestrator.launch.api import (
-    Backend,
-    TaskHandle,
-    stop_all,
-    stop_in_background,
-    unconfirmed_reason,
-)
+from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
-from orchestrator.record import SCHEMA_VERSION, now_iso
+from orchestrator.record import now_iso
 from orchestrator.spec.model import AtEnd, Strategy
 from orchestrator.supervise import detect, policy
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
-from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
-from orchestrator.supervise.records import (
-    SupervisorResult,
-    TaskRecord,
-    failure_status,
-    run_exit_code,
-    task_status,
-)
+from orchestrator.supervise.policy import Action, Failure, FailureKind
+from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
 from orchestrator.supervise.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
@@ -50,21 +38,9 @@ from orchestrator.supervise.states import (
     TaskState,
     check_transition,
 )
+from orchestrator.supervise.stopping import Stop, Stopping
 
 log = logging.getLogger("orchestrator.supervise")
-
-
-class EventSink(Protocol):
-    def event(self, **fields: Any) -> None: ...
-
-    def log_path(self, log_name: str) -> Any: ...
-
-
-@dataclass
-class _Stop:
-    outcome: ClusterState  # SUCCEEDED, FAILED (then the policy's decision), INTERRUPTED
-    reason: str
-    decision: Decision | None = None  # a failure's: restart the job, or fail it
 
 
 @dataclass(frozen=True)
@@ -75,7 +51,7 @@ class _Poll:
     tasks: Mapping[str, TaskView]  # the live ones
 
 
-class Supervisor:
+class Supervisor(Stopping):
     def __init__(
         self,
         plan: LaunchPlan,
@@ -115,7 +91,7 @@ class Supervisor:
         self._end_deadline: float | None = None  # training done: until when to wait for the rest
         self.started_at = now_iso()
         self.ended_at: str | None = None
-        self._stop: _Stop | None = None
+        self._stop: Stop | None = None
         self._restart_at = 0.0
         self._interrupt: str | None = None
         self._abort: str | None = None
@@ -150,32 +126,20 @@ class Supervisor:
         return self.result()
 
     def result(self) -> SupervisorResult:
-        return SupervisorResult(
-            self.state,
-            self.reason,
-            self.attempt,
-            self.restarts,
-            self.root_cause,
-            self.started_at,
-            self.ended_at or "",
-            tuple(self.ignored),
-            tuple(self.task_failures),
-            tuple(self.failures),
-            tuple(self.unconfirmed),
-        )
+        return SupervisorResult.of(self)
 
     def step(self) -> tuple[ClusterState, ClusterState]:
         before = self.state
         if self._interrupt is None and not before.is_terminal:
             self._interrupt = self._backend.ended_outside()
         if self._abort is not None and self.state is not ClusterState.STOPPING and not before.is_terminal:
-            self._begin_stop(_Stop(ClusterState.FAILED, self._abort))
+            self._begin_stop(Stop(ClusterState.FAILED, self._abort))
         elif (
             self._interrupt is not None
             and self.state not in (ClusterState.STOPPING,)
             and not before.is_terminal
         ):
-            self._begin_stop(_Stop(ClusterState.INTERRUPTED, self._interrupt))
+            self._begin_stop(Stop(ClusterState.INTERRUPTED, self._interrupt))
         elif self.state is ClusterState.PENDING:
             self._launch_all()
         elif self.state in (ClusterState.LAUNCHING, ClusterState.RUNNING):
@@ -188,12 +152,6 @@ class Supervisor:
         if self._on_change is not None:
             self._on_change(self)
         return before, self.state
-
-    def stop_now(self, grace_s: float) -> list[str]:
-        """Stop every task at once, whatever the state (the coordinator's last resort after a bug of
-        ours); the tasks whose exit could not be confirmed."""
-        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
-        return [h.task.name for h in stop_all(handles, grace_s, clock=self._clock, sleep=self._sleep)]
 
     # --- states ------------------------------------------------------------------------------
 
@@ -321,7 +279,7 @@ class Supervisor:
                 if frozen is not None and frozen.failure is not None:
                     self._apply([frozen])
                 stop = policy.blame_frozen_peer(stop, frozen.failure if frozen else None, self._snapshot())
-            self._begin_stop(_Stop(ClusterState.FAILED, stop.failure.describe(), stop))
+            self._begin_stop(Stop(ClusterState.FAILED, stop.failure.describe(), stop))
             return
         in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
         deciders = [r for r in self.tasks.values() if r.policy.decides]
@@ -387,11 +345,6 @@ class Supervisor:
         self._same_start, failure = detect.diverged_start(state, readers, restored, self.attempt)
         return failure
 
-    def _fail(self, failure: Failure) -> None:
-        """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
-        decision = next(d for d in policy.decide([failure], self._snapshot()) if d.stops_job)
-        self._begin_stop(_Stop(ClusterState.FAILED, failure.describe(), decision))
-
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
         waiting = [
@@ -412,120 +365,7 @@ class Supervisor:
         if end.note is not None:
             self._sink.event(kind="run", attempt=self.attempt, reason=end.note)
         if end.stop:
-            self._begin_stop(_Stop(ClusterState.SUCCEEDED, end.done))
-
-    def _schedule_task_restart(self, rec: TaskRecord, decision: Decision) -> None:
-        """Stop what is left of the task (a frozen one still runs) on a thread of its own, then
-        restart it once that is done and the backoff has passed."""
-        assert rec.handle is not None
-        grace_s = policy.task_stop_grace_s(rec.policy.at_end, self.config.failure_grace_s)
-        rec.stopping = self._in_background([rec.handle], grace_s, self.hurry)
-        wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
-        rec.restart_at = self._clock() + wait_s
-        self.task_failures.append(decision.failure)
-        self._sink.event(
-            kind="task_restart",
-            task=rec.plan.name,
-            attempt=self.attempt,
-            reason=f"{decision.reason}, in {wait_s:g} s",
-        )
-
-    def _restart_task(self, rec: TaskRecord) -> Failure | None:
-        self._note_unconfirmed(rec.stopping)
-        rec.restart_at, rec.stopping = None, None
-        rec.restarts += 1
-        rec.exit_code, rec.health = None, None
-        self._store.reset_task(rec.plan.name)
-        try:
-            rec.handle = self._backend.start(
-                rec.plan,
-                self.attempt,
-                self._token_for(rec.plan.name, self.attempt),
-                self._sink.log_path(rec.plan.log_name),
-            )
-        except LaunchError as exc:
-            self._move_task(rec, TaskState.FAILED, str(exc))
-            return Failure((rec.plan.name,), FailureKind.LAUNCH, self.attempt, str(exc))
-        rec.launched_at = self._clock()
-        self._move_task(
-            rec,
-            TaskState.STARTING,
-            f"restarted alone (restart {rec.restarts} of {self.config.max_restarts}), "
-            f"pid {rec.handle.process.pid}",
-        )
-        return None
-
-    def _note_unconfirmed(self, stopping: Future[Any] | None) -> None:
-        """A stop that ran on its own thread: what it could not confirm goes in the record."""
-        if stopping is None:
-            return
-        try:
-            left = stopping.result(timeout=0)
-        except Exception as exc:  # noqa: BLE001 - a stop that failed is said, never fatal
-            self._sink.event(kind="error", reason=f"stopping a task: {exc}")
-            return
-        self._unconfirmed(left)
-
-    def _unconfirmed(self, left: list[TaskHandle]) -> None:
-        if not left:
-            return
-        self.unconfirmed += [h.task.name for h in left]
-        self._sink.event(
-            kind="unconfirmed", tasks=[h.task.name for h in left], reason=unconfirmed_reason(left)
-        )
-
-    def _begin_stop(self, stop: _Stop) -> None:
-        self._stop = stop
-        if stop.decision is not None:
-            self.failures.append(stop.decision.failure)
-            if self.root_cause is None:
-                self.root_cause = stop.decision.failure
-        self._move(ClusterState.STOPPING, stop.reason)
-
-    def _teardown(self) -> None:
-        assert self._stop is not None
-        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
-        failed = self._stop.outcome is ClusterState.FAILED
-        grace_s = policy.stop_grace_s(failed, self.config.stop_grace_s, self.config.failure_grace_s)
-        for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
-            if rec.stopping is not None:
-                rec.stopping.exception()  # done within its own grace
-                self._note_unconfirmed(rec.stopping)
-            rec.restart_at, rec.stopping = None, None
-        # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
-        quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
-        self._unconfirmed(
-            stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
-        )
-        health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
-        for rec in self.tasks.values():
-            rec.health = health.get(rec.plan.name, rec.health)
-            if rec.handle is not None and not rec.state.is_terminal:
-                rec.exit_code = rec.handle.poll()
-                self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
-        stop, self._stop = self._stop, None
-        if stop.outcome is ClusterState.FAILED and stop.decision is not None:
-            if self._abort is not None:  # the coordinator cannot go on: no restart
-                self._finish(ClusterState.FAILED, self._abort)
-                return
-            if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
-                self._finish(ClusterState.INTERRUPTED, self._interrupt)
-                return
-            if stop.decision.action is Action.RESTART_JOB:
-                restart = policy.job_restart(stop.decision, self.restarts, self.config.backoff_s)
-                self.restarts += 1 if restart.counted else 0
-                self._restart_at = self._clock() + restart.wait_s
-                self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {restart.wait_s:g} s")
-                return
-            self._finish(ClusterState.FAILED, stop.decision.reason)
-            return
-        self._finish(stop.outcome, stop.reason)
-
-    def _finish(self, state: ClusterState, reason: str) -> None:
-        self.ended_at = now_iso()
-        self._move(state, reason)
-
-    # --- transitions -------------------------------------------------------------------------
+            self._begin_stop(Stop(ClusterState.SUCCEEDED, end.done))
 
     def _move(self, new: ClusterState, reason: str) -> None:
         old = self.state
@@ -547,24 +387,7 @@ class Supervisor:
     def _launched_at(self) -> float:
         return min(r.launched_at for r in self.tasks.values() if r.launched_at is not None)
 
-    # --- views -------------------------------------------------------------------------------
-
     def status(self) -> dict[str, Any]:
         """The status.json document (docs/architecture.md §5; its JSON Schema: `orchestrate schema
         status`)."""
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "name": self.plan.name,
-            "run_id": self.plan.run_id,
-            "state": self.state.value,
-            "attempt": self.attempt,
-            "restarts": self.restarts,
-            "reason": self.reason,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "exit_code": run_exit_code(self.state, self.root_cause),
-            "examples_per_step": self.plan.examples_per_step,
-            "failures": [failure_status(f) for f in self.failures],
-            "task_restarts": [failure_status(f) for f in self.task_failures],
-            "tasks": [task_status(r) for r in self.tasks.values()],
-        }
+        return status_document(self)

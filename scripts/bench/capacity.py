@@ -137,6 +137,7 @@ def serve_path(n: int, way: str, folder: Path) -> None:
 def serve_whole(n: int, way: str, folder: Path) -> None:
     """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
     from orchestrator import coordinator
+    from orchestrator.control import UpOptions
     from orchestrator.errors import LaunchError
     from orchestrator.health.credentials import Credentials
     from orchestrator.launch.api import Backend, Heartbeats, ProcessInfo, Sig, TaskHandle
@@ -244,14 +245,10 @@ def serve_whole(n: int, way: str, folder: Path) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the plain view's lines (every task's states and log lines) go nowhere
     run_dir = folder / "run"
-    coordinator.up(
-        spec,
-        spec_path,
-        run_dir=run_dir,
-        live=False,
-        backend=SimBackend(spec, run_dir, folder),
-        own_process=True,
+    options = UpOptions(
+        run_dir=run_dir, live=False, backend=SimBackend(spec, run_dir, folder), own_process=True
     )
+    coordinator.up(spec, spec_path, options)
 
 
 def _announce(info: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from orchestrator import cli, rundir
-from orchestrator.coordinator import RunResult
+from orchestrator.control import RunResult
 from orchestrator.plan import LaunchPlan
 from orchestrator.spec.model import Strategy
 from orchestrator.supervise.policy import Failure, FailureKind

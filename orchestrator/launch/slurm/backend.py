@@ -246,13 +246,13 @@ class SlurmBackend(Backend):
         answers: dict[str, dict[str, Any]] = {}
         problems: list[str] = []
         try:
-            results = list(zip(nodes, on_all(nodes, one), strict=True))
+            results = on_all(nodes, one)
         finally:
             nonce_path.unlink(missing_ok=True)
             if declared_nonce is not None:
                 declared_nonce.unlink(missing_ok=True)
         for node, answer in results:
-            if isinstance(answer, BaseException):
+            if isinstance(answer, Exception):
                 problems.append(f"{node}: {answer}")
                 continue
             answer["sees_run"] = bool(answer.get("seen", {}).get(str(nonce_path)))

@@ -37,7 +37,7 @@ from orchestrator.launch.api import (
 from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport, shim_job
 from orchestrator.launch.ssh import preflight
-from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe, raise_if_failed, run_json
+from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe, run_json
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
 from orchestrator.launch.ssh.spec import SshSpec
 from orchestrator.launch.ssh.spec import section as ssh_section
@@ -210,8 +210,7 @@ class SshBackend(Backend):
                 missing[index],
             )
 
-        results = on_all(used, one)
-        raise_if_failed(results, "copying the job's files")
+        results = on_all(used, one).raise_if_failed("copying the job's files")
         for index, result in zip(used, results, strict=True):
             log.info(
                 "%s: %d file(s) copied (%d bytes), %d unchanged",
@@ -365,7 +364,7 @@ class SshBackend(Backend):
             ]
 
         findings: list[str] = []
-        for index, result in zip(indexes, on_all(indexes, one), strict=True):
+        for index, result in on_all(indexes, one):
             if isinstance(result, Exception):
                 findings.append(f"{hosts[index].label}: its peers could not be probed ({result})")
             else:
@@ -508,5 +507,4 @@ def stop_leftovers(
             close_all({host.index: conn})
         return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())
 
-    results = on_all(hosts, one)
-    return [(str(r), not isinstance(r, BaseException)) for r in results]
+    return [(str(r), not isinstance(r, Exception)) for _, r in on_all(hosts, one)]

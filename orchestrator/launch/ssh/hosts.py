@@ -16,7 +16,7 @@ import logging
 import shlex
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -183,15 +183,6 @@ def explain_connect_error(host: Host, ssh: SshSpec, exc: BaseException) -> str:
 def _first_error(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
     errors = list(exc.errors.values())
     return str(errors[0].strerror if errors and isinstance(errors[0], OSError) else exc)
-
-
-def raise_if_failed(results: Sequence[Any], what: str) -> None:
-    """One LaunchError listing every host that failed (not only the first)."""
-    problems = [str(r) for r in results if isinstance(r, BaseException)]
-    if problems:
-        raise LaunchError(
-            f"{what} failed on {len(problems)} of {len(results)} hosts:\n  " + "\n  ".join(problems)
-        )
 
 
 def probe(

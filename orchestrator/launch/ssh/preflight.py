@@ -155,18 +155,16 @@ def _check_one_shared(ready: list[HostReport], folder: str, key: str) -> None:
             return {"error": str(exc), "seen": []}
         return answer
 
-    wrote = on_all(ready, lambda r: run(r, "write", nonces[r.host.index]))
     writers = []
-    for r, w in zip(ready, wrote, strict=True):
-        why = w if isinstance(w, BaseException) else w["error"]
+    for r, w in on_all(ready, lambda r: run(r, "write", nonces[r.host.index])):
+        why = w if isinstance(w, Exception) else w["error"]
         if why:
             r.shared.append(f"{r.host.label}: cannot write in {folder} ({key}): {why}")
         else:
             writers.append(r)
     expected = [nonces[r.host.index] for r in writers]
-    seen = on_all(ready, lambda r: run(r, "read", *expected))
-    for r, s in zip(ready, seen, strict=True):
-        got = set() if isinstance(s, BaseException) else set(s["seen"])
+    for r, s in on_all(ready, lambda r: run(r, "read", *expected)):
+        got = set() if isinstance(s, Exception) else set(s["seen"])
         missing = [w.host.label for w in writers if nonces[w.host.index] not in got and w is not r]
         if missing:
             r.shared.append(

@@ -20,7 +20,7 @@ import fabric
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import on_all
 from orchestrator.launch.ssh import ship
-from orchestrator.launch.ssh.hosts import Host, raise_if_failed
+from orchestrator.launch.ssh.hosts import Host
 from orchestrator.plan import LaunchPlan, StatePlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
@@ -106,8 +106,7 @@ class StateCopies:
                 self._suspect(index)
                 raise
 
-        results = on_all(targets, one)
-        raise_if_failed(results, "copying the checkpoint to the hosts")
+        results = on_all(targets, one).raise_if_failed("copying the checkpoint to the hosts")
         for (index, folder), sent in zip(targets, results, strict=True):
             notes.append(f"→ {self._hosts[index].label} {folder}: {sent.describe()}")
         return notes
@@ -199,6 +198,6 @@ class StateCopies:
 
         hosts = sorted({w[0].host_index for w in wanted})
         out: list[str] = []
-        for index, result in zip(hosts, on_all(hosts, host_pulls), strict=True):
-            out += [f"{self._hosts[index].label}: {result}"] if isinstance(result, BaseException) else result
+        for index, result in on_all(hosts, host_pulls):
+            out += [f"{self._hosts[index].label}: {result}"] if isinstance(result, Exception) else result
         return out

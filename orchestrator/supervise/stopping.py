@@ -1,0 +1,189 @@
+"""Supervision layer: how the supervisor stops — the whole job (a failure, the end, a request) and
+one task alone before it is restarted — and what those stops could not confirm. A part of the
+Supervisor class (supervisor.py), kept in a module of its own; it only executes: how long a stop
+waits and what a restart costs are the policy's (policy.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import LaunchError
+from orchestrator.health.store import HealthStore
+from orchestrator.launch.api import Backend, TaskHandle, stop_all, unconfirmed_reason
+from orchestrator.record import now_iso
+from orchestrator.spec.model import AtEnd
+from orchestrator.supervise import policy
+from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
+from orchestrator.supervise.records import EventSink, TaskRecord
+from orchestrator.supervise.states import ClusterState, TaskState
+
+
+@dataclass
+class Stop:
+    outcome: ClusterState  # SUCCEEDED, FAILED (then the policy's decision), INTERRUPTED
+    reason: str
+    decision: Decision | None = None  # a failure's: restart the job, or fail it
+
+
+class Stopping:
+    """The supervisor's stops (mixed into Supervisor, which sets what is declared here)."""
+
+    tasks: dict[str, TaskRecord]
+    config: SupervisorConfig
+    attempt: int
+    restarts: int
+    failures: list[Failure]
+    task_failures: list[Failure]
+    root_cause: Failure | None
+    unconfirmed: list[str]
+    ended_at: str | None
+    hurry: threading.Event
+    _backend: Backend
+    _store: HealthStore
+    _sink: EventSink
+    _token_for: Callable[[str, int], str]
+    _clock: Callable[[], float]
+    _sleep: Callable[[float], None]
+    _in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]]
+    _stop: Stop | None
+    _restart_at: float
+    _abort: str | None
+    _interrupt: str | None
+
+    if TYPE_CHECKING:  # the supervisor's own
+
+        def _move(self, new: ClusterState, reason: str) -> None: ...
+
+        def _move_task(self, rec: TaskRecord, new: TaskState, reason: str) -> None: ...
+
+        def _snapshot(self) -> policy.Snapshot: ...
+
+    def _fail(self, failure: Failure) -> None:
+        """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
+        decision = next(d for d in policy.decide([failure], self._snapshot()) if d.stops_job)
+        self._begin_stop(Stop(ClusterState.FAILED, failure.describe(), decision))
+
+    def _begin_stop(self, stop: Stop) -> None:
+        self._stop = stop
+        if stop.decision is not None:
+            self.failures.append(stop.decision.failure)
+            if self.root_cause is None:
+                self.root_cause = stop.decision.failure
+        self._move(ClusterState.STOPPING, stop.reason)
+
+    def _teardown(self) -> None:
+        assert self._stop is not None
+        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
+        failed = self._stop.outcome is ClusterState.FAILED
+        grace_s = policy.stop_grace_s(failed, self.config.stop_grace_s, self.config.failure_grace_s)
+        for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
+            if rec.stopping is not None:
+                rec.stopping.exception()  # done within its own grace
+                self._note_unconfirmed(rec.stopping)
+            rec.restart_at, rec.stopping = None, None
+        # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
+        quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
+        self._unconfirmed(
+            stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
+        )
+        health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
+        for rec in self.tasks.values():
+            rec.health = health.get(rec.plan.name, rec.health)
+            if rec.handle is not None and not rec.state.is_terminal:
+                rec.exit_code = rec.handle.poll()
+                self._move_task(rec, TaskState.STOPPED, f"stopped by orchestrate ({self._stop.reason})")
+        stop, self._stop = self._stop, None
+        if stop.outcome is ClusterState.FAILED and stop.decision is not None:
+            if self._abort is not None:  # the coordinator cannot go on: no restart
+                self._finish(ClusterState.FAILED, self._abort)
+                return
+            if self._interrupt is not None:  # a failure seen while the user asked to stop: just stop
+                self._finish(ClusterState.INTERRUPTED, self._interrupt)
+                return
+            if stop.decision.action is Action.RESTART_JOB:
+                restart = policy.job_restart(stop.decision, self.restarts, self.config.backoff_s)
+                self.restarts += 1 if restart.counted else 0
+                self._restart_at = self._clock() + restart.wait_s
+                self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {restart.wait_s:g} s")
+                return
+            self._finish(ClusterState.FAILED, stop.decision.reason)
+            return
+        self._finish(stop.outcome, stop.reason)
+
+    def _finish(self, state: ClusterState, reason: str) -> None:
+        self.ended_at = now_iso()
+        self._move(state, reason)
+
+    # --- transitions -------------------------------------------------------------------------
+
+    def stop_now(self, grace_s: float) -> list[str]:
+        """Stop every task at once, whatever the state (the coordinator's last resort after a bug of
+        ours); the tasks whose exit could not be confirmed."""
+        handles = [r.handle for r in self.tasks.values() if r.handle is not None]
+        return [h.task.name for h in stop_all(handles, grace_s, clock=self._clock, sleep=self._sleep)]
+
+    def _schedule_task_restart(self, rec: TaskRecord, decision: Decision) -> None:
+        """Stop what is left of the task (a frozen one still runs) on a thread of its own, then
+        restart it once that is done and the backoff has passed."""
+        assert rec.handle is not None
+        grace_s = policy.task_stop_grace_s(rec.policy.at_end, self.config.failure_grace_s)
+        rec.stopping = self._in_background([rec.handle], grace_s, self.hurry)
+        wait_s = policy.backoff_s(self.config.backoff_s, rec.restarts)
+        rec.restart_at = self._clock() + wait_s
+        self.task_failures.append(decision.failure)
+        self._sink.event(
+            kind="task_restart",
+            task=rec.plan.name,
+            attempt=self.attempt,
+            reason=f"{decision.reason}, in {wait_s:g} s",
+        )
+
+    def _restart_task(self, rec: TaskRecord) -> Failure | None:
+        self._note_unconfirmed(rec.stopping)
+        rec.restart_at, rec.stopping = None, None
+        rec.restarts += 1
+        rec.exit_code, rec.health = None, None
+        self._store.reset_task(rec.plan.name)
+        try:
+            rec.handle = self._backend.start(
+                rec.plan,
+                self.attempt,
+                self._token_for(rec.plan.name, self.attempt),
+                self._sink.log_path(rec.plan.log_name),
+            )
+        except LaunchError as exc:
+            self._move_task(rec, TaskState.FAILED, str(exc))
+            return Failure((rec.plan.name,), FailureKind.LAUNCH, self.attempt, str(exc))
+        rec.launched_at = self._clock()
+        self._move_task(
+            rec,
+            TaskState.STARTING,
+            f"restarted alone (restart {rec.restarts} of {self.config.max_restarts}), "
+            f"pid {rec.handle.process.pid}",
+        )
+        return None
+
+    def _note_unconfirmed(self, stopping: Future[Any] | None) -> None:
+        """A stop that ran on its own thread: what it could not confirm goes in the record."""
+        if stopping is None:
+            return
+        try:
+            left = stopping.result(timeout=0)
+        except Exception as exc:  # noqa: BLE001 - a stop that failed is said, never fatal
+            self._sink.event(kind="error", reason=f"stopping a task: {exc}")
+            return
+        self._unconfirmed(left)
+
+    def _unconfirmed(self, left: list[TaskHandle]) -> None:
+        if not left:
+            return
+        self.unconfirmed += [h.task.name for h in left]
+        self._sink.event(
+            kind="unconfirmed", tasks=[h.task.name for h in left], reason=unconfirmed_reason(left)
+        )
