@@ -14,8 +14,9 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
+from orchestrator import arguments
 from orchestrator.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -28,7 +29,7 @@ from orchestrator.errors import (
 from orchestrator.quiet import console_writes_anything
 
 if TYPE_CHECKING:
-    from orchestrator.control import RunResult
+    pass
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_LAUNCH", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -39,7 +40,7 @@ _TASK_NAME = re.compile(r"^(chief|worker|ps|evaluator)-[0-9]+$")
 
 def main(argv: list[str] | None = None) -> int:
     console_writes_anything()
-    parser = _parser()
+    parser = arguments.parser(_handlers())
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -56,131 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `orchestrate plan … | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-
-
-_BACKEND_HELP = "override the spec's `backend:` (the names `orchestrate schema` lists)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a suggestion for a mistyped command or choice (`stauts`: did you mean `status`?)."""
-
-    def error(self, message: str) -> NoReturn:
-        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-        if found:
-            from orchestrator.errors import did_you_mean
-
-            choices = re.findall(r"'([^']*)'", found.group(2))
-            close = did_you_mean(found.group(1), choices)
-            if close is not None:
-                message += f"; did you mean '{close}'?"
-        super().error(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    from orchestrator import __version__
-
-    p = _Parser(prog="orchestrate", description="Run TensorFlow multi-worker training from one YAML spec.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("--version", action="version", version=f"orchestrate (tf-orchestrate) {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-
-    up = sub.add_parser("up", help="validate, plan, launch and supervise a job until it ends")
-    up.add_argument("spec", type=Path)
-    up.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
-    up.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<time>/)")
-    up.add_argument(
-        "--resume",
-        type=Path,
-        metavar="RUN_DIR",
-        help="continue an earlier run in its directory, from its checkpoints",
-    )
-    up.add_argument(
-        "--detach", action="store_true", help="run in the background; inspect with status/logs/down"
-    )
-    up.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
-    up.add_argument(
-        "--progress-every",
-        type=float,
-        default=15.0,
-        metavar="S",
-        help="plain lines: a progress line every S seconds while training (default 15; 0: none)",
-    )
-    up.add_argument(
-        "--web",
-        metavar="HOST:PORT",
-        default="127.0.0.1:0",
-        help="where the run's page and Prometheus metrics are served (default 127.0.0.1, a free port; "
-        "every request needs the run's token)",
-    )
-    up.add_argument("--no-web", action="store_true", help="serve no page")
-    up.set_defaults(func=cmd_up)
-
-    plan = sub.add_parser("plan", help="print every task: host, role, port, command, env and TF_CONFIG")
-    plan.add_argument("spec", type=Path)
-    plan.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
-    plan.add_argument("--json", action="store_true", help="machine-readable output")
-    plan.set_defaults(func=cmd_plan)
-
-    validate = sub.add_parser("validate", help="check a spec; errors name file:line and the key")
-    validate.add_argument("spec", type=Path)
-    validate.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
-    validate.set_defaults(func=cmd_validate)
-
-    check = sub.add_parser(
-        "check", help="preflight every host: SSH, host keys, Python/TensorFlow versions, ports, disk, peers"
-    )
-    check.add_argument("spec", type=Path)
-    check.add_argument("--backend", metavar="NAME", help=_BACKEND_HELP)
-    check.set_defaults(func=cmd_check)
-
-    status = sub.add_parser("status", help="show a run's state (default: the latest run under runs/)")
-    status.add_argument("run_dir", nargs="?")
-    status.add_argument(
-        "--json",
-        action="store_true",
-        help="status.json, and whether its coordinator lives (`orchestrate schema status`)",
-    )
-    status.set_defaults(func=cmd_status)
-
-    runs = sub.add_parser("ls", help="list the runs under runs/: state, age, attempts, restarts")
-    runs.add_argument("--runs", type=Path, default=None, metavar="DIR", help="where to look (default runs/)")
-    runs.add_argument("--json", action="store_true", help="one JSON object per run")
-    runs.set_defaults(func=cmd_ls)
-
-    wait = sub.add_parser(
-        "wait", help="wait for a run to end; exit with its exit code (default: the latest run)"
-    )
-    wait.add_argument("run_dir", nargs="?")
-    wait.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 124)")
-    wait.set_defaults(func=cmd_wait)
-
-    logs = sub.add_parser("logs", help="print a run's task logs (default: the latest run)")
-    logs.add_argument("run_dir", nargs="?", help="a run directory (default: the latest run under runs/)")
-    logs.add_argument("task", nargs="?", help="e.g. worker-1 (default: all)")
-    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
-    logs.set_defaults(func=cmd_logs)
-
-    show = sub.add_parser("show", help="serve a run's page (default: the latest run) until Ctrl-C")
-    show.add_argument("run_dir", nargs="?")
-    show.add_argument("--web", metavar="HOST:PORT", default="127.0.0.1:0", help="where (default: loopback)")
-    show.set_defaults(func=cmd_show)
-
-    down = sub.add_parser("down", help="stop a run (detached or from another terminal); idempotent")
-    down.add_argument("run_dir")
-    down.set_defaults(func=cmd_down)
-
-    schema = sub.add_parser(
-        "schema", help="print a JSON Schema: of the spec (for editors), or of a run's records"
-    )
-    schema.add_argument(
-        "document",
-        nargs="?",
-        default="spec",
-        choices=["spec", "status", "event", "metrics"],
-        help="spec (default) · status: status.json · event, metrics: a line of events.jsonl, metrics.jsonl",
-    )
-    schema.set_defaults(func=cmd_schema)
-    return p
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -302,82 +178,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         own_process=True,
     )
     outcome = coordinator.up(spec, args.spec, options)
-    return _summarize(outcome)
+    from orchestrator.summary import summarize
 
-
-def _summarize(outcome: RunResult) -> int:
-    """The end of `orchestrate up`: how it ended and why, what it took, every restart's cause, the
-    final metrics, where the results are; for a failure, the first one with its traceback and log."""
-    from orchestrator.hints import hints
-    from orchestrator.logtail import tail_lines
-    from orchestrator.quiet import collapse_redraws
-    from orchestrator.rundir import resume_command, spec_path
-    from orchestrator.supervise.states import ClusterState
-    from orchestrator.view import duration_text, elapsed_s, progress_of
-
-    r = outcome.result
-    print(f"\norchestrate: {outcome.plan.name} {r.state.value} — {r.reason}")
-    took = elapsed_s({"started_at": r.started_at, "ended_at": r.ended_at})
-    took_text = f"took {duration_text(took)} · " if took is not None else ""
-    print(f"  {took_text}attempts {r.attempt + 1} · restarts {r.restarts}")
-    if len(r.failures) > 1 or (r.failures and r.state is ClusterState.SUCCEEDED):
-        for f in r.failures:  # each restart's cause (one alone is the first failure, below)
-            print(f"  attempt {f.attempt} ended: {f.describe()}")
-    for f in r.task_restarts:
-        print(f"  restarted alone: {f.describe()}")
-    for f in r.ignored:
-        print(f"  reported, did not stop the job: {f.describe()}")
-    final = progress_of(outcome.status).parts(ended=True)
-    if final:
-        print(f"  final: {' · '.join(final)}")
-    model = outcome.run_dir / "model"
-    if model.is_dir():
-        saved = sorted(model.glob("*.keras")) or [model]
-        print(f"  model: {saved[0]}")
-    print(f"  run record: {outcome.run_dir}")
-    if outcome.hidden_lines:
-        print(
-            f"  ({outcome.hidden_lines} lines of TensorFlow start-up output and traceback frames were left "
-            f"off the console: `orchestrate logs {outcome.run_dir}` has them)"
-        )
-    if outcome.brought_home:
-        print(f"  brought home from the hosts into {outcome.run_dir}:")
-        for line in outcome.brought_home:
-            print(f"    {line}")
-    cause = r.root_cause
-    if r.state is not ClusterState.SUCCEEDED and cause is not None:
-        print(f"  first failure: {cause.describe()}")
-        if cause.exit_code is not None:
-            print(f"  exit code: {cause.exit_code}")
-        if cause.error is not None and cause.error.traceback:
-            print("  traceback:")
-            for line in cause.error.traceback.rstrip().splitlines()[-15:]:
-                print(f"    {line}")
-        for hint in hints(
-            r.failures, outcome.plan, outcome.run_dir, spec_path(outcome.run_dir) or "spec.yaml"
-        ):
-            print(f"  {hint}")
-        shown_tb = cause.error is not None and bool(cause.error.traceback)
-        for name in r.failed_tasks:
-            log_path = outcome.run_dir / "logs" / f"{name}.log"
-            lines = [collapse_redraws(line) for line in tail_lines(log_path, 100)]
-            if shown_tb:  # the traceback is above: the lines that led to it
-                tb = [
-                    i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")
-                ]
-                lines = lines[: tb[-1]] if tb else lines
-            lines = lines[-20:]
-            if lines:
-                print(f"  last lines of {log_path}{' before the traceback' if shown_tb else ''}:")
-                for line in lines:
-                    print(f"    | {line}")
-    if r.state is not ClusterState.SUCCEEDED:
-        again = resume_command(outcome.run_dir)
-        if again is not None:
-            print(f"  continue it from its checkpoints: {again}")
-    code = r.exit_code
-    assert code is not None  # `up` returns an ended run
-    return code
+    return summarize(outcome)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -405,8 +208,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from orchestrator.progress import recent_events
     from orchestrator.rundir import coordinator_alive, has_ended, read_events, read_status, resolve_run_dir
-    from orchestrator.view import recent_events, render_status
+    from orchestrator.view import render_status
 
     run_dir = resolve_run_dir(args.run_dir)
     status = read_status(run_dir)
@@ -435,9 +239,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from orchestrator.progress import age_text
     from orchestrator.record import RUNS_DIR
     from orchestrator.rundir import list_run_dirs, run_summary
-    from orchestrator.view import age_text
     from worker import wire
 
     base = args.runs or RUNS_DIR
@@ -501,3 +305,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _handlers() -> arguments.Handlers:
+    return {
+        "up": cmd_up,
+        "plan": cmd_plan,
+        "validate": cmd_validate,
+        "check": cmd_check,
+        "status": cmd_status,
+        "ls": cmd_ls,
+        "wait": cmd_wait,
+        "logs": cmd_logs,
+        "show": cmd_show,
+        "down": cmd_down,
+        "schema": cmd_schema,
+    }

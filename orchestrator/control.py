@@ -83,7 +83,7 @@ class RunResult:
     @property
     def metrics(self) -> dict[str, float]:
         """The final reported values: the leading training task's, then the evaluator's."""
-        from orchestrator.view import progress_of
+        from orchestrator.progress import progress_of
 
         progress = progress_of(self.status)
         return {**progress.metrics, **progress.eval_metrics}

@@ -43,8 +43,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.errors import LaunchError
+from orchestrator.progress import progress_of
 from orchestrator.rundir import has_ended
-from orchestrator.view import progress_of
 from orchestrator.web.guard import Complaints, Guard, ProtocolLog
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from orchestrator import cli
 from orchestrator.errors import SpecError
-from orchestrator.spec.load import MAX_DEPTH, MAX_SPEC_BYTES, MAX_VALUES, _read_yaml, load_spec, parse_spec
+from orchestrator.spec.load import load_spec, parse_spec
 from orchestrator.spec.model import MAX_HOSTS, MAX_TASKS
+from orchestrator.spec.yamlread import MAX_DEPTH, MAX_SPEC_BYTES, MAX_VALUES, read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -270,7 +271,7 @@ def test_deep_alias_chains_are_walked_only_as_deep_as_the_schema(tmp_path: Path)
     defs = "defs: [&d0 [1]" + "".join(f", &d{i} {'[' * 8}*d{i - 1}{']' * 8}" for i in range(1, 16)) + "]\n"
     at, message = problem(spec_at(tmp_path, defs + GOOD))
     assert at == 1 and "defs: unknown key" in message
-    _, lines = _read_yaml(defs + GOOD, "spec.yaml")
+    _, lines = read_yaml(defs + GOOD, "spec.yaml")
     assert len(lines) < 500  # was 61,267 paths (1.7 s, 220 MB): the line index followed every alias
 
 
@@ -343,7 +344,7 @@ def test_any_bytes_through_the_command_line_exit_2_or_0_without_a_traceback(
 
 
 def test_the_specs_copy_has_its_secret_values_redacted_and_the_rest_as_written() -> None:
-    from orchestrator.spec.load import redact_text
+    from orchestrator.spec.yamlread import redact_text
 
     text = (
         "# my lab\nname: demo\nhosts:\n  - address: 127.0.0.1   # here\n    tasks: {worker: 1}\n"

@@ -10,18 +10,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from orchestrator.progress import age_text, duration_text, event_text, progress_of, recent_events
 from orchestrator.quiet import console_writes_anything
-from orchestrator.view import (
-    LiveView,
-    PlainView,
-    age_text,
-    duration_text,
-    event_text,
-    metric_names,
-    progress_of,
-    recent_events,
-    render_status,
-)
+from orchestrator.view import LiveView, PlainView, metric_names, render_status
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 

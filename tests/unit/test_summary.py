@@ -1,0 +1,159 @@
+"""CLI layer, the end of `orchestrate up` (orchestrator/summary.py): its text and exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.control import RunResult
+from orchestrator.plan import LaunchPlan
+from orchestrator.spec.model import Strategy
+from orchestrator.summary import summarize
+from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.supervise.records import SupervisorResult
+from orchestrator.supervise.states import ClusterState
+from worker.wire import TaskError
+
+
+def outcome(
+    run_dir: Path,
+    state: ClusterState,
+    cause: Failure | None = None,
+    **kw: Any,
+) -> RunResult:
+    result = SupervisorResult(
+        state=state,
+        reason=kw.pop("reason", "the reason"),
+        attempt=kw.pop("attempt", 1),
+        restarts=kw.pop("restarts", 1),
+        root_cause=cause,
+        started_at="2026-01-01T00:00:00.000Z",
+        ended_at="2026-01-01T00:01:00.000Z",
+        **kw,
+    )
+    plan = LaunchPlan("demo", "demo-x", Strategy.MULTI_WORKER_MIRRORED, "local", {})
+    return RunResult(run_dir=run_dir, result=result, plan=plan)
+
+
+def write_log(run_dir: Path, task: str, *lines: str) -> Path:
+    path = run_dir / "logs" / f"{task}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_summary_of_a_failure_names_its_exit_code_and_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = write_log(
+        tmp_path,
+        "worker-1",
+        "===== orchestrate: worker-1 attempt 0 started =====",
+        "an earlier attempt",
+        "===== orchestrate: worker-1 attempt 1 started =====",
+        "loading data",
+        "Segmentation fault",
+    )
+    cause = Failure(("worker-1",), FailureKind.EXIT, 1, "exited with code 139", exit_code=139)
+    code = summarize(outcome(tmp_path, ClusterState.FAILED, cause, reason="budget exhausted"))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "orchestrate: demo FAILED — budget exhausted" in out
+    assert "  took 1:00 · attempts 2 · restarts 1\n" in out
+    assert "  first failure: worker-1 exited with code 139\n" in out
+    assert "  exit code: 139\n" in out
+    assert f"  last lines of {log}:\n    | loading data\n    | Segmentation fault\n" in out
+    assert "an earlier attempt" not in out  # only the last attempt's lines
+
+
+def test_summary_shows_the_log_of_every_failed_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_log(tmp_path, "worker-0", "w0 waiting for its peer")
+    write_log(tmp_path, "worker-1", "w1 never came up")
+    cause = Failure(("worker-0", "worker-1"), FailureKind.STARTUP_TIMEOUT, 0, "not up within 120 s")
+    code = summarize(outcome(tmp_path, ClusterState.FAILED, cause))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "first failure: worker-0, worker-1 not up within 120 s" in out
+    assert "exit code:" not in out
+    assert "    | w0 waiting for its peer" in out
+    assert "    | w1 never came up" in out
+    assert out.index("worker-0.log") < out.index("worker-1.log")
+
+
+def test_summary_shows_the_traceback_of_an_exception(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tb = "Traceback (most recent call last):\n" + "".join(f'  File "train.py", line {i}\n' for i in range(30))
+    tb += "ValueError: bad batch\n"
+    err = TaskError("ValueError", "bad batch", tb)
+    cause = Failure(
+        ("worker-0",), FailureKind.EXCEPTION, 0, "raised ValueError: bad batch", error=err, step=3
+    )
+    summarize(outcome(tmp_path, ClusterState.FAILED, cause))
+    out = capsys.readouterr().out
+    assert "  traceback:\n" in out
+    assert "    ValueError: bad batch\n" in out
+    assert "line 29" in out and "line 15\n" not in out  # the last 15 lines only
+    assert "last lines of" not in out  # that task wrote no log
+
+
+def test_summary_lists_tasks_restarted_alone_and_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alone = Failure(("evaluator-0",), FailureKind.EXIT, 0, "exited with code 2", exit_code=2)
+    ignored = Failure(("evaluator-1",), FailureKind.LOST, 0, "no heartbeat for 10 s")
+    code = summarize(
+        outcome(tmp_path, ClusterState.SUCCEEDED, None, task_restarts=(alone,), ignored=(ignored,))
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "  restarted alone: evaluator-0 exited with code 2\n" in out
+    assert "  reported, did not stop the job: evaluator-1 no heartbeat for 10 s\n" in out
+    assert "first failure" not in out
+
+
+def test_summary_of_a_success_shows_no_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cause = Failure(
+        ("worker-1",), FailureKind.EXIT, 0, "exited with code 1", exit_code=1
+    )  # a restart's cause
+    write_log(tmp_path, "worker-1", "recovered")
+    code = summarize(outcome(tmp_path, ClusterState.SUCCEEDED, cause, reason="done"))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "demo SUCCEEDED — done" in out
+    assert "first failure" not in out and "recovered" not in out
+
+
+def test_summary_lists_what_was_brought_home(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = outcome(tmp_path, ClusterState.SUCCEEDED)
+    result = RunResult(result.run_dir, result.result, result.plan, brought_home=("model/ (3 files)",))
+    summarize(result)
+    out = capsys.readouterr().out
+    assert f"  brought home from the hosts into {tmp_path}:\n    model/ (3 files)\n" in out
+
+
+@pytest.mark.parametrize(
+    ("state", "kind", "expected"),
+    [
+        (ClusterState.SUCCEEDED, None, 0),
+        (ClusterState.FAILED, FailureKind.EXIT, 1),
+        (ClusterState.FAILED, FailureKind.EXCEPTION, 1),
+        (ClusterState.FAILED, None, 1),
+        (ClusterState.INTERRUPTED, None, 130),
+        (ClusterState.INTERRUPTED, FailureKind.LAUNCH, 130),
+        (ClusterState.FAILED, FailureKind.LAUNCH, 3),
+    ],
+)
+def test_summary_exit_codes(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    state: ClusterState,
+    kind: FailureKind | None,
+    expected: int,
+) -> None:
+    cause = Failure(("worker-0",), kind, 0, "went wrong", exit_code=1) if kind is not None else None
+    assert summarize(outcome(tmp_path, state, cause)) == expected
