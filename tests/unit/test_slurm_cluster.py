@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import LaunchError, SpecError
+from orchestrator.launch.slurm import allocation
 from orchestrator.launch.slurm import check as slurm_check
 from orchestrator.launch.slurm import cluster as slurm
 from orchestrator.launch.slurm.cluster import Request, Slurm, check_cluster, route_address
@@ -132,7 +133,7 @@ def test_salloc_asks_for_the_spec_and_holds_the_allocation_with_a_pipe(tmp_path:
         "extra_args: [--gres=gpu:1]\n",
         "health: {stop_grace_s: 45}\n",
     )
-    argv = slurm.salloc_argv(spec, "s-1-ab")
+    argv = allocation.salloc_argv(spec, "s-1-ab")
     assert argv[:5] == [
         "salloc",
         "--no-kill",
@@ -189,7 +190,7 @@ def test_scontrol_one_liners_are_read_as_fields() -> None:
     [("0:50", 50), ("1:02:03", 3723), ("2-00:00:01", 172801), ("UNLIMITED", None), ("", None)],
 )
 def test_squeue_time_left(text: str, seconds: float | None) -> None:
-    assert slurm._duration_s(text) == seconds
+    assert allocation._duration_s(text) == seconds
 
 
 def test_salloc_log_gives_the_pending_job_and_its_errors_without_the_routine_lines(tmp_path: Path) -> None:
@@ -198,8 +199,11 @@ def test_salloc_log_gives_the_pending_job_and_its_errors_without_the_routine_lin
         "salloc: Pending job allocation 18\nsalloc: job 18 queued and waiting for resources\n"
         "salloc: Job allocation 18 has been revoked.\nsalloc: Job aborted due to signal\n"
     )
-    assert slurm._pending_job(log) == "18"
-    assert slurm._salloc_errors(log) == ["Job allocation 18 has been revoked.", "Job aborted due to signal"]
+    assert allocation._pending_job(log) == "18"
+    assert allocation._salloc_errors(log) == [
+        "Job allocation 18 has been revoked.",
+        "Job aborted due to signal",
+    ]
 
 
 class Answers(Slurm):

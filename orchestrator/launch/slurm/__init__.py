@@ -38,7 +38,7 @@ class SlurmKind(Kind):
     def reattach(
         self, record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]
     ) -> Leftovers:
-        from orchestrator.launch.slurm.backend import SlurmLeftovers
+        from orchestrator.launch.slurm.leftovers import SlurmLeftovers
 
         return SlurmLeftovers(record)
 

@@ -26,16 +26,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
-import secrets
 import shlex
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,18 +40,14 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
-    Leftovers,
     Prepared,
     TaskHandle,
-    on_all,
 )
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.shim import shim_job
+from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import (
-    PROBE_SOURCE,
     RUNTIME_ROOT,
-    SHIM,
-    Allocation,
     Request,
     Slurm,
     cancel_steps,
@@ -63,12 +55,11 @@ from orchestrator.launch.slurm.cluster import (
     job_name,
     route_address,
     signal_lead_s,
-    srun_argv,
-    step_argv,
 )
 from orchestrator.launch.slurm.files import NodeFiles
+from orchestrator.launch.slurm.nodes import NodeProbe, files_copied
 from orchestrator.launch.slurm.spec import SlurmSpec, section
-from orchestrator.launch.slurm.step import SlurmTaskHandle, SrunStep, port_lock
+from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_step
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import make_private_dir, now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
@@ -157,21 +148,7 @@ class SlurmBackend(Backend):
             )
         self._addresses = self._node_addresses(alloc.nodes)
         answers = self._healthy(alloc.nodes, reason="at launch", required=True)
-        sees = {n: a["sees_run"] for n, a in answers.items()}
-        unseen = {n: a["unseen"] for n, a in answers.items() if a["unseen"]}
-        if all(sees.values()) and unseen:
-            node, paths = next(iter(unseen.items()))
-            raise LaunchError(
-                f"{node} sees the run directory but not {', '.join(paths[:2])}: the slurm backend needs the "
-                "job's folder and orchestrate on a filesystem the nodes share, as the run directory"
-            )
-        if any(sees.values()) and not all(sees.values()):
-            raise LaunchError(
-                f"some nodes see the run directory {self._run_dir}, others do not "
-                f"({', '.join(n for n, ok in sees.items() if not ok)}): a shared filesystem must be "
-                "mounted on every node, or on none"
-            )
-        self._shipping = not any(sees.values())
+        self._shipping = files_copied(answers, self._run_dir)
         if self._shipping:
             log.info("the nodes do not see %s: the job's files are copied to them", self._run_dir)
             self._files.ship_code(alloc.job_id, list(answers))
@@ -195,75 +172,16 @@ class SlurmBackend(Backend):
         (required) or left out. Each answer's `sees_run` says whether the node reads the run
         directory."""
         assert self._alloc is not None
-        nonce_path = self._folder / f"nonce-{secrets.token_hex(4)}"
-        nonce = secrets.token_hex(16)
-        nonce_path.write_text(nonce, encoding="utf-8")
-        paths = {str(nonce_path): nonce, str(SHIM): SHIM.read_text(encoding="utf-8")[:4096]}
-        entry = self._spec.job.script or self._spec.job.loop
-        assert entry is not None
-        paths[str(entry)] = entry.read_text(encoding="utf-8", errors="replace")[:4096]
-        declared = self._spec.shared_checkpoint_dir  # said to be shared by every node: proven so
-        declared_nonce = declared / f".orchestrate-shared-{nonce}" if declared is not None else None
-        if declared_nonce is not None:
-            try:
-                declared_nonce.parent.mkdir(parents=True, exist_ok=True)
-                declared_nonce.write_text(nonce, encoding="utf-8")
-            except OSError as exc:
-                raise LaunchError(
-                    f"cannot write in {declared} (the shared checkpoint folder): {exc}"
-                ) from None
-            paths[str(declared_nonce)] = nonce
-        count = max(sum(h.tasks.values()) for h in self._spec.hosts)
-
-        job_id = self._alloc.job_id
-
-        def one(node: str) -> dict[str, Any]:
-            mine = [str(p.port) for t, p in self._placements.items() if self._node_of.get(t) == node]
-            argv = [
-                *step_argv(job_id, node, f"{job_name(self._run_id)}-probe"),
-                *self._python,
-                "-S",  # standard library only: no site-packages to scan (`check` reports TensorFlow)
-                "-c",
-                PROBE_SOURCE,
-                "node",
-                str(count),
-                port_lock(node, "{port}"),
-                *mine,
-            ]
-            res = self._slurm.run(
-                argv,
-                f"probing {node}",
-                timeout_s=self._conf.connect_timeout_s + 20,
-                stdin=json.dumps({str(k): v for k, v in paths.items()}),
-            )
-            if res.returncode != 0:
-                said = " ".join(res.stderr.split())[-400:] or f"exit {res.returncode}"
-                if "execve" in said or "No such file" in said:
-                    said += f" ({shlex.join(self._python)}: set slurm.python to the interpreter on the nodes)"
-                raise LaunchError(said)
-            return dict(json.loads(res.stdout.strip().splitlines()[-1]))
-
-        answers: dict[str, dict[str, Any]] = {}
-        problems: list[str] = []
-        try:
-            results = on_all(nodes, one)
-        finally:
-            nonce_path.unlink(missing_ok=True)
-            if declared_nonce is not None:
-                declared_nonce.unlink(missing_ok=True)
-        for node, answer in results:
-            if isinstance(answer, Exception):
-                problems.append(f"{node}: {answer}")
-                continue
-            answer["sees_run"] = bool(answer.get("seen", {}).get(str(nonce_path)))
-            answer["unseen"] = [p for p, ok in answer.get("seen", {}).items() if not ok]
-            if declared_nonce is not None and str(declared_nonce) in answer["unseen"]:
-                problems.append(
-                    f"{node} does not see {declared}, which the spec says every node shares "
-                    "(train.checkpoint_dir / job.checkpoint_dir)"
-                )
-                continue
-            answers[node] = answer
+        probe = NodeProbe(self._slurm, self._spec, self._alloc.job_id, self._run_id, self._python)
+        answers, problems = probe.run(
+            nodes,
+            self._folder,
+            ports={
+                n: [str(p.port) for t, p in self._placements.items() if self._node_of.get(t) == n]
+                for n in nodes
+            },
+            timeout_s=self._conf.connect_timeout_s + 20,
+        )
         if problems and required:
             raise LaunchError(f"node check {reason} failed:\n  " + "\n  ".join(problems))
         for p in problems:
@@ -457,20 +375,11 @@ class SlurmBackend(Backend):
             follow=self._shipping,  # shared: the coordinator reads the log file in place
             forward_signals=False,  # Slurm signals the task itself
         )
-        argv = srun_argv(self._alloc.job_id, node, f"{job_name(self._run_id)}-{task.name}", self._python)
-        try:
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE if self._shipping else subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env=self._slurm.env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise LaunchError(f"cannot start {task.name}: srun: {exc.strerror or exc}") from None
-        handle = SlurmTaskHandle(task, attempt, log_path, SrunStep(node, popen, self._slurm))
-        handle.transport.send((json.dumps(job) + "\n").encode())
+        name = f"{job_name(self._run_id)}-{task.name}"
+        step = start_step(
+            self._slurm, self._alloc.job_id, node, name, self._python, job, stream=self._shipping
+        )
+        handle = SlurmTaskHandle(task, attempt, log_path, step)
         with self._lock:
             self._handles[task.name] = handle
         return handle
@@ -486,37 +395,3 @@ class SlurmBackend(Backend):
             alloc.release(self._slurm)
         else:
             cancel_steps(self._slurm, alloc.job_id, job_name(self._run_id))
-
-
-class SlurmLeftovers(Leftovers):
-    """`orchestrate down` with the coordinator gone: its allocation (found by name: a renewed one
-    too) is cancelled; inside an allocation that is not ours, only this run's steps."""
-
-    def __init__(self, record: Mapping[str, Any]):
-        self._record = record
-
-    def stop(self, grace_s: float) -> list[tuple[str, bool]]:
-        slurm = Slurm(float(self._record.get("connect_timeout_s") or 10.0))
-        name = str(self._record.get("job_name") or job_name(str(self._record.get("run_id"))))
-        try:
-            if self._record.get("owned") is False:
-                steps = cancel_steps(slurm, str(self._record.get("job_id")), name)
-                what = f"cancelled step(s) {', '.join(steps)}" if steps else "no step of this run left"
-                return [(f"Slurm job {self._record.get('job_id')} (not ours, left running): {what}", True)]
-            out = slurm.checked(["squeue", "-h", "--name", name, "-o", "%i"], "listing this run's allocation")
-            jobs = out.split()
-            if jobs:
-                slurm.checked(["scancel", "--signal=TERM", *jobs], "asking the tasks to stop")
-                deadline = time.monotonic() + grace_s
-                while (
-                    time.monotonic() < deadline
-                    and slurm.checked(
-                        ["squeue", "-h", "-s", "-j", ",".join(jobs), "-o", "%i"], "waiting"
-                    ).strip()
-                ):
-                    time.sleep(0.2)
-                slurm.checked(["scancel", *jobs], "releasing the allocation")
-            what = f"cancelled job(s) {', '.join(jobs)}" if jobs else "no allocation of this run left"
-            return [(f"Slurm: {what}", True)]
-        except LaunchError as exc:
-            return [(f"Slurm: {exc}", False)]

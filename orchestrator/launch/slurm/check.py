@@ -18,6 +18,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
+from orchestrator.launch.slurm.allocation import salloc_argv
 from orchestrator.launch.slurm.cluster import (
     PROBE_SOURCE,
     SHIM,
@@ -25,7 +26,6 @@ from orchestrator.launch.slurm.cluster import (
     Slurm,
     check_cluster,
     job_name,
-    salloc_argv,
     srun_argv,
 )
 from orchestrator.launch.slurm.spec import SlurmSpec, section

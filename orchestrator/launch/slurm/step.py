@@ -10,14 +10,17 @@ cleans the node once it is back); its task stops by itself once the coordinator 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import subprocess
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport
-from orchestrator.launch.slurm.cluster import Slurm
+from orchestrator.launch.slurm.cluster import Slurm, srun_argv
 
 log = logging.getLogger("orchestrator.slurm")
 
@@ -78,6 +81,34 @@ class SrunStep(Transport):
             self._popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(timeout=5)
+
+
+def start_step(
+    slurm: Slurm,
+    job_id: str,
+    node: str,
+    name: str,
+    python: tuple[str, ...],
+    job: Mapping[str, Any],
+    *,
+    stream: bool,
+) -> SrunStep:
+    """The shim as a step on `node`, given `job` (shim.shim_job) on its stdin; `stream`: the task's
+    output comes back on its stdout (the node does not share this machine's files)."""
+    try:
+        popen = subprocess.Popen(
+            srun_argv(job_id, node, name, python),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if stream else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=slurm.env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise LaunchError(f"cannot start {job['task']}: srun: {exc.strerror or exc}") from None
+    step = SrunStep(node, popen, slurm)
+    step.send((json.dumps(job) + "\n").encode())
+    return step
 
 
 class SlurmTaskHandle(ShimHandle):

@@ -36,7 +36,7 @@ class SshKind(Kind):
     def reattach(
         self, record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]
     ) -> Leftovers:
-        from orchestrator.launch.ssh.backend import SshLeftovers
+        from orchestrator.launch.ssh.leftovers import SshLeftovers
 
         return SshLeftovers(record, plan)
 

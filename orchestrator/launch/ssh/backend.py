@@ -10,13 +10,12 @@ name; the task's recorded process group is the only target.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import posixpath
 import shlex
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,17 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
-    Leftovers,
     Prepared,
     TaskHandle,
     on_all,
 )
 from orchestrator.launch.placement import Placement, job_files_root
-from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport, shim_job
+from orchestrator.launch.shim import shim_job
 from orchestrator.launch.ssh import preflight
-from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe, run_json
+from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
+from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
-from orchestrator.launch.ssh.spec import SshSpec
+from orchestrator.launch.ssh.relay import Relay
 from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.launch.ssh.state import StateCopies
 from orchestrator.launch.ssh.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
@@ -51,50 +50,6 @@ from orchestrator.spec.roles import task_slots
 from worker import wire
 
 log = logging.getLogger("orchestrator.ssh")
-
-
-class SshTaskHandle(ShimHandle):
-    """A task attempt over SSH."""
-
-    kill_wait_s = 5.0  # after SIGKILL, how long a host may take to confirm the exit
-    unconfirmed_hint = (
-        "its connection was lost; such a task stops by itself once its SSH connection or the "
-        "coordinator is gone, and a new attempt there stops any leftover first"
-    )
-
-
-class SshChannel(Transport):
-    """A shim's streams over one SSH channel (one per task attempt)."""
-
-    closed_text = "the channel closed"
-    unreachable_at_end = True  # the channel's end: its connection is gone, nothing more is learned
-
-    def __init__(self, host: Host, channel: paramiko.Channel, on_lost: Callable[[int], None]):
-        self.host = host
-        self.where = host.label
-        self._channel = channel
-        self._on_lost = on_lost  # its host's connection is renewed before the next use
-
-    def send(self, data: bytes) -> None:
-        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
-            self._channel.sendall(data)
-
-    def read_events(self) -> bytes:
-        try:
-            return bytes(self._channel.recv_stderr(65536))
-        except (OSError, EOFError, paramiko.SSHException):
-            return b""
-
-    def read_output(self) -> bytes:
-        try:
-            return bytes(self._channel.recv(65536))
-        except (OSError, EOFError, paramiko.SSHException):
-            return b""
-
-    def close(self, confirmed: bool, events: ShimEvents) -> None:
-        self._channel.close()
-        if not confirmed:
-            self._on_lost(self.host.index)
 
 
 @dataclass(frozen=True)
@@ -120,7 +75,7 @@ class SshBackend(Backend):
         self._credentials = Credentials()  # the coordinator's, from open()
         self._direct_url: str | None = None
         self._locks = {h.index: threading.Lock() for h in self._hosts}  # one reconnect per host at a time
-        self._relays: dict[int, _Relay] = {}  # per host: where its tasks post heartbeats
+        self._relays: dict[int, Relay] = {}  # per host: where its tasks post heartbeats
         per_host = [s.host_index for s in task_slots(spec)]
         # hosts with several tasks: their heartbeats go through a relay
         self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
@@ -339,7 +294,7 @@ class SshBackend(Backend):
                 "interval_s": health.heartbeat_interval_s,
                 "give_up_s": health.heartbeat_timeout_s,  # as its tasks (ORCHESTRATE_COORDINATOR_TIMEOUT_S)
             }
-            relay = _Relay.start(conn, self._hosts[index], script, config, self._ssh.connect_timeout_s + 10)
+            relay = Relay.start(conn, self._hosts[index], script, config, self._ssh.connect_timeout_s + 10)
             self._relays[index] = relay
             return relay.url
 
@@ -384,127 +339,3 @@ class SshBackend(Backend):
         self._relays = {}
         close_all(self._conns)
         self._conns = {}
-
-
-class _Relay:
-    """One host's heartbeat relay (worker/relay.py), run over an SSH channel of its own: it ends
-    when the channel does (the run is over, the coordinator died, the connection was lost)."""
-
-    def __init__(self, channel: paramiko.Channel, port: int, label: str):
-        self.channel = channel
-        self.url = f"http://127.0.0.1:{port}"
-        self.closing = False
-        threading.Thread(target=self._watch, args=(label,), daemon=True, name=f"relay-{label}").start()
-
-    def close(self) -> None:
-        self.closing = True
-        self.channel.close()
-
-    def _watch(self, label: str) -> None:
-        """Logs what the relay says (it speaks when the coordinator stops or starts answering
-        it, and when it gives up), and its end unless we ended it."""
-        last = ""
-        with contextlib.suppress(OSError, EOFError, paramiko.SSHException, ValueError):
-            for raw in self.channel.makefile_stderr("rb"):  # until the channel closes
-                last = raw.decode(errors="replace").strip()[:500]
-                if last and not self.closing:
-                    log.warning("%s: %s", label, last)
-        code = self.channel.recv_exit_status()  # -1 when the channel closed without one
-        if self.closing:
-            return
-        log.warning(
-            "%s: the heartbeat relay ended (exit %s)%s; a new one starts with the host's next task",
-            label,
-            code,
-            f": {last}" if last else "",
-        )
-
-    @property
-    def alive(self) -> bool:
-        return not self.channel.closed and not self.channel.exit_status_ready()
-
-    @classmethod
-    def start(
-        cls, conn: fabric.Connection, host: Host, script: str, config: dict[str, Any], timeout_s: float
-    ) -> _Relay:
-        transport = conn.transport
-        assert transport is not None
-        try:
-            channel = transport.open_session(timeout=timeout_s)
-            channel.exec_command("exec " + shlex.join([*host.python, "-S", script]))
-            channel.sendall((json.dumps(config) + "\n").encode())
-            channel.settimeout(timeout_s)
-            line = b""
-            while not line.endswith(b"\n"):
-                data = channel.recv(4096)
-                if not data:
-                    break
-                line += data
-            channel.settimeout(None)
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            raise LaunchError(
-                f"{host.label}: cannot start the heartbeat relay: {exc or type(exc).__name__}"
-            ) from None
-        try:
-            port = int(json.loads(line)["port"])
-        except (ValueError, KeyError, TypeError):
-            said = (
-                channel.recv_stderr(4096).decode(errors="replace").strip()
-                if channel.recv_stderr_ready()
-                else ""
-            )
-            channel.close()
-            said = said or line.decode(errors="replace").strip() or "no answer"
-            raise LaunchError(f"{host.label}: the heartbeat relay did not start: {said}") from None
-        return cls(channel, port, host.label)
-
-
-class SshLeftovers(Leftovers):
-    """`orchestrate down` when the coordinator is gone: on every host, the recorded process groups
-    of this run's tasks (plan.json's) that still carry its run id (the shim's `--stop`)."""
-
-    def __init__(self, record: Mapping[str, Any], plan: Mapping[str, Any]):
-        self._record = record
-        self._tasks = list(plan.get("tasks", []))
-
-    def stop(self, grace_s: float) -> list[tuple[str, bool]]:
-        return stop_leftovers(self._record, self._tasks, grace_s)
-
-
-def stop_leftovers(
-    record: Mapping[str, Any], tasks: list[dict[str, Any]], grace_s: float
-) -> list[tuple[str, bool]]:
-    """Per host: a line, and whether the host could be asked."""
-    ssh = SshSpec(**record["ssh"])
-    run_id = record["run_id"]
-    hosts = []
-    workdirs = {h["index"]: h["workdir"] for h in record["hosts"]}
-    for h in record["hosts"]:
-        if h.get("workdir") is None:
-            continue
-        host = Host(
-            index=h["index"],
-            address=h["address"],
-            ssh_port=h["port"],
-            user=h["user"],
-            identity_file=Path(h["identity_file"]) if h["identity_file"] else None,
-            python=tuple(shlex.split(h["python"])),
-        )
-        folder = posixpath.join(h["workdir"], "runs", run_id, "tasks")
-        names = [t["name"] for t in tasks if t.get("host_index") == h["index"]]
-        hosts.append((host, [posixpath.join(folder, f"{n}.json") for n in names]))
-
-    def one(item: tuple[Host, list[str]]) -> str:
-        host, pidfiles = item
-        if not pidfiles:
-            return f"{host.label}: no task"
-        conn = connect(host, ssh)
-        shim = posixpath.join(workdirs[host.index], "cache", record["shim_sha256"])
-        try:
-            argv = [*host.python, "-S", shim, "--stop", run_id, repr(grace_s), *pidfiles]
-            answer = run_json(conn, host, argv, "stop", timeout_s=grace_s + 60.0)
-        finally:
-            close_all({host.index: conn})
-        return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())
-
-    return [(str(r), not isinstance(r, Exception)) for _, r in on_all(hosts, one)]

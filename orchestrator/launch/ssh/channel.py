@@ -1,0 +1,56 @@
+"""Launch layer, ssh backend: a task's shim over one SSH channel (one per task attempt) — the
+transport of the one shim handle (launch/shim.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import paramiko
+
+from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport
+from orchestrator.launch.ssh.hosts import Host
+
+
+class SshTaskHandle(ShimHandle):
+    """A task attempt over SSH."""
+
+    kill_wait_s = 5.0  # after SIGKILL, how long a host may take to confirm the exit
+    unconfirmed_hint = (
+        "its connection was lost; such a task stops by itself once its SSH connection or the "
+        "coordinator is gone, and a new attempt there stops any leftover first"
+    )
+
+
+class SshChannel(Transport):
+    """A shim's streams over one SSH channel (one per task attempt)."""
+
+    closed_text = "the channel closed"
+    unreachable_at_end = True  # the channel's end: its connection is gone, nothing more is learned
+
+    def __init__(self, host: Host, channel: paramiko.Channel, on_lost: Callable[[int], None]):
+        self.host = host
+        self.where = host.label
+        self._channel = channel
+        self._on_lost = on_lost  # its host's connection is renewed before the next use
+
+    def send(self, data: bytes) -> None:
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            self._channel.sendall(data)
+
+    def read_events(self) -> bytes:
+        try:
+            return bytes(self._channel.recv_stderr(65536))
+        except (OSError, EOFError, paramiko.SSHException):
+            return b""
+
+    def read_output(self) -> bytes:
+        try:
+            return bytes(self._channel.recv(65536))
+        except (OSError, EOFError, paramiko.SSHException):
+            return b""
+
+    def close(self, confirmed: bool, events: ShimEvents) -> None:
+        self._channel.close()
+        if not confirmed:
+            self._on_lost(self.host.index)
