@@ -44,10 +44,10 @@ from orchestrator.launch.api import (
     TaskHandle,
 )
 from orchestrator.launch.placement import Placement
+from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.shim import shim_job
 from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import (
-    RUNTIME_ROOT,
     Request,
     Slurm,
     cancel_steps,

@@ -18,10 +18,9 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
+from orchestrator.launch.runtime import PROBE_SOURCE, SHIM
 from orchestrator.launch.slurm.allocation import salloc_argv
 from orchestrator.launch.slurm.cluster import (
-    PROBE_SOURCE,
-    SHIM,
     Request,
     Slurm,
     check_cluster,

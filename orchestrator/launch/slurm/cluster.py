@@ -19,10 +19,10 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.runtime import SHIM
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.spec.model import ClusterSpec
 
@@ -30,9 +30,6 @@ log = logging.getLogger("orchestrator.slurm")
 
 COMMANDS = ("salloc", "srun", "scancel", "squeue", "scontrol")
 NOT_INSTALLED = "Slurm's commands are not installed here"
-RUNTIME_ROOT = Path(__file__).resolve().parents[3]  # the folder holding worker/
-SHIM = RUNTIME_ROOT / "worker" / "shim.py"
-PROBE_SOURCE = (RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
 # srun reads these as its own options; inside an allocation they describe the allocation, not a step
 _STEP_OPTION_ENV = (
     "SLURM_NTASKS",

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.placement import job_files_root
-from orchestrator.launch.slurm.cluster import PROBE_SOURCE, RUNTIME_ROOT, Slurm, job_name, step_argv
+from orchestrator.launch.runtime import FOLDERS_SOURCE, RUNTIME_ROOT
+from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.spec import section
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import private_open
@@ -76,7 +77,7 @@ class NodeFiles:
             *self._python,
             "-S",
             "-c",
-            PROBE_SOURCE,
+            FOLDERS_SOURCE,
             "unpack",
             self.folder,
             *(["replace"] if replace else []),
@@ -93,7 +94,7 @@ class NodeFiles:
             *self._python,
             "-S",
             "-c",
-            PROBE_SOURCE,
+            FOLDERS_SOURCE,
             "pack",
             self.folder,
             *subs,

@@ -25,13 +25,13 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.runtime import source_for
 from orchestrator.launch.ssh.spec import HostKeyPolicy, SshSpec
 from orchestrator.spec.model import ClusterSpec, HostSpec
 
 log = logging.getLogger("orchestrator.ssh")
 T = TypeVar("T")
 
-PROBE_SOURCE = (Path(__file__).resolve().parents[3] / "worker" / "probe.py").read_text(encoding="utf-8")
 _known_hosts_lock = threading.Lock()
 
 
@@ -193,8 +193,10 @@ def probe(
     stdin: str | None = None,
     timeout_s: float = 60.0,
 ) -> Any:
-    """Run one mode of worker/probe.py on the host with its Python; its JSON answer."""
-    return run_json(conn, host, [*host.python, "-c", PROBE_SOURCE, mode, *args], mode, stdin, timeout_s)
+    """Run one mode of worker/probe.py (or worker/folders.py) on the host with its Python; its
+    JSON answer."""
+    argv = [*host.python, "-c", source_for(mode), mode, *args]
+    return run_json(conn, host, argv, mode, stdin, timeout_s)
 
 
 def run_json(

@@ -23,7 +23,8 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import CheckReport, on_all
-from orchestrator.launch.ssh.hosts import PROBE_SOURCE, Host, close_all, connect, hosts_of, probe
+from orchestrator.launch.runtime import PROBE_SOURCE
+from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots

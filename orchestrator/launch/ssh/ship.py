@@ -6,9 +6,9 @@ owner's (`StatePlan`): it brings the owner's folder home (the run directory, whi
 latest copy of the run's state), then sends home's copy to each host that lacks it. At the end
 of a run the same pull brings the results (model, TensorBoard, checkpoints) home.
 
-A folder is compared file by file (size and SHA-256, listed by `worker/probe.py tree` on the
+A folder is compared file by file (size and SHA-256, listed by `worker/folders.py tree` on the
 host and here), so only what differs travels. Files arrive under a staging folder beside the
-target and are moved into place by `probe.py commit` — data first, TF's `checkpoint` index last —
+target and are moved into place by `folders.py commit` — data first, TF's `checkpoint` index last —
 so a reader never sees an index that names files not there yet, and a transfer cut short
 leaves the previous complete checkpoint in use.
 """
@@ -32,7 +32,8 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.ssh.hosts import PROBE_SOURCE, Host, probe
+from orchestrator.launch.runtime import source_for
+from orchestrator.launch.ssh.hosts import Host, probe
 from orchestrator.launch.ssh.sync import sha256_file
 
 STAGING_PREFIX = ".incoming-"
@@ -57,7 +58,7 @@ class Transfer:
 
 
 def local_tree(folder: Path) -> dict[str, Any]:
-    """probe.py's `tree`, run on this machine (the one implementation, as on the hosts)."""
+    """folders.py's `tree`, run on this machine (the one implementation, as on the hosts)."""
     return _probe_here("tree", str(folder))
 
 
@@ -241,7 +242,7 @@ def _remove_staging(sftp: Any, staging: str, made: set[str]) -> None:
 
 def _probe_here(mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:
     res = subprocess.run(
-        [sys.executable, "-S", "-c", PROBE_SOURCE, mode, *args],
+        [sys.executable, "-S", "-c", source_for(mode), mode, *args],
         input=stdin or "",
         capture_output=True,
         text=True,

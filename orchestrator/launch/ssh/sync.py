@@ -21,13 +21,14 @@ from pathlib import Path
 import fabric
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.ssh.hosts import Host
 
 MAX_FILES = 5000
 MAX_BYTES = 2 * 1024**3
 # Never copied: version control, virtual environments, caches and run folders.
 _SKIP_DIRS = {"__pycache__", "runs", "node_modules", "venv"}
-_WORKER_DIR = Path(__file__).resolve().parents[3] / "worker"
+_WORKER_DIR = RUNTIME_ROOT / "worker"
 
 
 @dataclass(frozen=True)
