@@ -124,34 +124,9 @@ def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement
     tasks = []
     for slot in slots:
         place = placements[slot.name]
-        host = spec.hosts[slot.host_index]
         tf_config = {"cluster": cluster, "task": {"type": slot.role.value, "index": slot.index}}
         checkpoint_dir = str(spec.shared_checkpoint_dir or posixpath.join(place.run_folder, "checkpoints"))
-        env = {
-            **spec.job.env,
-            **host.env,
-            **place.env,
-            "TF_CONFIG": json.dumps(tf_config, separators=(",", ":")),
-            wire.ENV_RUN_ID: run_id,
-            wire.ENV_RUN_DIR: place.run_folder,
-            wire.ENV_TASK: slot.name,
-            wire.ENV_COORDINATOR: place.coordinator_url,
-            wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
-            wire.ENV_CHECKPOINT_DIR: checkpoint_dir,
-            # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
-            wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
-            # TensorFlow's own peer watch follows the same knobs, so the survivors fail fast too.
-            wire.ENV_TF_HEARTBEAT_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
-            wire.ENV_TF_REGISTER_TIMEOUT_S: repr(spec.health.startup_timeout_s),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if spec.strategy is Strategy.PARAMETER_SERVER:
-            # A call to a lost task fails at once instead of waiting for it (docs/architecture.md §7).
-            env["GRPC_FAIL_FAST"] = "use_caller"
-        if slot.name in gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[slot.name]
-        if place.pythonpath:  # a worker runtime copied beside the job comes first
-            env["PYTHONPATH"] = ":".join([*place.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+        env = _task_env(spec, run_id, slot, place, tf_config, checkpoint_dir, gpus.get(slot.name))
         tasks.append(
             TaskPlan(
                 name=slot.name,
@@ -179,6 +154,46 @@ def make_plan(spec: ClusterSpec, run_id: str, placements: Mapping[str, Placement
         spec.secret_names(),
         spec.train.global_batch_size if spec.job.loop is not None and spec.train is not None else None,
     )
+
+
+def _task_env(
+    spec: ClusterSpec,
+    run_id: str,
+    slot: TaskSlot,
+    place: Placement,
+    tf_config: Mapping[str, Any],
+    checkpoint_dir: str,
+    gpus: str | None,
+) -> dict[str, str]:
+    """A task's environment: the spec's and its host's, the backend's, then ours (TF_CONFIG, where
+    heartbeats go, the timeouts TensorFlow's own peer watch follows too)."""
+    host = spec.hosts[slot.host_index]
+    env = {
+        **spec.job.env,
+        **host.env,
+        **place.env,
+        "TF_CONFIG": json.dumps(tf_config, separators=(",", ":")),
+        wire.ENV_RUN_ID: run_id,
+        wire.ENV_RUN_DIR: place.run_folder,
+        wire.ENV_TASK: slot.name,
+        wire.ENV_COORDINATOR: place.coordinator_url,
+        wire.ENV_HEARTBEAT_INTERVAL_S: repr(spec.health.heartbeat_interval_s),
+        wire.ENV_CHECKPOINT_DIR: checkpoint_dir,
+        # A task whose coordinator is gone this long exits by itself (no orphans holding GPUs).
+        wire.ENV_COORDINATOR_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
+        # TensorFlow's own peer watch follows the same knobs, so the survivors fail fast too.
+        wire.ENV_TF_HEARTBEAT_TIMEOUT_S: repr(spec.health.heartbeat_timeout_s),
+        wire.ENV_TF_REGISTER_TIMEOUT_S: repr(spec.health.startup_timeout_s),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if spec.strategy is Strategy.PARAMETER_SERVER:
+        # A call to a lost task fails at once instead of waiting for it (docs/architecture.md §7).
+        env["GRPC_FAIL_FAST"] = "use_caller"
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    if place.pythonpath:  # a worker runtime copied beside the job comes first
+        env["PYTHONPATH"] = ":".join([*place.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def state_plan(spec: ClusterSpec, slots: list[TaskSlot]) -> StatePlan:

@@ -16,8 +16,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from worker.reporter import keeps_points
 from worker.runtime import reporter
+from worker.task import keeps_points
 
 _TRAINING = None  # reporter().set_busy(None): training
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from worker import wire
 from worker.ps import PsTrainer
-from worker.reporter import is_chief
 from worker.runtime import reporter
+from worker.task import is_chief
 from worker.training import (
     LoopError,
     checkpoint_write_dir,
@@ -123,19 +123,7 @@ class _Trainer:
         # step) and the fingerprint below covers it.
         with self.strategy.scope():
             build_optimizer(self.optimizer, self.model)
-        latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
-        if latest:
-            checkpoint.restore(latest)
-            print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
-        self.restored = wire.Restored(
-            step=int(self.step.numpy()),
-            fingerprint=state_fingerprint(
-                self.model, self.optimizer, (self.step, self.epoch, self.step_in_epoch)
-            ),
-            source=latest,
-            epoch=int(self.epoch.numpy()),
-            step_in_epoch=int(self.step_in_epoch.numpy()),
-        )
+        self.restored = self._restore(checkpoint)
         reporter().mark_restored(self.restored)
         self._check_same_start(task_type, task_id)
         self.preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
@@ -156,6 +144,22 @@ class _Trainer:
             tf.summary.create_file_writer(str(config.run_dir / "tensorboard"))
             if self.is_chief and config.run_dir is not None
             else None
+        )
+
+    def _restore(self, checkpoint: Any) -> wire.Restored:
+        """The latest checkpoint of the run's folder restored, if there is one: where from, and
+        the fingerprint of the state this task starts from."""
+        latest = self.tf.train.latest_checkpoint(str(self.config.checkpoint_dir))
+        if latest:
+            checkpoint.restore(latest)
+            print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
+        counters = (self.step, self.epoch, self.step_in_epoch)
+        return wire.Restored(
+            step=int(self.step.numpy()),
+            fingerprint=state_fingerprint(self.model, self.optimizer, counters),
+            source=latest,
+            epoch=int(self.epoch.numpy()),
+            step_in_epoch=int(self.step_in_epoch.numpy()),
         )
 
     def _check_same_start(self, task_type: str | None, task_id: int) -> None:

@@ -8,10 +8,8 @@ process group: no orphan keeps a GPU after its coordinator is gone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import http.client
-import json
 import logging
 import os
 import socket
@@ -19,7 +17,6 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from typing import Any
 import psutil
 
 from worker import wire
+from worker.task import kill_group_but_me, user_frame
 from worker.tensorboard import Scalars
 
 log = logging.getLogger("worker")
@@ -374,74 +372,6 @@ _REFUSED = {
     wire.FORBIDDEN_STATUS: "its credential is for another task",
     wire.CONFLICT_STATUS: "another process speaks for this task",
 }
-
-
-def kill_group_but_me(within_s: float = 2.0) -> None:
-    """SIGKILL every other process of this process's group (again while new ones appear)."""
-    me = os.getpid()
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        others = []
-        for proc in psutil.process_iter():
-            try:
-                # a zombie (a killed child of ours, not yet reaped) is gone already
-                if proc.pid != me and os.getpgid(proc.pid) == me and proc.status() != psutil.STATUS_ZOMBIE:
-                    others.append(proc)
-            except (OSError, psutil.Error):
-                continue
-        if not others:
-            return
-        for proc in others:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        time.sleep(0.01)
-
-
-_LIBRARY_PATHS = tuple(
-    {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    | {os.path.dirname(os.path.realpath(__file__))}  # this package
-)
-
-
-def user_frame() -> str | None:
-    """Where a thread is executing the job's own code right now (main thread first), if any.
-
-    A task stuck in its own code shows it here; one waiting on its peers sits inside TensorFlow.
-    That tells the stalled task from the ones it makes wait.
-    """
-    frames = sys._current_frames()
-    main = threading.main_thread().ident
-    for ident in sorted(frames, key=lambda i: i != main):
-        frame = frames[ident]
-        path = frame.f_code.co_filename
-        if path.startswith("<") or os.path.realpath(path).startswith(_LIBRARY_PATHS):
-            continue
-        return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
-    return None
-
-
-def is_chief(task_type: str | None, task_id: int, has_chief: bool) -> bool:
-    """The task that speaks for a synchronous cluster (writes its checkpoints and its per-step
-    record): the chief, or worker 0 when the cluster has none; a process outside any cluster
-    speaks for itself."""
-    if task_type in (None, "chief"):
-        return True
-    return task_type == "worker" and task_id == 0 and not has_chief
-
-
-def keeps_points(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this task's training steps go to metrics.jsonl: the chief's (`is_chief`), or a task
-    outside the training cluster. Under a synchronous strategy every worker holds the same reduced
-    loss, so the others' lines would only repeat it, N times over (and cost the coordinator most of
-    its time with many tasks, P6); they report their progress alone."""
-    try:
-        config = json.loads(env.get("TF_CONFIG") or "{}")
-        task, cluster = config.get("task") or {}, config.get("cluster") or {}
-        if task.get("type") == "worker":
-            return is_chief("worker", int(task.get("index", 0)), "chief" in cluster)
-    except (ValueError, TypeError, AttributeError):
-        pass
-    return True
 
 
 def _number(value: Any) -> float | None:

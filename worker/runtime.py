@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker import failure, strategy_hook, tf_tuning, wire
-from worker.reporter import Reporter, ReporterConfig, keeps_points
+from worker.reporter import Reporter, ReporterConfig
+from worker.task import keeps_points
 
 _reporter: Reporter | None = None
 

@@ -54,36 +54,57 @@ _MAX_ERROR_FILE_BYTES = 128 * 1024  # worker/failure.py's MAX_BYTES
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--stop"]:  # `orchestrate down` with the coordinator gone: RUN_ID GRACE_S PIDFILE…
-        run_id, grace_s, pidfiles = argv[1], float(argv[2]), argv[3:]
-        found = {path: _recorded_group(path, run_id) for path in pidfiles}
-        _terminate_groups([g for g, _ in found.values() if g is not None], grace_s)  # together
-        answer = {path: said for path, (_, said) in found.items()}
-        os.write(1, (json.dumps(answer) + "\n").encode())
-        return 0
+        return _stop_only(argv[1], float(argv[2]), argv[3:])
     line = sys.stdin.buffer.readline()
     if not line:
         return 2
     job: dict[str, Any] = json.loads(line)
+    ready = _prepare(job)
+    if isinstance(ready, str):
+        _emit({"event": "error", "message": ready})
+        return 1
+    started = _start(job, stale=ready)
+    if isinstance(started, int):
+        return started
+    child, offset = started
+    return _watch(job, child, offset)
+
+
+def _stop_only(run_id: str, grace_s: float, pidfiles: list[str]) -> int:
+    found = {path: _recorded_group(path, run_id) for path in pidfiles}
+    _terminate_groups([g for g, _ in found.values() if g is not None], grace_s)  # together
+    answer = {path: said for path, (_, said) in found.items()}
+    os.write(1, (json.dumps(answer) + "\n").encode())
+    return 0
+
+
+def _prepare(job: dict[str, Any]) -> int | None | str:
+    """The run's folder filled, a previous attempt of the task still running here stopped (its
+    process group, or None), its TF port's lock held; or why not (a str)."""
     try:
         _materialize(job["cache"], job["folder"], job["files"])
     except OSError as exc:
-        _emit({"event": "error", "message": f"cannot fill {job['folder']} from {job['cache']}: {exc}"})
-        return 1
+        return f"cannot fill {job['folder']} from {job['cache']}: {exc}"
     for path in (job["log"], job["pidfile"]):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     # A previous attempt of this task still running here (its host was cut off): stop it first.
     stale, _ = stop_recorded(job["pidfile"], job["run_id"], grace_s=5.0)
+    if job.get("error_file"):  # a process of this task before (restarted alone): not this one's
+        with contextlib.suppress(OSError):
+            os.unlink(job["error_file"])
     if job.get("port_lock"):
         try:
             held = _lock_port(job["port_lock"])
         except OSError as exc:
-            _emit({"event": "error", "message": f"cannot lock its TF port ({job['port_lock']}): {exc}"})
-            return 1
+            return f"cannot lock its TF port ({job['port_lock']}): {exc}"
         if held is None:
-            _emit(
-                {"event": "error", "message": "its TF port is taken by another orchestrate run on this node"}
-            )
-            return 1
+            return "its TF port is taken by another orchestrate run on this node"
+    return stale
+
+
+def _start(job: dict[str, Any], stale: int | None) -> tuple[subprocess.Popen[bytes], int] | int:
+    """The task started in its own session, its output to its log (after a marker line), and
+    said ("started"); the child and where its output begins, or the exit code of a failed start."""
     out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write(f"===== orchestrate: {job['task']} attempt {job['attempt']} started {stamp} =====\n".encode())
@@ -106,9 +127,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         _emit({"event": "error", "message": f"cannot start {job['argv'][0]}: {exc}"})
         return 127
-    out.close()
-    pgid = child.pid
-    info = {"pid": child.pid, "pgid": pgid, "create_time": _create_time(child.pid)}
+    finally:
+        out.close()
+    info = {"pid": child.pid, "pgid": child.pid, "create_time": _create_time(child.pid)}
     _write_json(job["pidfile"], {**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()})
     step = os.environ.get("SLURM_STEP_ID")
     where = {
@@ -116,7 +137,13 @@ def main(argv: list[str]) -> int:
         "step": f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None,
     }
     _emit({"event": "started", **info, **where})
+    return child, offset
 
+
+def _watch(job: dict[str, Any], child: subprocess.Popen[bytes], offset: int) -> int:
+    """Until the task ends: its log followed, TERM/KILL from stdin passed on; then its error file
+    (if it failed and wrote one) and its exit said."""
+    pgid = child.pid
     follower = _Follower(job["log"], offset) if job.get("follow", True) else None
     if follower is not None:
         follower.start()

@@ -163,46 +163,10 @@ class Heartbeat:
         schema library."""
         if type(raw) is not dict:
             raise ValueError("heartbeat must be a JSON object")
-        for key in _REQUIRED:
-            if key not in raw:
-                raise ValueError(f"heartbeat lacks {key!r}")
-        get = raw.get
-        task, attempt, seq, sent_at, pid = raw["task"], raw["attempt"], raw["seq"], raw["sent_at"], raw["pid"]
-        rss, cpu, step, total = get("rss_bytes", 0), get("cpu_percent", 0.0), get("step"), get("total_steps")
-        connecting, ready, done = get("connecting", False), get("ready", False), get("done", False)
-        metrics, points, error, frame, restored, points_from = (
-            get("metrics") or {},
-            get("points") or [],
-            get("error"),
-            get("user_frame"),
-            get("restored"),
-            get("points_from", 0),
+        task, attempt, seq, sent_at, pid, rss, cpu, step, total, connecting, ready, done = _typed(
+            raw, _SCALARS
         )
-        busy, per_step = get("busy"), get("examples_per_step")
-        for key, value, allowed in (
-            ("task", task, _STR),
-            ("attempt", attempt, _INT),
-            ("seq", seq, _INT),
-            ("sent_at", sent_at, _NUMBER),
-            ("pid", pid, _INT),
-            ("rss_bytes", rss, _INT),
-            ("cpu_percent", cpu, _NUMBER),
-            ("step", step, _INT_OR_NONE),
-            ("total_steps", total, _INT_OR_NONE),
-            ("connecting", connecting, _BOOL),
-            ("ready", ready, _BOOL),
-            ("done", done, _BOOL),
-            ("metrics", metrics, _DICT),
-            ("points", points, _LIST),
-            ("error", error, _DICT_OR_NONE),
-            ("user_frame", frame, _STR_OR_NONE),
-            ("restored", restored, _DICT_OR_NONE),
-            ("points_from", points_from, _INT),
-            ("busy", busy, _STR_OR_NONE),
-            ("examples_per_step", per_step, _INT_OR_NONE),
-        ):
-            if type(value) not in allowed:
-                raise ValueError(f"heartbeat field {key!r} has the wrong type")
+        metrics, points, error, frame, restored, points_from, busy, per_step = _typed(raw, _PARTS)
         if len(task) > MAX_NAME_CHARS:
             raise ValueError("heartbeat field 'task' is too long")
         if len(metrics) > MAX_METRICS or len(points) > MAX_POINTS:
@@ -374,8 +338,50 @@ def loads(body: bytes) -> Any:
         raise ValueError("not JSON we read: nested too deep") from None
 
 
-_REQUIRED = ("task", "attempt", "seq", "sent_at", "pid")
 # exact types (a JSON true/false is a bool, which isinstance would take for an int)
 _STR, _INT, _BOOL, _DICT, _LIST = (str,), (int,), (bool,), (dict,), (list,)
 _NUMBER = (int, float)
 _INT_OR_NONE, _STR_OR_NONE, _DICT_OR_NONE = (int, type(None)), (str, type(None)), (dict, type(None))
+_MISSING = object()
+#: A heartbeat's fields: name, the types allowed, the value when absent (_MISSING: required).
+_SCALARS: tuple[tuple[str, tuple[type, ...], Any], ...] = (
+    ("task", _STR, _MISSING),
+    ("attempt", _INT, _MISSING),
+    ("seq", _INT, _MISSING),
+    ("sent_at", _NUMBER, _MISSING),
+    ("pid", _INT, _MISSING),
+    ("rss_bytes", _INT, 0),
+    ("cpu_percent", _NUMBER, 0.0),
+    ("step", _INT_OR_NONE, None),
+    ("total_steps", _INT_OR_NONE, None),
+    ("connecting", _BOOL, False),
+    ("ready", _BOOL, False),
+    ("done", _BOOL, False),
+)
+_PARTS: tuple[tuple[str, tuple[type, ...], Any], ...] = (
+    ("metrics", _DICT, {}),
+    ("points", _LIST, []),
+    ("error", _DICT_OR_NONE, None),
+    ("user_frame", _STR_OR_NONE, None),
+    ("restored", _DICT_OR_NONE, None),
+    ("points_from", _INT, 0),
+    ("busy", _STR_OR_NONE, None),
+    ("examples_per_step", _INT_OR_NONE, None),
+)
+
+
+def _typed(raw: dict[str, Any], fields: tuple[tuple[str, tuple[type, ...], Any], ...]) -> list[Any]:
+    """The values of `fields` in `raw`, each of an allowed type (exact: a bool is no int here);
+    ValueError naming the first that is missing or of the wrong type. A null metrics or points
+    is taken for empty."""
+    out = []
+    for key, allowed, default in fields:
+        value = raw.get(key, default)
+        if value is _MISSING:
+            raise ValueError(f"heartbeat lacks {key!r}")
+        if value is None and key in ("metrics", "points"):
+            value = default
+        if type(value) not in allowed:
+            raise ValueError(f"heartbeat field {key!r} has the wrong type")
+        out.append(value)
+    return out

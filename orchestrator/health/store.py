@@ -87,25 +87,9 @@ class HealthStore:
             # Points this process sent before (a heartbeat whose answer was lost, sent again with
             # the next one) are skipped: each is written once.
             points = hb.points[max(0, old.points_taken - hb.points_from) :]
-            metrics = old.metrics
-            if hb.metrics:
-                metrics = {**old.metrics, **hb.metrics}
-                if len(metrics) > wire.MAX_METRICS:  # the names it had first stay
-                    extra = [k for k in hb.metrics if k not in old.metrics]
-                    for name in extra[wire.MAX_METRICS - len(metrics) :]:
-                        del metrics[name]
+            metrics = _merged(old.metrics, hb.metrics)
             step_changed = hb.step is not None and hb.step != old.step
-            rate = old.steps_per_s
-            if (
-                step_changed
-                and old.step is not None
-                and old.step_changed_at is not None
-                and hb.step is not None
-            ):
-                dt = now - old.step_changed_at
-                if dt > 0:
-                    instant = (hb.step - old.step) / dt
-                    rate = instant if rate is None else 0.7 * rate + 0.3 * instant
+            rate = _rate(old, hb.step, now) if step_changed else old.steps_per_s
             # Built whole rather than with dataclasses.replace: this runs once per task per second.
             self._tasks[hb.task] = TaskHealth(
                 task=old.task,
@@ -153,3 +137,27 @@ class HealthStore:
     def snapshot(self) -> dict[str, TaskHealth]:
         with self._lock:
             return dict(self._tasks)
+
+
+def _merged(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+    """A task's metrics with a heartbeat's: at most wire.MAX_METRICS names, those it had first stay."""
+    if not new:
+        return old
+    metrics = {**old, **new}
+    if len(metrics) > wire.MAX_METRICS:
+        extra = [k for k in new if k not in old]
+        for name in extra[wire.MAX_METRICS - len(metrics) :]:
+            del metrics[name]
+    return metrics
+
+
+def _rate(old: TaskHealth, step: int | None, now: float) -> float | None:
+    """Steps per second, smoothed, once the step moved from `old.step` to `step` at `now`."""
+    rate = old.steps_per_s
+    if old.step is None or old.step_changed_at is None or step is None:
+        return rate
+    dt = now - old.step_changed_at
+    if dt <= 0:
+        return rate
+    instant = (step - old.step) / dt
+    return instant if rate is None else 0.7 * rate + 0.3 * instant

@@ -49,7 +49,7 @@ def test_reporter_keeps_points_while_coordinator_is_briefly_away(server):
 def test_user_frame_names_the_jobs_own_code_not_libraries(tmp_path):
     import threading
 
-    from worker.reporter import user_frame
+    from worker.task import user_frame
 
     script = tmp_path / "stuck_job.py"
     script.write_text("import time\ndef wait(ev):\n    while not ev.is_set():\n        time.sleep(0.01)\n")
@@ -93,7 +93,7 @@ def test_progress_updates_the_task_without_metrics_lines(server):
     ],
 )
 def test_one_task_of_a_synchronous_cluster_keeps_the_per_step_record(tf_config, keeps):
-    from worker.reporter import keeps_points
+    from worker.task import keeps_points
 
     env = (
         {}

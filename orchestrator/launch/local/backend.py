@@ -112,6 +112,9 @@ class LocalBackend(Backend):
 
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         env = {**os.environ, **task.launch_env(attempt=attempt, token=token)}
+        # an error file of this task's attempt from before (restarted alone) is not this process's
+        with contextlib.suppress(OSError):
+            os.unlink(failure.path(task.env[wire.ENV_RUN_DIR], task.name, attempt))
         with private_open(log_path) as out:
             out.write(
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()

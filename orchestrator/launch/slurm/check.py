@@ -13,6 +13,7 @@ import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
@@ -77,9 +78,23 @@ def check(spec: ClusterSpec) -> CheckReport:
         }
         for n in nodes
     }
-    problems: list[str] = []
-    warnings: list[str] = []
     python = tuple(shlex.split(conf.python)) if conf.python else (sys.executable,)
+    answers, failed = _mesh_step(spec, slurm, partition, nodes, python)
+    problems = [failed] if failed else []
+    problems += _judge(answers, rows, python)
+    versions = {(a.get("python"), a.get("tensorflow")) for a in answers if a.get("hostname") in rows}
+    warnings = (
+        [f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}"] if len(versions) > 1 else []
+    )
+    return CheckReport(title, list(rows.values()), warnings, problems)
+
+
+def _mesh_step(
+    spec: ClusterSpec, slurm: Slurm, partition: str, nodes: list[dict[str, str]], python: tuple[str, ...]
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One short step on the nodes (worker/probe.py's `mesh`): each node's answer, and why the
+    step failed, if it did."""
+    conf = section(spec)
     entry = spec.job.script or spec.job.loop
     assert entry is not None
     seen = {str(SHIM): SHIM.read_text(encoding="utf-8")[:4096]}
@@ -107,26 +122,29 @@ def check(spec: ClusterSpec) -> CheckReport:
         "3",
         *(f"{a}:{port}" for a in addresses),
     ]
-    res = slurm.run(
-        argv, "a probe step on the nodes", timeout_s=conf.connect_timeout_s + 60, stdin=json.dumps(seen)
-    )
+    timeout_s = conf.connect_timeout_s + 60
+    res = slurm.run(argv, "a probe step on the nodes", timeout_s=timeout_s, stdin=json.dumps(seen))
     answers = []
     for line in res.stdout.splitlines():
         with contextlib.suppress(ValueError):
             answers.append(json.loads(line))
     if res.returncode != 0 or not answers:
-        problems.append(
-            f"a probe step on {conf.nodes} node(s) of {partition} failed: "
-            + (" ".join(res.stderr.split())[-400:] or f"exit {res.returncode}")
-        )
-    versions = set()
+        said = " ".join(res.stderr.split())[-400:] or f"exit {res.returncode}"
+        return answers, f"a probe step on {conf.nodes} node(s) of {partition} failed: {said}"
+    return answers, None
+
+
+def _judge(
+    answers: list[dict[str, Any]], rows: dict[str, dict[str, str]], python: tuple[str, ...]
+) -> list[str]:
+    """Each node's answer into its row of the table; the problems found."""
+    problems = []
     for a in answers:
         row = rows.get(a.get("hostname", ""))
         if row is None:
             continue
         row["python"] = f"{a.get('python')} ({a.get('executable')})"
         row["tensorflow"] = str(a.get("tensorflow") or "MISSING")
-        versions.add((a.get("python"), a.get("tensorflow")))
         if not a.get("tensorflow"):
             problems.append(
                 f"{row['node']}: TensorFlow is not installed for {shlex.join(python)} (slurm.python)"
@@ -142,6 +160,4 @@ def check(spec: ClusterSpec) -> CheckReport:
         row["peers"] = "all reached" if not unreached else f"cannot reach {', '.join(unreached)}"
         if unreached:
             problems.append(f"{row['node']} cannot reach {', '.join(unreached)} (TF ports between nodes)")
-    if len(versions) > 1:
-        warnings.append(f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}")
-    return CheckReport(title, list(rows.values()), warnings, problems)
+    return problems
