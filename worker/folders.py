@@ -13,7 +13,8 @@ Standard library only; each mode prints one JSON object on stdout (pack: a tar).
 - shared write|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
                           file there, then reads the others'.
 - pack FOLDER SUB…        a tar of FOLDER/SUB… on stdout (the files `tree` lists: no hidden ones, no
-                          scratch folders, no symlinks); a SUB that does not exist is left out.
+                          scratch folders, no symlinks); a SUB may be a folder or one file, one
+                          that does not exist is left out.
 - unpack FOLDER [replace] the tar on stdin into FOLDER, received beside it first; with `replace`,
                           each top folder of the tar is left holding exactly what the tar holds
                           (data first, index files last, as `commit`). Members that are not plain
@@ -111,9 +112,13 @@ def pack(folder: str, *subs: str) -> None:
     with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
         for sub in subs:
             top = os.path.join(folder, sub)
+            if os.path.islink(top):
+                continue
             if os.path.isdir(top):
                 for rel in sorted(_walk(top)):
                     tar.add(os.path.join(top, rel), arcname=f"{sub}/{rel}", recursive=False)
+            elif os.path.isfile(top):  # one file `tree` listed
+                tar.add(top, arcname=sub, recursive=False)
 
 
 def _makedirs_private(folder: str) -> None:

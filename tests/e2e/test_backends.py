@@ -32,7 +32,7 @@ from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.record import new_run_id
 from orchestrator.spec.load import load_spec
 from tests.conftest import run_processes, wait_until
-from tests.lab import make_lab, why_no_lab
+from tests.lab import LoopbackLab, make_lab, why_no_lab
 from tests.slurm_lab import SlurmLab, why_no_slurm
 
 pytestmark = pytest.mark.e2e
@@ -86,6 +86,18 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
+def loopback_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An sshd on a loopback port, run as the current user: the ssh backend tested in-process with
+    no root (the namespaced lab above needs it)."""
+    if why_no_lab() is not None:
+        yield None
+        return
+    lab = LoopbackLab(tmp_path_factory.mktemp("loopback"), 1)
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(scope="module")
 def slurm_lab() -> Iterator[SlurmLab | None]:
     if why_no_slurm() is not None:
         yield None
@@ -117,7 +129,7 @@ def plugin_installed() -> Iterator[None]:
         sys.path.remove(str(PLUGINS))
 
 
-@pytest.fixture(scope="module", params=["local", "ssh", "slurm", "pigeon"])
+@pytest.fixture(scope="module", params=["local", "ssh", "ssh-loopback", "slurm", "pigeon"])
 def opened(
     request: pytest.FixtureRequest, lab: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Opened]:
@@ -128,16 +140,17 @@ def opened(
     (root / "job" / "job.py").write_text(textwrap.dedent(SCRIPT))
     data: dict[str, Any] = {
         "name": "contract",
-        "backend": request.param,
+        "backend": request.param.partition("-")[0],
         "job": {"script": "job/job.py"},
         # the tasks' own guard (no coordinator for this long) stays out of the way
         "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 60},
     }
-    if request.param == "ssh":
-        if lab is None:
+    if request.param.startswith("ssh"):
+        hosts = lab if request.param == "ssh" else request.getfixturevalue("loopback_lab")
+        if hosts is None:
             pytest.skip(why_no_lab() or "")
-        data["hosts"] = [lab.host_spec(0, tasks={"worker": 3})]
-        data["ssh"] = lab.ssh_spec()
+        data["hosts"] = [hosts.host_spec(0, tasks={"worker": 3})]
+        data["ssh"] = hosts.ssh_spec()
     elif request.param == "slurm":
         if request.getfixturevalue("slurm_lab") is None:
             pytest.skip(why_no_slurm() or "")

@@ -43,6 +43,7 @@ from orchestrator.launch.api import (
     Prepared,
     TaskHandle,
 )
+from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.shim import shim_job
@@ -56,8 +57,8 @@ from orchestrator.launch.slurm.cluster import (
     route_address,
     signal_lead_s,
 )
-from orchestrator.launch.slurm.files import NodeFiles
-from orchestrator.launch.slurm.nodes import NodeProbe, files_copied
+from orchestrator.launch.slurm.files import NodeFiles, NodeFolders
+from orchestrator.launch.slurm.nodes import NodeProbe, files_copied, node_addresses
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_step
 from orchestrator.plan import LaunchPlan, TaskPlan
@@ -105,6 +106,17 @@ class SlurmBackend(Backend):
         self._files = NodeFiles(
             self._slurm, spec, run_id, self._run_dir, self._python, self._conf.connect_timeout_s + 60
         )
+        folders = NodeFolders(
+            self._slurm,
+            run_id,
+            self._python,
+            self._conf.connect_timeout_s + 60,
+            self._host_node,
+            lambda: self._alloc.job_id if self._alloc is not None else None,
+        )
+        self._exchange = StateExchange(
+            folders, self._run_dir, every_s=max(2.0, spec.health.heartbeat_interval_s)
+        )
 
     # --- opening ---
 
@@ -146,7 +158,7 @@ class SlurmBackend(Backend):
                 f"allocation {alloc.job_id} has {len(alloc.nodes)} node(s); the spec uses {used} "
                 "(slurm.tasks_per_node)"
             )
-        self._addresses = self._node_addresses(alloc.nodes)
+        self._addresses = node_addresses(self._slurm, self._cluster_nodes, alloc.nodes)
         answers = self._healthy(alloc.nodes, reason="at launch", required=True)
         self._shipping = files_copied(answers, self._run_dir)
         if self._shipping:
@@ -154,17 +166,6 @@ class SlurmBackend(Backend):
             self._files.ship_code(alloc.job_id, list(answers))
         self._place(answers)
         return dict(self._placements)
-
-    def _node_addresses(self, nodes: list[str]) -> dict[str, str]:
-        known = {n.get("NodeName", ""): n.get("NodeAddr", "") for n in self._cluster_nodes}
-        if not all(known.get(n) for n in nodes):
-            known.update(
-                {
-                    r.get("NodeName", ""): r.get("NodeAddr", "")
-                    for r in self._slurm.records("node", ",".join(nodes))
-                }
-            )
-        return {n: known.get(n) or n for n in nodes}
 
     def _healthy(self, nodes: list[str], *, reason: str, required: bool) -> dict[str, dict[str, Any]]:
         """Probe every node (one step each, in parallel): its answer, for those that answered (and
@@ -265,7 +266,10 @@ class SlurmBackend(Backend):
         """From the second attempt: leave out the nodes whose tasks' end could not be confirmed
         and those that no longer answer; a new allocation when ours ended (its time limit) or is
         about to."""
+        self._exchange.stop_following()
         if attempt == 0 or self._alloc is None:
+            if self._shipping:
+                self._exchange.follow(plan)  # an evaluator on another node than the owner's
             return Prepared()
         notes = []
         lost = sorted({h.where for h in self._handles.values() if not h.exited})
@@ -279,9 +283,12 @@ class SlurmBackend(Backend):
         before = {t: self._node_of.get(t) for t in self._placements}
         if self._shipping and plan.state is not None:  # while the owner's node is still ours
             owner = before.get(plan.state.owner)
-            self._files.fetch_state(
-                self._alloc.job_id, plan, owner if owner not in self._excluded else None, notes
-            )
+            try:
+                notes += self._exchange.fetch(
+                    plan, reachable=owner is not None and owner not in self._excluded
+                )
+            except LaunchError as exc:
+                notes.append(f"{exc}; the last checkpoints brought home are used")
         renewed = self._alloc.owned and self._renew_allocation(notes)
         if renewed:
             self._excluded.clear()
@@ -295,7 +302,8 @@ class SlurmBackend(Backend):
             self._files.ship_code(self._alloc.job_id, list(answers))  # new nodes, perhaps
         moved = self._place(answers)
         if self._shipping:
-            self._files.hand_out_state(self._alloc.job_id, plan, self._node_of)
+            notes += self._exchange.hand_out(plan)
+            self._exchange.follow(plan)
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
                 notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
@@ -311,7 +319,7 @@ class SlurmBackend(Backend):
         self._alloc.release(self._slurm)
         old = self._alloc.job_id
         self._alloc = Allocation.request(self._slurm, self._spec, self._run_id, self._folder, self._cancel)
-        self._addresses = self._node_addresses(self._alloc.nodes)
+        self._addresses = node_addresses(self._slurm, self._cluster_nodes, self._alloc.nodes)
         notes.append(
             f"a new allocation (job {self._alloc.job_id} on {','.join(self._alloc.nodes)}): job {old}: {why}"
         )
@@ -319,19 +327,13 @@ class SlurmBackend(Backend):
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
         """Nodes that share no disk with this machine: the model, TensorBoard's files and the latest
-        checkpoints from the owner's node into the run directory."""
-        state = plan.state
-        node = self._node_of.get(state.owner) if state is not None else None
-        if not self._shipping or state is None or node is None or self._alloc is None:
+        checkpoints into the run directory (launch/exchange.py). Never raises."""
+        if not self._shipping or plan.state is None or self._alloc is None:
             return []
-        subs = ["model", "tensorboard"] + ([] if state.shared else ["checkpoints"])
         try:
-            ok = self._files.pull(self._alloc.job_id, node, subs, self._run_dir)
+            return self._exchange.bring_home(plan)
         except Exception as exc:  # noqa: BLE001 - never raises: the run's outcome stands
-            return [f"could not copy the results from {node}: {exc}"]
-        if not ok:
-            return [f"could not copy the results from {node}"]
-        return [f"{', '.join(subs)} copied from {node} into {self._run_dir}"]
+            return [f"could not copy the results: {exc}"]
 
     def ended_outside(self) -> str | None:
         """The allocation was cancelled from outside (scancel): the run ends INTERRUPTED. A time
@@ -386,6 +388,7 @@ class SlurmBackend(Backend):
 
     def close(self) -> None:
         self._cancel.set()
+        self._exchange.stop_following()
         alloc = self._alloc
         if alloc is None:
             return

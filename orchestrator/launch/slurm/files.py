@@ -4,30 +4,44 @@ Each node keeps the run's copy in `slurm.workdir/runs/<run id>/` (default /tmp/o
 the job's folder as code/, the worker runtime as lib/worker/. Files travel as tar streams through
 job steps, never through a shell: one `srun --ntasks-per-node=1` hands the same tar on stdin to
 every node at once (worker/probe.py `unpack`), and one step on a node packs folders to stdout
-(`pack`). Before a new attempt the owner's checkpoints come home from the node it ran on and go
-to every reader's node, replacing what was there; at the end the results come home.
+(`pack`). The run's state moves as between any hosts that share no disk (launch/exchange.py):
+`NodeFolders` carries a node's folders through steps — before a new attempt the owner's latest
+checkpoint comes home and goes to every reader's node where it differs, an evaluator on another
+node follows each new one, and at the end the results come home.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import posixpath
+import secrets
 import shutil
 import tarfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.exchange import Folders
 from orchestrator.launch.placement import job_files_root
 from orchestrator.launch.runtime import FOLDERS_SOURCE, RUNTIME_ROOT
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.spec import section
-from orchestrator.plan import LaunchPlan
+from orchestrator.launch.transfer import (
+    STAGING_PREFIX,
+    Transfer,
+    commit_here,
+    differing,
+    local_tree,
+    sha256_file,
+    size_text,
+)
 from orchestrator.record import private_open
-from orchestrator.spec.model import ClusterSpec, Role
-from orchestrator.spec.roles import task_slots
+from orchestrator.spec.model import ClusterSpec
 
 log = logging.getLogger("orchestrator.slurm")
 
@@ -50,14 +64,6 @@ class NodeFiles:
     def ship_code(self, job_id: str, nodes: list[str]) -> None:
         """The job's folder (code/) and the worker runtime (lib/worker/) to every node, at once."""
         spec = self._spec
-        if any(s.role is Role.EVALUATOR for s in task_slots(spec)):
-            owner = "chief-0" if spec.role_count(Role.CHIEF) else "worker-0"
-            hosts = {s.name: s.host_index for s in task_slots(spec)}
-            if hosts["evaluator-0"] != hosts[owner]:
-                raise LaunchError(
-                    "the nodes do not share this machine's files: the evaluator must run on the node of "
-                    f"{owner} (it reads the checkpoints there; slurm.tasks_per_node)"
-                )
         data = pack_tar({"code": job_files_root(spec), "lib/worker": RUNTIME_ROOT / "worker"})
         self.push(job_id, nodes, data, replace=False, what="copying the job's files")
         log.info("copied the job's files (%d bytes) to %s", len(data), ",".join(nodes))
@@ -86,63 +92,6 @@ class NodeFiles:
         if res.returncode != 0:
             said = " ".join(res.stderr.decode(errors="replace").split())[-400:]
             raise LaunchError(f"{what}: {said or f'exit {res.returncode}'}")
-
-    def pull(self, job_id: str, node: str, subs: list[str], into: Path) -> bool:
-        """Folders of the run's copy on one node into `into` (each replaced); False if it failed."""
-        argv = [
-            *step_argv(job_id, node, f"{job_name(self._run_id)}-copy"),
-            *self._python,
-            "-S",
-            "-c",
-            FOLDERS_SOURCE,
-            "pack",
-            self.folder,
-            *subs,
-        ]
-        try:
-            res = self._slurm.run_bytes(argv, f"copying from {node}", b"", timeout_s=self._timeout_s)
-        except LaunchError as exc:
-            log.warning("%s", exc)
-            return False
-        if res.returncode != 0:
-            log.warning("copying from %s: %s", node, res.stderr.decode(errors="replace")[-400:])
-            return False
-        with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r") as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and _safe(m.name)]
-            for sub in subs:
-                if any(m.name.startswith(f"{sub}/") for m in members):
-                    shutil.rmtree(into / sub, ignore_errors=True)
-            for m in members:
-                target = into / m.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(m)
-                assert source is not None
-                with private_open(target, "wb") as out:
-                    shutil.copyfileobj(source, out)
-        return True
-
-    def fetch_state(self, job_id: str, plan: LaunchPlan, owner_node: str | None, notes: list[str]) -> None:
-        """Before a new attempt (and before an allocation is given up): the owner's latest
-        checkpoints home from the node it ran on (None: out of reach; the last copy stays)."""
-        state = plan.state
-        if state is None or state.shared:
-            return
-        if owner_node is not None and self.pull(job_id, owner_node, ["checkpoints"], self._run_dir):
-            notes.append(f"checkpoints of {state.owner} copied from {owner_node}")
-        else:
-            notes.append(f"{state.owner}'s node is out of reach: the last checkpoints brought home are used")
-
-    def hand_out_state(self, job_id: str, plan: LaunchPlan, node_of: Mapping[str, str]) -> None:
-        """The checkpoints brought home to every reader's node (what was there replaced), so every
-        task resumes from the same state."""
-        state = plan.state
-        if state is None or state.shared:
-            return
-        readers = sorted({node_of[t] for t in state.readers})
-        if not readers or not tree(self._run_dir / "checkpoints"):
-            return
-        data = pack_tar({"checkpoints": self._run_dir / "checkpoints"})
-        self.push(job_id, readers, data, replace=True, what="copying the checkpoints to the nodes")
 
 
 def pack_tar(folders: Mapping[str, Path]) -> bytes:
@@ -174,3 +123,128 @@ def tree(folder: Path) -> list[tuple[str, Path]]:
 def _safe(name: str) -> bool:
     parts = name.split("/")
     return not name.startswith("/") and ".." not in parts
+
+
+class NodeFolders(Folders):
+    """A node's folders moved through job steps (`worker/folders.py` run there: its `tree` to see
+    what differs, `pack` of those files to stdout, `unpack` into a staging folder and `commit`),
+    for the state exchange (launch/exchange.py). A host index is a node slot of the spec; the node
+    behind it is the one the placement gives it now."""
+
+    def __init__(
+        self,
+        slurm: Slurm,
+        run_id: str,
+        python: tuple[str, ...],
+        timeout_s: float,
+        node: Callable[[int], str | None],
+        job_id: Callable[[], str | None],
+    ):
+        self._slurm, self._run_id, self._python, self._timeout_s = slurm, run_id, python, timeout_s
+        self._node, self._job_id = node, job_id
+
+    def label(self, host: int) -> str:
+        return self._node(host) or f"<node {host + 1}>"
+
+    def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
+        started = time.monotonic()
+        node = self._where(host)
+        theirs = self._step(node, "tree", remote)
+        if not theirs["exists"]:
+            return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
+        ours = local_tree(local)
+        todo = differing(theirs["files"], ours["files"])
+        need = sum(theirs["files"][rel][0] for rel in todo)
+        if need > ours["free_bytes"]:
+            raise LaunchError(
+                f"cannot bring {remote} home from {node}: it needs {size_text(need)} in {local}, "
+                f"{size_text(ours['free_bytes'])} free"
+            )
+        staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
+        try:
+            staging.mkdir(parents=True, mode=0o700)
+            if todo:
+                data = self._bytes(node, b"", "pack", theirs["folder"], *todo)
+                _extract(data, staging, theirs["files"], f"{node}: {remote}")
+            keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
+            done = commit_here(local, staging, keep)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+    def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
+        started = time.monotonic()
+        node = self._where(host)
+        theirs = self._step(node, "tree", remote)
+        todo = differing(ours["files"], theirs["files"])
+        if not todo and not set(theirs["files"]) - set(ours["files"]):
+            return Transfer(0, 0, 0, time.monotonic() - started)
+        need = sum(ours["files"][rel][0] for rel in todo)
+        if need > theirs["free_bytes"]:
+            raise LaunchError(
+                f"{node}: no room for the checkpoint in {theirs['folder']}: it needs {size_text(need)}, "
+                f"{size_text(theirs['free_bytes'])} free"
+            )
+        staging = posixpath.join(theirs["folder"], f"{STAGING_PREFIX}{secrets.token_hex(4)}")
+        self._bytes(node, pack_files(local, todo), "unpack", staging)
+        done = self._step(node, "commit", theirs["folder"], staging, stdin=json.dumps(sorted(ours["files"])))
+        return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+    def _where(self, host: int) -> str:
+        node = self._node(host)
+        if node is None or self._job_id() is None:
+            raise LaunchError(f"no node holds the spec's node {host + 1} now")
+        return node
+
+    def _argv(self, node: str, mode: str, *args: str) -> list[str]:
+        job_id = self._job_id()
+        assert job_id is not None
+        steps = step_argv(job_id, node, f"{job_name(self._run_id)}-copy")
+        return [*steps, *self._python, "-S", "-c", FOLDERS_SOURCE, mode, *args]
+
+    def _step(self, node: str, mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:
+        res = self._slurm.run(
+            self._argv(node, mode, *args), f"{mode} on {node}", timeout_s=self._timeout_s, stdin=stdin
+        )
+        if res.returncode != 0:
+            said = " ".join(res.stderr.split())[-400:] or f"exit {res.returncode}"
+            raise LaunchError(f"{node}: {mode} {args[0] if args else ''}: {said}")
+        answer: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+        return answer
+
+    def _bytes(self, node: str, data: bytes, mode: str, *args: str) -> bytes:
+        res = self._slurm.run_bytes(
+            self._argv(node, mode, *args), f"{mode} on {node}", data, timeout_s=self._timeout_s
+        )
+        if res.returncode != 0:
+            said = " ".join(res.stderr.decode(errors="replace").split())[-400:] or f"exit {res.returncode}"
+            raise LaunchError(f"{node}: {mode} {args[0]}: {said}")
+        return res.stdout
+
+
+def pack_files(folder: Path, files: list[str]) -> bytes:
+    """One tar of the named files of `folder` (as `tree` listed them)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for rel in files:
+            tar.add(str(folder / rel), arcname=rel, recursive=False)
+    return buffer.getvalue()
+
+
+def _extract(data: bytes, staging: Path, listed: dict[str, list[Any]], what: str) -> None:
+    """The files of a tar into `staging`, each checked against what `tree` listed (a file that
+    changed while it was packed is not taken: a task is still writing there)."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not _safe(member.name) or member.name not in listed:
+                raise LaunchError(f"{what}: refused tar member {member.name!r}")
+            target = staging / member.name
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            source = tar.extractfile(member)
+            assert source is not None
+            with private_open(target, "wb") as out:
+                shutil.copyfileobj(source, out)
+            if sha256_file(target) != listed[member.name][1]:
+                raise LaunchError(
+                    f"{what}/{member.name} changed while it was copied (is a task still writing there?)"
+                )

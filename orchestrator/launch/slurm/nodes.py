@@ -121,3 +121,13 @@ def files_copied(answers: Mapping[str, Mapping[str, Any]], run_dir: Path) -> boo
             "mounted on every node, or on none"
         )
     return not any(sees.values())
+
+
+def node_addresses(slurm: Slurm, known_nodes: list[dict[str, str]], nodes: list[str]) -> dict[str, str]:
+    """Each node's address (NodeAddr), from what is known of the cluster or asked of slurmctld;
+    its name where it has none."""
+    known = {n.get("NodeName", ""): n.get("NodeAddr", "") for n in known_nodes}
+    if not all(known.get(n) for n in nodes):
+        asked = slurm.records("node", ",".join(nodes))
+        known.update({r.get("NodeName", ""): r.get("NodeAddr", "") for r in asked})
+    return {n: known.get(n) or n for n in nodes}

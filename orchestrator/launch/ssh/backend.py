@@ -32,6 +32,7 @@ from orchestrator.launch.api import (
     TaskHandle,
     on_all,
 )
+from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.shim import shim_job
 from orchestrator.launch.ssh import preflight
@@ -40,7 +41,7 @@ from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
 from orchestrator.launch.ssh.relay import Relay
 from orchestrator.launch.ssh.spec import section as ssh_section
-from orchestrator.launch.ssh.state import StateCopies
+from orchestrator.launch.ssh.state import SshFolders
 from orchestrator.launch.ssh.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.ssh.tunnel import open_reverse_tunnel
 from orchestrator.plan import LaunchPlan, TaskPlan
@@ -80,15 +81,14 @@ class SshBackend(Backend):
         # hosts with several tasks: their heartbeats go through a relay
         self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
         self._files: list[FileEntry] = []
-        self._states = StateCopies(
+        folders = SshFolders(
             self._hosts,
-            home,
             self._connection,
             self._suspect.add,
             # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
             io_timeout_s=max(10.0, 3 * ssh_section(spec).connect_timeout_s),
-            every_s=max(2.0, spec.health.heartbeat_interval_s),
         )
+        self._states = StateExchange(folders, home, every_s=max(2.0, spec.health.heartbeat_interval_s))
 
     def listen(self) -> tuple[str, int]:
         """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""

@@ -20,11 +20,8 @@ import json
 import posixpath
 import secrets
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +29,17 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import source_for
 from orchestrator.launch.ssh.hosts import Host, probe
-from orchestrator.launch.ssh.sync import sha256_file
-
-STAGING_PREFIX = ".incoming-"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """What one copy of a folder moved."""
-
-    files: int
-    bytes: int
-    removed: int
-    seconds: float
-    exists: bool = True  # the source folder was there
-
-    def describe(self) -> str:
-        if not self.files and not self.removed:
-            return "already the same"
-        moved = f"{self.files} file(s), {_size(self.bytes)}"
-        gone = f", {self.removed} removed" if self.removed else ""
-        return f"{moved}{gone} in {self.seconds:.1f} s"
-
-
-def local_tree(folder: Path) -> dict[str, Any]:
-    """folders.py's `tree`, run on this machine (the one implementation, as on the hosts)."""
-    return _probe_here("tree", str(folder))
-
-
-IO_TIMEOUT_S = 60.0  # default: no answer this long and the host is gone (a cut-off host never answers)
+from orchestrator.launch.transfer import (
+    IO_TIMEOUT_S,
+    STAGING_PREFIX,
+    Transfer,
+    commit_here,
+    differing,
+    local_tree,
+    sha256_file,
+    size_text,
+)
 
 
 @contextlib.contextmanager
@@ -113,12 +90,12 @@ def _pull(
     if not theirs["exists"]:
         return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
     ours = local_tree(local)
-    todo = _differing(theirs["files"], ours["files"])
+    todo = differing(theirs["files"], ours["files"])
     need = sum(theirs["files"][rel][0] for rel in todo)
     if need > ours["free_bytes"]:
         raise LaunchError(
-            f"cannot bring {remote} home from {host.label}: it needs {_size(need)} in {local}, "
-            f"{_size(ours['free_bytes'])} free"
+            f"cannot bring {remote} home from {host.label}: it needs {size_text(need)} in {local}, "
+            f"{size_text(ours['free_bytes'])} free"
         )
     staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
     try:
@@ -137,7 +114,7 @@ def _pull(
                     )
         keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
         staging.mkdir(parents=True, exist_ok=True, mode=0o700)
-        done = _probe_here("commit", str(local), str(staging), stdin=json.dumps(keep))
+        done = commit_here(local, staging, keep)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
@@ -163,15 +140,15 @@ def _push(
 ) -> Transfer:
     started = time.monotonic()
     theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
-    todo = _differing(ours["files"], theirs["files"])
+    todo = differing(ours["files"], theirs["files"])
     extra = set(theirs["files"]) - set(ours["files"])
     if not todo and not extra:
         return Transfer(0, 0, 0, time.monotonic() - started)
     need = sum(ours["files"][rel][0] for rel in todo)
     if need > theirs["free_bytes"]:
         raise LaunchError(
-            f"{host.label}: no room for the checkpoint in {theirs['folder']}: it needs {_size(need)}, "
-            f"{_size(theirs['free_bytes'])} free"
+            f"{host.label}: no room for the checkpoint in {theirs['folder']}: it needs {size_text(need)}, "
+            f"{size_text(theirs['free_bytes'])} free"
         )
     folder = theirs["folder"]
     staging = posixpath.join(folder, f"{STAGING_PREFIX}{secrets.token_hex(4)}")
@@ -189,7 +166,7 @@ def _push(
                 except OSError as exc:
                     raise LaunchError(
                         f"{host.label}: cannot write {folder}/{rel} ({exc or type(exc).__name__}; "
-                        f"{_size(theirs['free_bytes'])} were free before the copy)"
+                        f"{size_text(theirs['free_bytes'])} were free before the copy)"
                     ) from None
             keep = json.dumps(sorted(ours["files"]))
             done = _checked(
@@ -200,14 +177,6 @@ def _push(
             raise
         # a host that went silent is not asked again: its next `tree` removes the staging folder
     return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
-
-
-def _differing(source: dict[str, list[Any]], target: dict[str, list[Any]]) -> list[str]:
-    for rel in source:
-        parts = rel.split("/")
-        if rel.startswith("/") or ".." in parts or "" in parts:
-            raise LaunchError(f"refusing to copy a file named {rel!r}")
-    return sorted(rel for rel, (size, digest) in source.items() if target.get(rel) != [size, digest])
 
 
 def _checked(answer: Any, host: Host) -> dict[str, Any]:
@@ -238,27 +207,3 @@ def _remove_staging(sftp: Any, staging: str, made: set[str]) -> None:
             sftp.rmdir(entry)
     except OSError:
         pass
-
-
-def _probe_here(mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:
-    res = subprocess.run(
-        [sys.executable, "-S", "-c", source_for(mode), mode, *args],
-        input=stdin or "",
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if res.returncode != 0:
-        said = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit code {res.returncode}"
-        raise LaunchError(f"this machine: {mode} {' '.join(args)} failed: {said}")
-    answer: dict[str, Any] = json.loads(res.stdout)
-    return answer
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"

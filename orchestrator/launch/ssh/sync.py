@@ -9,7 +9,6 @@ renamed). The shim, run from that cache, fills the run's folder (`WORKDIR/runs/<
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import posixpath
 import secrets
@@ -23,6 +22,7 @@ import fabric
 from orchestrator.errors import LaunchError
 from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.ssh.hosts import Host
+from orchestrator.launch.transfer import sha256_file
 
 MAX_FILES = 5000
 MAX_BYTES = 2 * 1024**3
@@ -89,14 +89,6 @@ def runtime_entry(entries: Sequence[FileEntry], name: str) -> FileEntry:
 def _entry(rel: str, path: Path) -> FileEntry:
     st = path.stat()
     return FileEntry(rel, sha256_file(path), stat.S_IMODE(st.st_mode), st.st_size, path)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def upload(

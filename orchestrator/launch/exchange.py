@@ -1,0 +1,214 @@
+"""Launch layer: the run's state between hosts that share no disk, for every backend whose hosts
+have disks of their own (ssh, slurm without a shared filesystem; docs/architecture.md §4).
+
+The owner's checkpoint folder is the truth (plan.state). Before an attempt that restores, its
+latest checkpoint is brought home into the run directory (`fetch`) and home's copy is sent to
+every reader's folder that differs (`hand_out`); an evaluator on another host than the owner gets
+each new checkpoint while the attempt runs (the follower); at the end the results come home.
+What moves the files is the backend's `Folders` (an SFTP session, a tar through a Slurm step);
+what moves is decided here, once: only files that differ (size and SHA-256), staged beside the
+target and committed data first, index last, so a copy cut short never replaces a whole one.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import posixpath
+import threading
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.api import on_all
+from orchestrator.launch.transfer import Transfer, local_tree
+from orchestrator.plan import LaunchPlan, TaskPlan
+from orchestrator.spec.model import Role
+from worker import wire
+
+log = logging.getLogger("orchestrator.launch")
+
+
+class Folders(abc.ABC):
+    """How a backend moves a folder between this machine and one of its hosts (by host index)."""
+
+    @abc.abstractmethod
+    def label(self, host: int) -> str:
+        """The host, for people."""
+
+    @abc.abstractmethod
+    def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
+        """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else);
+        `exists` False where the host has no such folder. LaunchError when it cannot."""
+
+    @abc.abstractmethod
+    def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
+        """Make `remote` on the host an exact copy of `local` (`ours`: its `local_tree`, listed
+        once for every host it goes to). LaunchError when it cannot."""
+
+    def lost(self, host: int) -> None:
+        """A copy to or from the host failed (ssh: its connection is renewed before the next use)."""
+        return None
+
+
+class StateExchange:
+    def __init__(self, folders: Folders, home: Path, *, every_s: float):
+        self._folders = folders
+        self._home = home  # the run directory here: results and the latest state come here
+        self._every_s = every_s  # how often the evaluators' follower looks for a new checkpoint
+        self._follower: threading.Thread | None = None
+        self._follow_stop = threading.Event()
+        self._owner_lacks = False  # the owner's folder was gone: home's copy goes back to it too
+
+    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
+        """Attempts after the first restore the owner's latest checkpoint: home, then to every
+        reader's folder that differs; then the evaluators are followed."""
+        self.stop_following()
+        if plan.state is None or plan.state.shared:
+            return []
+        notes = [*self.fetch(plan), *self.hand_out(plan)] if attempt > 0 else []
+        self.follow(plan)
+        return notes
+
+    def fetch(self, plan: LaunchPlan, *, reachable: bool = True) -> list[str]:
+        """The owner's checkpoint folder brought home (only what differs); `reachable` False: its
+        host is known lost, and home keeps the last copy brought."""
+        state = plan.state
+        self._owner_lacks = False
+        if state is None or state.shared:
+            return []
+        owner = plan.task(state.owner)
+        home = self._home / "checkpoints"
+        where = f"{owner.name} ({self._folders.label(owner.host_index)})"
+        if not reachable:
+            return [f"{where} is out of reach: the last checkpoints brought home are used"]
+        try:
+            got = self._folders.pull(owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home, mirror=True)
+        except LaunchError:
+            self._folders.lost(owner.host_index)
+            raise
+        if not got.exists and any(home.iterdir() if home.is_dir() else ()):
+            # the owner's folder is gone (a --resume after its host was cleaned): home's copy is
+            # the latest state there is, so the owner gets it back too
+            self._owner_lacks = True
+            return [f"{where} has no checkpoint folder; using the copy in {home}"]
+        label = self._folders.label(owner.host_index)
+        return [f"checkpoints of {owner.name} copied from {label} to {home}: {got.describe()}"]
+
+    def hand_out(self, plan: LaunchPlan) -> list[str]:
+        """Home's copy to every reader's folder (on its host) that differs, hosts in parallel."""
+        state = plan.state
+        home = self._home / "checkpoints"
+        if state is None or state.shared or not home.is_dir():
+            return []
+        targets = self._targets(plan, list(map(plan.task, state.readers)))
+        if self._owner_lacks:
+            owner = plan.task(state.owner)
+            targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
+        ours = local_tree(home)  # once for every host it goes to
+
+        def one(target: tuple[int, str]) -> Transfer:
+            try:
+                return self._folders.push(target[0], home, target[1], ours)
+            except LaunchError:
+                self._folders.lost(target[0])
+                raise
+
+        sent = on_all(targets, one).raise_if_failed("copying the checkpoint to the hosts")
+        return [
+            f"→ {self._folders.label(i)} {f}: {s.describe()}" for (i, f), s in zip(targets, sent, strict=True)
+        ]
+
+    def follow(self, plan: LaunchPlan) -> None:
+        """An evaluator on another host than the owner's: each new checkpoint of the owner goes
+        home and on to it while the attempt runs."""
+        state = plan.state
+        if state is None or state.shared:
+            return
+        evaluators = [t for t in map(plan.task, state.readers) if t.role is Role.EVALUATOR]
+        if self._targets(plan, evaluators):
+            self._follow_stop = threading.Event()
+            self._follower = threading.Thread(
+                target=self._follow, args=(plan, evaluators, self._follow_stop), daemon=True, name="ship"
+            )
+            self._follower.start()
+
+    def _targets(self, plan: LaunchPlan, readers: list[TaskPlan]) -> list[tuple[int, str]]:
+        """(host, folder) of the readers, but the owner's own."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        source = (owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR])
+        return sorted({(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in readers} - {source})
+
+    def _follow(self, plan: LaunchPlan, evaluators: list[TaskPlan], stop: threading.Event) -> None:
+        """A round that fails (a file changed while copied, a host away) is tried again."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        home = self._home / "checkpoints"
+        while not stop.wait(self._every_s):
+            try:
+                got = self._folders.pull(
+                    owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home, mirror=True
+                )
+                if not got.exists:
+                    continue
+                ours = local_tree(home)
+                for index, folder in self._targets(plan, evaluators):
+                    if stop.is_set():
+                        return
+                    sent = self._folders.push(index, home, folder, ours)
+                    if sent.files:
+                        log.debug("%s %s: %s", self._folders.label(index), folder, sent.describe())
+            except LaunchError as exc:
+                log.debug("checkpoints to the evaluators, tried again in %g s: %s", self._every_s, exc)
+
+    def stop_following(self, timeout_s: float = 240.0) -> None:
+        if self._follower is not None:
+            self._follow_stop.set()
+            self._follower.join(timeout=timeout_s)
+            self._follower = None
+
+    def bring_home(self, plan: LaunchPlan) -> list[str]:
+        """The owner's model/, tensorboard/ and latest checkpoint, the evaluators' tensorboard/,
+        into the run directory. A host that cannot be reached is said, not raised."""
+        self.stop_following()
+        if plan.state is None:
+            return []
+        wanted = self._results(plan)
+
+        def host_pulls(index: int) -> list[str]:
+            # one host's pulls one after another (they share its connection); hosts in parallel
+            lines = []
+            for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
+                try:
+                    got = self._folders.pull(index, remote, local, mirror=mirror)
+                except LaunchError as exc:
+                    lines.append(f"could not bring {remote} home from {task.name}: {exc}")
+                    continue
+                if got.files:
+                    label = self._folders.label(index)
+                    lines.append(f"{local.name}/ from {task.name} ({label}): {got.describe()}")
+            return lines
+
+        out: list[str] = []
+        for index, result in on_all(sorted({w[0].host_index for w in wanted}), host_pulls):
+            out += [f"{self._folders.label(index)}: {result}"] if isinstance(result, Exception) else result
+        return out
+
+    def _results(self, plan: LaunchPlan) -> list[tuple[TaskPlan, str, Path, bool]]:
+        """(task, its folder, where it comes here, mirrored): the latest checkpoint (the owner's,
+        mirrored), the model (the owner's), TensorBoard's files (the owner's and evaluators')."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        wanted: list[tuple[TaskPlan, str, Path, bool]] = []
+        if not plan.state.shared:
+            wanted.append((owner, owner.env[wire.ENV_CHECKPOINT_DIR], self._home / "checkpoints", True))
+        for task in plan.tasks:
+            folder = task.env[wire.ENV_RUN_DIR]
+            if task.name == owner.name:
+                wanted.append((task, posixpath.join(folder, "model"), self._home / "model", False))
+            board = posixpath.join(folder, "tensorboard")
+            seen = any(w[0].host_index == task.host_index and w[1] == board for w in wanted)
+            if (task.name == owner.name or task.role is Role.EVALUATOR) and not seen:
+                wanted.append((task, board, self._home / "tensorboard", False))
+        return wanted

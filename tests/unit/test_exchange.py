@@ -1,0 +1,186 @@
+"""orchestrator/launch/exchange.py: the run's state between hosts that share no disk, decided once
+for every backend — here over hosts that are folders of this machine (each its own "disk"),
+moved with the same `folders.py` modes the hosts run: real files, no host, no root."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.exchange import Folders, StateExchange
+from orchestrator.launch.local.placement import local_placements
+from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, commit_here, differing, local_tree
+from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.spec.load import parse_spec
+from tests.conftest import wait_until
+
+
+class Disks(Folders):
+    """Host i's absolute path p is `root/hi/p`: as separate a disk as a folder can be."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.calls: list[tuple[str, int, str]] = []
+        self.down: set[int] = set()
+        self.lost_hosts: list[int] = []
+
+    def at(self, host: int, path: str) -> Path:
+        return self.root / f"h{host}" / path.lstrip("/")
+
+    def label(self, host: int) -> str:
+        return f"h{host}"
+
+    def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
+        self._reach(host, "pull", remote)
+        return _copy(self.at(host, remote), local, mirror)
+
+    def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
+        self._reach(host, "push", remote)
+        return _copy(local, self.at(host, remote), True, ours)
+
+    def lost(self, host: int) -> None:
+        self.lost_hosts.append(host)
+
+    def _reach(self, host: int, what: str, path: str) -> None:
+        self.calls.append((what, host, path))
+        if host in self.down:
+            raise LaunchError(f"h{host}: no route to host")
+
+
+def _copy(source: Path, target: Path, mirror: bool, ours: dict[str, Any] | None = None) -> Transfer:
+    theirs = ours or local_tree(source)
+    if not theirs["exists"]:
+        return Transfer(0, 0, 0, 0.0, exists=False)
+    mine = local_tree(target)
+    todo = differing(theirs["files"], mine["files"])
+    staging = target / f"{STAGING_PREFIX}test"
+    staging.mkdir(parents=True)
+    for rel in todo:
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / rel, staging / rel)
+    keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(mine["files"]))
+    done = commit_here(target, staging, keep)
+    return Transfer(len(todo), sum(theirs["files"][r][0] for r in todo), int(done["removed"]), 0.0)
+
+
+def plan_of(tmp_path: Path, tasks: str) -> LaunchPlan:
+    (tmp_path / "job.py").write_text("")
+    spec = parse_spec(f"name: t\nhosts:\n{tasks}job: {{script: job.py}}\n", file="s.yaml", base_dir=tmp_path)
+    ports = {
+        f"{r}-{i}": 20000 + n for n, (r, i) in enumerate([("worker", 0), ("worker", 1), ("evaluator", 0)])
+    }
+    places = local_placements(
+        spec,
+        ports,
+        run_dir=Path("/runs/r1"),
+        spec_dir=tmp_path,
+        coordinator_url="http://x:1",
+        python="python",
+    )
+    return make_plan(spec, "t-1", places)
+
+
+TWO_HOSTS = "  - {address: 10.0.0.1, tasks: {worker: 1}}\n  - {address: 10.0.0.2, tasks: {worker: 1}}\n"
+CKPT = "/runs/r1/checkpoints"
+
+
+def checkpoint(disks: Disks, host: int, step: int) -> None:
+    folder = disks.at(host, CKPT)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"ckpt-{step}.data-00000-of-00001").write_bytes(bytes(step) * 100)
+    (folder / f"ckpt-{step}.index").write_text(f"index {step}")
+    (folder / "checkpoint").write_text(f'model_checkpoint_path: "ckpt-{step}"\n')
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def test_the_owners_checkpoint_goes_home_and_to_every_reader_only_what_differs(tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=60)
+    checkpoint(disks, 0, 20)
+    assert exchange.before_attempt(plan, 0) == []  # the first attempt restores nothing
+    notes = exchange.before_attempt(plan, 1)
+    assert notes[0].startswith(f"checkpoints of worker-0 copied from h0 to {home}/checkpoints: 3 file(s)")
+    assert notes[1].startswith(f"→ h1 {CKPT}: 3 file(s)")
+    assert files(disks.at(1, CKPT)) == files(disks.at(0, CKPT)) == files(home / "checkpoints")
+    assert exchange.before_attempt(plan, 2)[1:] == [f"→ h1 {CKPT}: already the same"]
+    checkpoint(disks, 0, 40)  # a newer one (its data, its index, the `checkpoint` file) travels
+    (disks.at(1, CKPT) / "stray").write_text("x")  # and what the owner does not have goes
+    notes = exchange.before_attempt(plan, 3)
+    assert ": 3 file(s)" in notes[0] and ": 3 file(s)" in notes[1] and ", 1 removed" in notes[1]
+    assert files(disks.at(1, CKPT)) == files(disks.at(0, CKPT))
+
+
+def test_an_owner_that_lost_its_folder_gets_homes_copy_back(tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=60)
+    checkpoint(disks, 0, 20)
+    exchange.before_attempt(plan, 1)
+    shutil.rmtree(disks.at(0, CKPT))  # its host was cleaned (a --resume days later)
+    notes = exchange.before_attempt(plan, 2)
+    assert notes[0] == f"worker-0 (h0) has no checkpoint folder; using the copy in {home}/checkpoints"
+    assert files(disks.at(0, CKPT)) == files(home / "checkpoints") != {}
+
+
+def test_a_host_that_cannot_be_reached_fails_the_copy_and_is_said_lost(tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=60)
+    checkpoint(disks, 0, 20)
+    disks.down.add(1)
+    with pytest.raises(
+        LaunchError, match=r"copying the checkpoint to the hosts failed on 1 of 1 hosts:\n  h1"
+    ):
+        exchange.before_attempt(plan, 1)
+    assert disks.lost_hosts == [1]
+    assert exchange.fetch(plan, reachable=False) == [
+        "worker-0 (h0) is out of reach: the last checkpoints brought home are used"
+    ]
+
+
+def test_an_evaluator_on_another_host_follows_each_new_checkpoint(tmp_path: Path) -> None:
+    plan = plan_of(
+        tmp_path,
+        "  - {address: 10.0.0.1, tasks: {worker: 2}}\n  - {address: 10.0.0.2, tasks: {evaluator: 1}}\n",
+    )
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=0.05)
+    exchange.before_attempt(plan, 0)
+    try:
+        checkpoint(disks, 0, 10)
+        assert wait_until(lambda: files(disks.at(1, CKPT)) == files(disks.at(0, CKPT)), 10)
+        checkpoint(disks, 0, 20)
+        assert wait_until(lambda: "ckpt-20.index" in files(disks.at(1, CKPT)), 10)
+    finally:
+        exchange.stop_following(timeout_s=10)
+    assert not any(call[1] == 0 and call[0] == "push" for call in disks.calls)  # the owner's own: never
+
+
+def test_the_results_come_home_and_a_host_away_is_said_not_raised(tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    checkpoint(disks, 0, 20)
+    (disks.at(0, "/runs/r1/model")).mkdir(parents=True)
+    (disks.at(0, "/runs/r1/model") / "model.keras").write_text("weights")
+    (disks.at(0, "/runs/r1/tensorboard")).mkdir(parents=True)
+    (disks.at(0, "/runs/r1/tensorboard") / "events").write_text("scalars")
+    lines = StateExchange(disks, home, every_s=60).bring_home(plan)
+    assert sorted(line.split(":")[0] for line in lines) == [
+        "checkpoints/ from worker-0 (h0)",
+        "model/ from worker-0 (h0)",
+        "tensorboard/ from worker-0 (h0)",
+    ]
+    assert (home / "model" / "model.keras").read_text() == "weights"
+    disks.down.add(0)
+    said = StateExchange(disks, home, every_s=60).bring_home(plan)
+    assert said and all(line.startswith("could not bring /runs/r1/") for line in said)
