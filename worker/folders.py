@@ -158,7 +158,10 @@ def unpack(folder: str, *how: str) -> dict[str, Any]:
     moved = removed = 0
     for top in tops:
         target, received = os.path.join(folder, top), os.path.join(staging, top)
-        if "replace" in how:
+        if os.path.isfile(received):  # a file at the tar's top: in place of the one there
+            os.replace(received, target)
+            moved += 1
+        elif "replace" in how:
             keep = [n.split("/", 1)[1] for n in names if n.startswith(f"{top}/")]
             sys.stdin = io.StringIO(json.dumps(keep))  # commit reads what to keep on stdin
             done = commit(target, received)

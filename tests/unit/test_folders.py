@@ -114,6 +114,28 @@ def test_pack_and_unpack_carry_a_folder_and_replace_what_the_target_held(tmp_pat
     assert not list(tmp_path.glob("*.incoming-*"))
 
 
+def test_single_files_pack_and_unpack_at_the_top_of_the_folder(tmp_path: Path) -> None:
+    """What only differs travels: `pack` of named files (as `tree` listed them), `unpack` of them
+    into a staging folder, every one of them there (none silently left out)."""
+    source = tmp_path / "node1" / "checkpoints"
+    (source / "sub").mkdir(parents=True)
+    (source / "checkpoint").write_text("index")
+    (source / "sub" / "ckpt-40.index").write_text("data")
+    (source / "other").write_text("not asked for")
+    packed = subprocess.run(
+        [sys.executable, "-c", FOLDERS, "pack", str(source), "checkpoint", "sub/ckpt-40.index", "gone"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    staging = tmp_path / "node2" / "checkpoints" / ".incoming-ab"
+    res = subprocess.run(
+        [sys.executable, "-c", FOLDERS, "unpack", str(staging)], input=packed, capture_output=True, check=True
+    )
+    assert json.loads(res.stdout) == {"moved": 2, "removed": 0}
+    got = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+    assert got == ["checkpoint", "sub/ckpt-40.index"]
+
+
 def test_unpack_refuses_a_member_outside_its_folder(tmp_path: Path) -> None:
 
     buffer = io.BytesIO()
