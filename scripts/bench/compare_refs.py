@@ -112,6 +112,7 @@ def main() -> int:
             if before and after:
                 b, a = median(before), median(after)
                 print(f"| {name} {figure} | {b:.3f} | {a:.3f} | ×{a / b:.3f} |")
+                print(f"  {name} {figure}: before {before}, after {after}", file=sys.stderr)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     return 1 if errors else 0
