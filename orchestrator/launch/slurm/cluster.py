@@ -18,7 +18,7 @@ import re
 import shutil
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from orchestrator.errors import LaunchError
@@ -58,9 +58,17 @@ def signal_lead_s(spec: ClusterSpec) -> int:
 class Slurm:
     """Slurm's client commands, each bounded: with slurmctld down they retry for minutes."""
 
-    def __init__(self, timeout_s: float, env: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        timeout_s: float,
+        env: Mapping[str, str] | None = None,
+        runner: Callable[..., subprocess.CompletedProcess[Any]] = subprocess.run,
+    ):
         self.timeout_s = timeout_s
         self.env = dict(env if env is not None else os.environ)
+        #: how a command is run (subprocess.run's signature): the seam where tests give Slurm's
+        #: recorded answers, or run a step's command on this machine
+        self.runner = runner
         for name in _STEP_OPTION_ENV:
             self.env.pop(name, None)
 
@@ -101,7 +109,7 @@ class Slurm:
         text: bool,
     ) -> subprocess.CompletedProcess[Any]:
         try:
-            return subprocess.run(
+            return self.runner(
                 list(argv),
                 input=data,
                 capture_output=True,

@@ -17,11 +17,12 @@ class SlurmLeftovers(Leftovers):
     """`orchestrate down` with the coordinator gone: its allocation (found by name: a renewed one
     too) is cancelled; inside an allocation that is not ours, only this run's steps."""
 
-    def __init__(self, record: Mapping[str, Any]):
+    def __init__(self, record: Mapping[str, Any], slurm: Slurm | None = None):
         self._record = record
+        self._slurm = slurm  # default: Slurm's commands under the record's timeout
 
     def stop(self, grace_s: float) -> list[tuple[str, bool]]:
-        slurm = Slurm(float(self._record.get("connect_timeout_s") or 10.0))
+        slurm = self._slurm or Slurm(float(self._record.get("connect_timeout_s") or 10.0))
         name = str(self._record.get("job_name") or job_name(str(self._record.get("run_id"))))
         try:
             if self._record.get("owned") is False:
