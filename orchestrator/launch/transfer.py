@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,62 @@ class Transfer:
         moved = f"{self.files} file(s), {size_text(self.bytes)}"
         gone = f", {self.removed} removed" if self.removed else ""
         return f"{moved}{gone} in {self.seconds:.1f} s"
+
+
+def pull_into(
+    theirs: dict[str, Any],
+    local: Path,
+    *,
+    mirror: bool,
+    fetch: Callable[[list[str], Path], None],
+    host: str,
+    remote: str,
+    started: float,
+) -> Transfer:
+    """Make `local` hold the files of a host's folder (`theirs`: its `tree`; `mirror`: and nothing
+    else): `fetch(files, staging)` writes the files that differ under a staging folder beside it,
+    each is checked against its listed SHA-256 (a task still writing there is caught), then they
+    are committed (data first, index last). `host` and `remote` name the folder for an error."""
+    if not theirs["exists"]:
+        return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
+    ours = local_tree(local)
+    todo = differing(theirs["files"], ours["files"])
+    need = sum(theirs["files"][rel][0] for rel in todo)
+    if need > ours["free_bytes"]:
+        raise LaunchError(
+            f"cannot bring {remote} home from {host}: it needs {size_text(need)} in {local}, "
+            f"{size_text(ours['free_bytes'])} free"
+        )
+    staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
+    try:
+        staging.mkdir(parents=True, mode=0o700)
+        if todo:
+            fetch(todo, staging)
+        for rel in todo:
+            if sha256_file(staging / rel) != theirs["files"][rel][1]:
+                raise LaunchError(
+                    f"{host}: {remote}/{rel} changed while it was copied (is a task still writing there?)"
+                )
+        keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
+        done = commit_here(local, staging, keep)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+
+def to_push(ours: dict[str, Any], theirs: dict[str, Any], where: str) -> tuple[list[str], int] | None:
+    """The files of `ours` a host's folder (`theirs`: its `tree`) must get, and their bytes; None
+    where it is already the same. LaunchError where they do not fit there."""
+    todo = differing(ours["files"], theirs["files"])
+    if not todo and not set(theirs["files"]) - set(ours["files"]):
+        return None
+    need = sum(ours["files"][rel][0] for rel in todo)
+    if need > theirs["free_bytes"]:
+        raise LaunchError(
+            f"{where}: no room for the checkpoint in {theirs['folder']}: it needs {size_text(need)}, "
+            f"{size_text(theirs['free_bytes'])} free"
+        )
+    return todo, need
 
 
 def local_tree(folder: Path) -> dict[str, Any]:

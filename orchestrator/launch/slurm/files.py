@@ -31,15 +31,7 @@ from orchestrator.launch.placement import job_files_root
 from orchestrator.launch.runtime import FOLDERS_SOURCE, RUNTIME_ROOT
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.spec import section
-from orchestrator.launch.transfer import (
-    STAGING_PREFIX,
-    Transfer,
-    commit_here,
-    differing,
-    local_tree,
-    sha256_file,
-    size_text,
-)
+from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, pull_into, to_push
 from orchestrator.record import private_open
 from orchestrator.spec.model import ClusterSpec
 
@@ -150,41 +142,21 @@ class NodeFolders(Folders):
         started = time.monotonic()
         node = self._where(host)
         theirs = self._step(node, "tree", remote)
-        if not theirs["exists"]:
-            return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
-        ours = local_tree(local)
-        todo = differing(theirs["files"], ours["files"])
-        need = sum(theirs["files"][rel][0] for rel in todo)
-        if need > ours["free_bytes"]:
-            raise LaunchError(
-                f"cannot bring {remote} home from {node}: it needs {size_text(need)} in {local}, "
-                f"{size_text(ours['free_bytes'])} free"
-            )
-        staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
-        try:
-            staging.mkdir(parents=True, mode=0o700)
-            if todo:
-                data = self._bytes(node, b"", "pack", theirs["folder"], *todo)
-                _extract(data, staging, theirs["files"], f"{node}: {remote}")
-            keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
-            done = commit_here(local, staging, keep)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+        def fetch(files: list[str], staging: Path) -> None:
+            data = self._bytes(node, b"", "pack", theirs["folder"], *files)
+            _extract(data, staging, set(files), f"{node}: {remote}")
+
+        return pull_into(theirs, local, mirror=mirror, fetch=fetch, host=node, remote=remote, started=started)
 
     def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
         started = time.monotonic()
         node = self._where(host)
         theirs = self._step(node, "tree", remote)
-        todo = differing(ours["files"], theirs["files"])
-        if not todo and not set(theirs["files"]) - set(ours["files"]):
+        plan = to_push(ours, theirs, node)
+        if plan is None:
             return Transfer(0, 0, 0, time.monotonic() - started)
-        need = sum(ours["files"][rel][0] for rel in todo)
-        if need > theirs["free_bytes"]:
-            raise LaunchError(
-                f"{node}: no room for the checkpoint in {theirs['folder']}: it needs {size_text(need)}, "
-                f"{size_text(theirs['free_bytes'])} free"
-            )
+        todo, need = plan
         staging = posixpath.join(theirs["folder"], f"{STAGING_PREFIX}{secrets.token_hex(4)}")
         self._bytes(node, pack_files(local, todo), "unpack", staging)
         done = self._step(node, "commit", theirs["folder"], staging, stdin=json.dumps(sorted(ours["files"])))
@@ -231,12 +203,11 @@ def pack_files(folder: Path, files: list[str]) -> bytes:
     return buffer.getvalue()
 
 
-def _extract(data: bytes, staging: Path, listed: dict[str, list[Any]], what: str) -> None:
-    """The files of a tar into `staging`, each checked against what `tree` listed (a file that
-    changed while it was packed is not taken: a task is still writing there)."""
+def _extract(data: bytes, staging: Path, wanted: set[str], what: str) -> None:
+    """The files of a tar into `staging`: plain files that were asked for, nothing else."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
         for member in tar.getmembers():
-            if not member.isfile() or not _safe(member.name) or member.name not in listed:
+            if not member.isfile() or not _safe(member.name) or member.name not in wanted:
                 raise LaunchError(f"{what}: refused tar member {member.name!r}")
             target = staging / member.name
             target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -244,7 +215,3 @@ def _extract(data: bytes, staging: Path, listed: dict[str, list[Any]], what: str
             assert source is not None
             with private_open(target, "wb") as out:
                 shutil.copyfileobj(source, out)
-            if sha256_file(target) != listed[member.name][1]:
-                raise LaunchError(
-                    f"{what}/{member.name} changed while it was copied (is a task still writing there?)"
-                )

@@ -19,7 +19,6 @@ import contextlib
 import json
 import posixpath
 import secrets
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,11 +33,10 @@ from orchestrator.launch.transfer import (
     IO_TIMEOUT_S,
     STAGING_PREFIX,
     Transfer,
-    commit_here,
-    differing,
     local_tree,
-    sha256_file,
+    pull_into,
     size_text,
+    to_push,
 )
 
 
@@ -87,37 +85,20 @@ def _pull(
 ) -> Transfer:
     started = time.monotonic()
     theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
-    if not theirs["exists"]:
-        return Transfer(0, 0, 0, time.monotonic() - started, exists=False)
-    ours = local_tree(local)
-    todo = differing(theirs["files"], ours["files"])
-    need = sum(theirs["files"][rel][0] for rel in todo)
-    if need > ours["free_bytes"]:
-        raise LaunchError(
-            f"cannot bring {remote} home from {host.label}: it needs {size_text(need)} in {local}, "
-            f"{size_text(ours['free_bytes'])} free"
-        )
-    staging = local / f"{STAGING_PREFIX}{secrets.token_hex(4)}"
-    try:
+
+    def fetch(files: list[str], staging: Path) -> None:
         with _sftp(conn, timeout_s) as sftp:
-            for rel in todo:
+            for rel in files:
                 target = staging / rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 try:
                     sftp.get(posixpath.join(theirs["folder"], rel), str(target))
                 except OSError as exc:
                     raise LaunchError(f"{host.label}: cannot read {remote}/{rel}: {exc}") from None
-                if sha256_file(target) != theirs["files"][rel][1]:
-                    raise LaunchError(
-                        f"{host.label}: {remote}/{rel} changed while it was copied (is a task still "
-                        "writing there?)"
-                    )
-        keep = sorted(theirs["files"]) if mirror else sorted(set(theirs["files"]) | set(ours["files"]))
-        staging.mkdir(parents=True, exist_ok=True, mode=0o700)
-        done = commit_here(local, staging, keep)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
+
+    return pull_into(
+        theirs, local, mirror=mirror, fetch=fetch, host=host.label, remote=remote, started=started
+    )
 
 
 def push(
@@ -140,16 +121,10 @@ def _push(
 ) -> Transfer:
     started = time.monotonic()
     theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
-    todo = differing(ours["files"], theirs["files"])
-    extra = set(theirs["files"]) - set(ours["files"])
-    if not todo and not extra:
+    plan = to_push(ours, theirs, host.label)
+    if plan is None:
         return Transfer(0, 0, 0, time.monotonic() - started)
-    need = sum(ours["files"][rel][0] for rel in todo)
-    if need > theirs["free_bytes"]:
-        raise LaunchError(
-            f"{host.label}: no room for the checkpoint in {theirs['folder']}: it needs {size_text(need)}, "
-            f"{size_text(theirs['free_bytes'])} free"
-        )
+    todo, need = plan
     folder = theirs["folder"]
     staging = posixpath.join(folder, f"{STAGING_PREFIX}{secrets.token_hex(4)}")
     made: set[str] = set()
