@@ -52,10 +52,11 @@ class Folders(abc.ABC):
 
 
 class StateExchange:
-    def __init__(self, folders: Folders, home: Path, *, every_s: float):
+    def __init__(self, folders: Folders, home: Path, *, every_s: float, stop_wait_s: float = 60.0):
         self._folders = folders
         self._home = home  # the run directory here: results and the latest state come here
         self._every_s = every_s  # how often the evaluators' follower looks for a new checkpoint
+        self._stop_wait_s = stop_wait_s  # the follower's copy under way may finish this long
         self._follower: threading.Thread | None = None
         self._follow_stop = threading.Event()
         self._owner_lacks = False  # the owner's folder was gone: home's copy goes back to it too
@@ -162,10 +163,10 @@ class StateExchange:
             except LaunchError as exc:
                 log.debug("checkpoints to the evaluators, tried again in %g s: %s", self._every_s, exc)
 
-    def stop_following(self, timeout_s: float = 240.0) -> None:
+    def stop_following(self, timeout_s: float | None = None) -> None:
         if self._follower is not None:
             self._follow_stop.set()
-            self._follower.join(timeout=timeout_s)
+            self._follower.join(timeout=self._stop_wait_s if timeout_s is None else timeout_s)
             self._follower = None
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:

@@ -114,9 +114,8 @@ class SlurmBackend(Backend):
             self._host_node,
             lambda: self._alloc.job_id if self._alloc is not None else None,
         )
-        self._exchange = StateExchange(
-            folders, self._run_dir, every_s=max(2.0, spec.health.heartbeat_interval_s)
-        )
+        every_s, copy_s = max(2.0, spec.health.heartbeat_interval_s), self._conf.connect_timeout_s + 60
+        self._exchange = StateExchange(folders, self._run_dir, every_s=every_s, stop_wait_s=copy_s)
 
     # --- opening ---
 

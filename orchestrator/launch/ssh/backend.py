@@ -81,14 +81,11 @@ class SshBackend(Backend):
         # hosts with several tasks: their heartbeats go through a relay
         self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
         self._files: list[FileEntry] = []
-        folders = SshFolders(
-            self._hosts,
-            self._connection,
-            self._suspect.add,
-            # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
-            io_timeout_s=max(10.0, 3 * ssh_section(spec).connect_timeout_s),
-        )
-        self._states = StateExchange(folders, home, every_s=max(2.0, spec.health.heartbeat_interval_s))
+        # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
+        io_timeout_s = max(10.0, 3 * ssh_section(spec).connect_timeout_s)
+        folders = SshFolders(self._hosts, self._connection, self._suspect.add, io_timeout_s=io_timeout_s)
+        every_s = max(2.0, spec.health.heartbeat_interval_s)
+        self._states = StateExchange(folders, home, every_s=every_s, stop_wait_s=4 * io_timeout_s)
 
     def listen(self) -> tuple[str, int]:
         """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""
