@@ -173,11 +173,6 @@ class ShimHandle(TaskHandle):
     def where(self) -> str:
         return self.transport.where
 
-    @property
-    def step(self) -> str | None:
-        """Its Slurm step (JOB.STEP), where it runs as one."""
-        return self._events.step
-
     def poll(self) -> int | None:
         if self._events.exit_code is not None:
             return self._events.exit_code
