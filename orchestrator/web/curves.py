@@ -1,26 +1,51 @@
 """Web layer: every task's reported values by step, for the page's plots — bounded whatever the run
 reports (a curve keeps at most `per_curve` points, thinned by half when full: the early part of a
-long run at a coarser step, the shape kept), and the whole store at most `budget` points."""
+long run at a coarser step, the shape kept), and the whole store at most `budget` points. The first
+NaN or infinite value of each attempt is kept whatever the thinning (the page says where a curve
+first went bad: at its true step, not at the next point the thinning happened to keep)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from worker.wire import number as _number
 
+#: The attempts whose first non-finite point a curve keeps (the latest ones).
+MAX_MARKED_ATTEMPTS = 16
 #: Keys of a metrics.jsonl line that are not a reported value.
 _NOT_VALUES = frozenset({"schema_version", "time", "task", "attempt", "step"})
 
 
 class _Curve:
-    __slots__ = ("points", "stride", "skipped")
+    __slots__ = ("points", "stride", "skipped", "first_odd")
 
     def __init__(self) -> None:
         self.points: list[tuple[int, float, int]] = []  # (step, value, attempt)
         self.stride = 1  # keep one point in `stride` (doubled at each thinning)
         self.skipped = 0
+        self.first_odd: dict[int, tuple[int, float, int]] = {}  # attempt: its first NaN/±inf point
+
+    def mark(self, point: tuple[int, float, int]) -> None:
+        attempt = point[2]
+        if attempt in self.first_odd or math.isfinite(point[1]):
+            return
+        self.first_odd[attempt] = point
+        if len(self.first_odd) > MAX_MARKED_ATTEMPTS:
+            del self.first_odd[min(self.first_odd)]
+
+    def drawn(self) -> list[tuple[int, float, int]]:
+        """The kept points with each attempt's first non-finite one in its place."""
+        points = list(self.points)
+        kept = {(a, s) for s, _, a in points}
+        for mark in sorted(self.first_odd.values(), key=lambda p: (p[2], p[0])):
+            if (mark[2], mark[0]) in kept:
+                continue
+            at = next((i for i, p in enumerate(points) if (p[2], p[0]) > (mark[2], mark[0])), len(points))
+            points.insert(at, mark)
+        return points
 
 
 class Curves:
@@ -48,6 +73,7 @@ class Curves:
         if curve is None:
             curve = self._curves[(task, name)] = _Curve()
             self._share_budget()
+        curve.mark((step, value, attempt))
         curve.skipped += 1
         if curve.skipped < curve.stride:
             return
@@ -79,15 +105,18 @@ class Curves:
 
     def snapshot(self, max_points: int = 300) -> dict[str, dict[str, list[list[float]]]]:
         """{task: {name: [[step, value, attempt], …]}}, each curve at most `max_points` long
-        (evenly thinned for the page; the last point always kept)."""
+        (evenly thinned for the page; the last point and each attempt's first non-finite one
+        always kept: at most `max_points` + MAX_MARKED_ATTEMPTS)."""
         with self._lock:
-            items = [(k, list(c.points)) for k, c in self._curves.items()]
+            items = [(k, list(c.points), list(c.first_odd.values())) for k, c in self._curves.items()]
         out: dict[str, dict[str, list[list[float]]]] = {}
-        for (task, name), points in items:
+        for (task, name), points, marks in items:
             if len(points) > max_points:
                 every = -(-len(points) // max_points)
                 points = points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
-            out.setdefault(task, {})[name] = [[s, v, a] for s, v, a in points]
+            shown = _Curve()
+            shown.points, shown.first_odd = points, {m[2]: m for m in marks}
+            out.setdefault(task, {})[name] = [[s, v, a] for s, v, a in shown.drawn()]
         return out
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import socket
 import time
 import urllib.parse
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.web.curves import Curves
+from orchestrator.web.curves import MAX_MARKED_ATTEMPTS, Curves
 from orchestrator.web.reader import RunReader
 from orchestrator.web.server import WebServer
 from tests.unit.test_cli import fabricate_run
@@ -244,6 +245,26 @@ def test_curves_stay_bounded_and_keep_their_shape() -> None:
     for task in range(200):
         many.add(f"worker-{task}", 0, [{"step": s, "loss": 0.5} for s in range(1, 50)])
     assert many.size <= 200 * 10  # past the budget, no curve keeps more than its minimum
+
+
+def test_a_curves_first_nan_of_each_attempt_survives_every_thinning() -> None:
+    """The page says where a curve first went bad: at its true step, whichever points the store
+    and the page's own thinning happen to keep (found flaky in the browser test: step 22 said)."""
+    curves = Curves(budget=1_000, per_curve=100, min_per_curve=10)
+    for attempt, bad in ((0, range(21, 40)), (1, range(333, 334)), (2, ())):
+        for step in range(1, 5_001):
+            value = math.nan if step in bad else -math.inf if attempt == 2 and step == 4_999 else 1.0
+            curves.add("worker-0", attempt, [{"step": step, "loss": value}])
+    for max_points in (7, 50, 300):
+        loss = curves.snapshot(max_points=max_points)["worker-0"]["loss"]
+        odd = [(a, s) for s, v, a in loss if not math.isfinite(v)]
+        assert odd[:1] == [(0, 21)] and (1, 333) in odd and (2, 4_999) in odd, (max_points, odd)
+        assert len(loss) <= max_points + 4
+        assert loss == sorted(loss, key=lambda p: (p[2], p[0]))  # each mark in its place
+    many = Curves()
+    for attempt in range(100):  # a curve marks its latest attempts only
+        many.add("worker-0", attempt, [{"step": 1, "loss": math.nan}])
+    assert len(many.snapshot(max_points=10)["worker-0"]["loss"]) <= 10 + 1 + MAX_MARKED_ATTEMPTS
 
 
 def test_nan_and_infinity_reach_the_page_as_strict_json(server: WebServer, run_dir: Path) -> None:
