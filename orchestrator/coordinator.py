@@ -38,7 +38,7 @@ from orchestrator.record import (
     now_iso,
     share_with_group,
 )
-from orchestrator.rundir import resume_point
+from orchestrator.rundir import known_folders, resume_point
 from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
@@ -121,6 +121,7 @@ def up(
             first_attempt=first_attempt,
             restarts=restarts,
             replan=planner,
+            job_folders=known_folders(o.run_dir) if o.resume else (),
         )
         cleanup.callback(_leave_nothing_running, supervisor)
         result = _supervise(supervisor, o)

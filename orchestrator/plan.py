@@ -60,6 +60,9 @@ class StatePlan:
     shared: bool  # the spec's folder, which every host sees (nothing is copied)
     owner: str  # the task whose checkpoints are the truth: the chief, or worker-0
     readers: tuple[str, ...]  # tasks that restore from (or score) them, the owner included
+    #: The folders the job writes its own checkpoints to, as the owner told them (learned as the
+    #: run goes: supervise/restores.py); kept like the owner's ORCHESTRATE_CHECKPOINT_DIR.
+    job_folders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class LaunchPlan:
         out["secrets"] = sorted(self.secrets)
         if out["state"] is not None:
             out["state"]["readers"] = list(out["state"]["readers"])
+            out["state"]["job_folders"] = list(out["state"]["job_folders"])
         out["policy"] = {
             role.value: {"decides": p.decides, "on_failure": p.on_failure.value, "at_end": p.at_end.value}
             for role, p in self.policy.items()

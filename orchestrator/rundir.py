@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from orchestrator.record import LOCK_NAME as _LOCK
 from orchestrator.record import RUNS_DIR, read_json
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.supervise.states import ClusterState
+from worker.wire import MAX_FOLDERS
 
 
 def resolve_run_dir(arg: str | None, starting_ok: bool = False) -> Path:
@@ -228,7 +230,7 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
     status = read_status(run_dir)
     out.write(f"run {status.get('name')}: {status.get('state')} ({status.get('reason', '')})\n")
     again = resume_command(run_dir)
-    if again is not None and status.get("state") != ClusterState.SUCCEEDED.value:
+    if again is not None and status.get("state") != ClusterState.SUCCEEDED.value and not diverged(status):
         out.write(f"continue it from its checkpoints: {again}\n")
     return 0 if ok else 1
 
@@ -307,6 +309,25 @@ def task_names(run_dir: Path) -> list[str]:
         raise RunDirError(f"{run_dir}/plan.json is unreadable: {exc}") from None
     except (KeyError, TypeError):
         raise RunDirError(f"{run_dir}/plan.json lists no tasks") from None
+
+
+def known_folders(run_dir: Path | None) -> list[str]:
+    """The folders an earlier run learned its job checkpoints to (status.json), for its --resume."""
+    try:
+        folders = read_status(run_dir).get("checkpoint_folders") if run_dir is not None else None
+    except RunDirError:
+        return []
+    if not isinstance(folders, list):
+        return []
+    return [f for f in folders if isinstance(f, str) and f.startswith("/")][:MAX_FOLDERS]
+
+
+def diverged(status: Mapping[str, Any]) -> bool:
+    """The run failed because its tasks started from different states: resuming it would meet the
+    same checkpoints again, so `--resume` is not offered (supervise/restores.py)."""
+    failures = status.get("failures")
+    last = failures[-1] if isinstance(failures, list) and failures else None
+    return isinstance(last, dict) and last.get("kind") == "diverged" and status.get("state") == "FAILED"
 
 
 def resume_point(run_dir: Path | None, spec: ClusterSpec, spec_path: Path | None) -> tuple[str, int, int]:

@@ -37,9 +37,14 @@ class TaskError(BaseModel):
 
 class Restored(BaseModel):
     model_config = _Strict
-    step: int
-    fingerprint: str = Field(description="of the restored variables: equal on every training task")
-    source: str = Field(description="the checkpoint it came from, or `fresh`")
+    step: int = Field(description="the training step it starts from (0: unknown or none)")
+    fingerprint: str = Field(
+        description="of the restored variables (the built-in loop) or of the checkpoint restored (a job's "
+        "own: SHA-256 of its index), `nothing` when it restored none: equal on every training task"
+    )
+    source: str | None = Field(description="the checkpoint it came from (a path on its host), null if none")
+    epoch: int = Field(0, description="the epoch it starts in, where the checkpoint says")
+    step_in_epoch: int = Field(0, description="the batch within that epoch, where the checkpoint says")
 
 
 class TaskStatus(BaseModel):
@@ -70,7 +75,10 @@ class TaskStatus(BaseModel):
     rss_bytes: int | None
     last_heartbeat_at: str | None = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
     error: TaskError | None = Field(None, description="the exception its code raised, if any")
-    restored: Restored | None = Field(None, description="where the built-in loop started this attempt from")
+    restored: Restored | None = Field(
+        None,
+        description="what it restored before its first step this attempt (reported by every training task)",
+    )
 
 
 class FailureStatus(BaseModel):
@@ -114,6 +122,11 @@ class Status(BaseModel):
     )
     task_restarts: list[FailureStatus] = Field(description="failures answered by restarting one task alone")
     tasks: list[TaskStatus]
+    checkpoint_folders: list[str] = Field(
+        default_factory=list,
+        description="the folders the job writes its own checkpoints to, as the owner told them (besides "
+        "ORCHESTRATE_CHECKPOINT_DIR): kept the same on every host that has a disk of its own",
+    )
     urls: dict[str, str] | None = Field(
         None,
         description="while the run lives: `page` (its web page, with the token) and `metrics` "

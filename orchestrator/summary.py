@@ -11,7 +11,7 @@ from orchestrator.hints import hints
 from orchestrator.logtail import tail_lines
 from orchestrator.progress import duration_text, elapsed_s, progress_of
 from orchestrator.quiet import collapse_redraws
-from orchestrator.rundir import resume_command, spec_path
+from orchestrator.rundir import diverged, resume_command, spec_path
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState
 
@@ -33,7 +33,7 @@ def summarize(outcome: RunResult) -> int:
     _results(outcome)
     if r.state is not ClusterState.SUCCEEDED and r.root_cause is not None:
         _first_failure(outcome, r.root_cause)
-    if r.state is not ClusterState.SUCCEEDED:
+    if r.state is not ClusterState.SUCCEEDED and not diverged(outcome.status):
         again = resume_command(outcome.run_dir)
         if again is not None:
             print(f"  continue it from its checkpoints: {again}")

@@ -76,8 +76,9 @@ class Reporter:
         self._seq = 0
         self._posted = 0  # heartbeats the coordinator accepted
         self._restored: wire.Restored | None = None
-        # (connecting, ready, done, error, restored): a change is sent at once
-        self._phase_sent: tuple[bool, ...] | None = None
+        self._folders: dict[str, str] = {}  # the job's own checkpoint folders (worker/checkpoints.py)
+        # (connecting, ready, done, error, restored, folders): a change is sent at once
+        self._phase_sent: tuple[object, ...] | None = None
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)  # first call primes the counter
         self._sock: socket.socket | None = None  # kept alive between heartbeats
@@ -191,6 +192,13 @@ class Reporter:
             sent_before = self._posted
         self._wait_posted(sent_before, wait_s)
 
+    def add_folder(self, path: str, by: str) -> None:
+        """A folder the job checkpoints to (mode 1): told at once, in every heartbeat after."""
+        with self._lock:
+            if path not in self._folders and len(self._folders) < wire.MAX_FOLDERS:
+                self._folders[path] = by[: wire.MAX_NAME_CHARS]
+        self._wake.set()
+
     def _wait_posted(self, sent_before: int, wait_s: float) -> None:
         """Send a heartbeat now and wait (at most wait_s) until one after `sent_before` is taken."""
         self._wake.set()
@@ -262,7 +270,7 @@ class Reporter:
             self._wake.wait(wait_s)
             self._wake.clear()
 
-    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[bool, ...]]:
+    def _snapshot(self) -> tuple[bytes, list[dict[str, Any]], tuple[object, ...]]:
         assert self._config is not None
         # Syscalls and the stack walk happen outside the lock that report() takes on every step.
         try:
@@ -297,8 +305,9 @@ class Reporter:
                 busy=self._busy,
                 restored=self._restored,
                 points_from=points_from,
+                folders=dict(self._folders),
             )
-        phase = (hb.connecting, hb.ready, hb.done, hb.error is not None, hb.restored is not None)
+        phase = (hb.connecting, hb.ready, hb.done, hb.error, hb.restored, len(hb.folders))
         body = hb.to_bytes()
         while len(body) > wire.MAX_HEARTBEAT_BYTES and hb.points:  # many points of many values
             keep = len(hb.points) // 2

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from worker import failure, strategy_hook, tf_tuning, wire
+from worker import checkpoints, failure, strategy_hook, tf_tuning, wire
 from worker.reporter import Reporter, ReporterConfig
 from worker.task import keeps_points
 
@@ -56,6 +56,12 @@ def run_script(script: str, args: list[str]) -> int:
     run_dir, task = os.environ.get(wire.ENV_RUN_DIR), os.environ.get(wire.ENV_TASK)
     if run_dir and task and keeps_points():  # the chief's points, as metrics.jsonl keeps them
         reporter().write_tensorboard(Path(run_dir) / "tensorboard" / task)
+    rep = reporter()
+    # the job's own checkpoint folders, and what each task restored before its first step
+    watch = checkpoints.Watch(
+        rep.add_folder, rep.mark_restored, known=os.environ.get(wire.ENV_CHECKPOINT_DIR)
+    )
+    checkpoints.install(watch)
     path = Path(script).resolve()
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))

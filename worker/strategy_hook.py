@@ -66,36 +66,50 @@ def install(on_connecting: Callable[[Any], None], on_strategy_up: Callable[[Any]
 
         server.__init__ = server_init_hooked
 
-    for name, patcher in ((_MODULE, patch), (_SERVER_MODULE, patch_server)):
-        if name in sys.modules:
-            patcher(sys.modules[name])
-        else:
-            sys.meta_path.insert(0, _AfterImport(name, patcher))
+    after_import(_MODULE, patch)
+    after_import(_SERVER_MODULE, patch_server)
+
+
+def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Run `callback(module)` right after module `name` has executed (now, if it has): a
+    hook on TensorFlow's or Keras's classes without importing them ourselves."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.pending.setdefault(name, []).append(callback)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback right after one module has executed, then steps aside."""
+    """Runs callbacks right after some modules have executed; steps aside once all have."""
 
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]):
-        self._name = name
-        self._callback = callback
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self._name:
+        callbacks = self.pending.pop(fullname, None)
+        if callbacks is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
-        callback = self._callback
 
         def exec_then_patch(module: ModuleType) -> None:
             exec_module(module)
-            callback(module)
+            for callback in callbacks:
+                try:
+                    callback(module)
+                except Exception as exc:  # noqa: BLE001 - a hook that fails never fails the import
+                    log.warning("could not watch %s: %s", fullname, exc)
 
         loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from worker.text import UNSAFE
+from worker.text import safe_text as safe_text
 
 ENV_RUN_ID = "ORCHESTRATE_RUN_ID"
 ENV_RUN_DIR = "ORCHESTRATE_RUN_DIR"
@@ -78,6 +80,9 @@ MAX_POINTS = 1000
 MAX_FRAME_CHARS = 500
 MAX_MESSAGE_CHARS = 16 * 1024
 MAX_TRACEBACK_CHARS = 64 * 1024
+#: The job's own checkpoint folders a task tells (worker/checkpoints.py), and a path's length.
+MAX_FOLDERS = 16
+MAX_PATH_CHARS = 4096
 #: Names a point may not use: the coordinator writes them on every metrics.jsonl line.
 RESERVED_POINT_KEYS = frozenset({"task", "attempt", "schema_version"})
 
@@ -143,7 +148,9 @@ class Heartbeat:
     #: What the task does between training steps — validating, saving, … (None: training). Not
     #: a stall, however long: its step stands still for a reason.
     busy: str | None = None
-    restored: Restored | None = None  # the built-in loop's starting point, once restored
+    restored: Restored | None = None  # where the task started this attempt from, once restored
+    #: The folders the job writes its own checkpoints to (path: what writes there), mode 1.
+    folders: dict[str, str] = field(default_factory=dict)
     #: The number of points this process reported before `points[0]`: a heartbeat sent again
     #: (its answer was lost) carries points the coordinator has, which it then skips.
     points_from: int = 0
@@ -166,7 +173,7 @@ class Heartbeat:
         task, attempt, seq, sent_at, pid, rss, cpu, step, total, connecting, ready, done = _typed(
             raw, _SCALARS
         )
-        metrics, points, error, frame, restored, points_from, busy, per_step = _typed(raw, _PARTS)
+        metrics, points, error, frame, restored, points_from, busy, per_step, folders = _typed(raw, _PARTS)
         if len(task) > MAX_NAME_CHARS:
             raise ValueError("heartbeat field 'task' is too long")
         if len(metrics) > MAX_METRICS or len(points) > MAX_POINTS:
@@ -198,6 +205,7 @@ class Heartbeat:
                 error=_error(error) if error else None,
                 restored=_restored(restored) if restored is not None else None,
                 points_from=points_from,
+                folders=_folders(folders),
             )
         except (TypeError, KeyError, ValueError, OverflowError) as exc:  # an int too large for a float
             raise ValueError(f"malformed heartbeat: {exc}") from None
@@ -226,7 +234,7 @@ def _point(point: Any) -> dict[str, Any]:
             if number(value) is None:
                 raise ValueError(f"point value {safe_text(name)!r}: a number")
             clean = False
-        elif clean and (_UNSAFE.search(name) or type(value) is int and not -_INT64 <= value <= _INT64):
+        elif clean and (UNSAFE.search(name) or type(value) is int and not -_INT64 <= value <= _INT64):
             clean = False
     if clean:
         return point
@@ -250,6 +258,16 @@ def _error(raw: dict[str, Any]) -> TaskError:
     )
 
 
+def _folders(raw: dict[str, Any]) -> dict[str, str]:
+    """{absolute path: what writes there}: at most MAX_FOLDERS, short texts."""
+    if len(raw) > MAX_FOLDERS or any(
+        type(by) is not str or len(by) > MAX_NAME_CHARS or len(p) > MAX_PATH_CHARS or not p.startswith("/")
+        for p, by in raw.items()
+    ):
+        raise ValueError(f"folders: at most {MAX_FOLDERS} absolute paths, each with a short text")
+    return {safe_text(p): safe_text(by) for p, by in raw.items()}
+
+
 def _restored(raw: dict[str, Any]) -> Restored:
     step, fingerprint, source = raw["step"], raw["fingerprint"], raw.get("source")
     epoch, in_epoch = raw.get("epoch", 0), raw.get("step_in_epoch", 0)
@@ -257,37 +275,12 @@ def _restored(raw: dict[str, Any]) -> Restored:
         raise ValueError("restored: step, epoch and step_in_epoch must be integers")
     if type(fingerprint) is not str or len(fingerprint) > 128 or type(source) not in _STR_OR_NONE:
         raise ValueError("restored: fingerprint must be a short string, source a string or null")
+    if source is not None and len(source) > MAX_PATH_CHARS:
+        raise ValueError(f"restored: a source of at most {MAX_PATH_CHARS} characters")
     return Restored(step, safe_text(fingerprint), safe_text(source) if source else source, epoch, in_epoch)
 
 
 # --- what a job may report, as everything else shows it ------------------------------------------
-
-#: Characters no name or message is shown with as they are: C0 and C1 controls (a terminal acts
-#: on them), the Unicode line and paragraph separators, the bidi controls (they reorder the text
-#: around them: `loss\u202e` could read as another name, and reverse the words beside it) and lone
-#: surrogates (valid JSON, a valid Python str, but no encoding writes them: the console, /metrics
-#: and every file writer would raise). Everything else, any script, emoji and joiners, stays.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
-#: The same in a message or a traceback, whose lines and tabs are its own.
-_UNSAFE_IN_LINES = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]"
-)
-_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def _escaped(match: re.Match[str]) -> str:
-    c = match.group()
-    return _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
-
-
-def safe_text(text: str, lines: bool = False) -> str:
-    """`text` as every view shows it: each character of `_UNSAFE` written as its Python escape
-    (`bad\\ud800name`, `loss\\u202e`), the rest as it is. `lines`: keep newlines and tabs (a
-    message, a traceback). The one rule for what a job may report: the coordinator applies it to
-    every name and text a heartbeat brings, the worker to the names it is given (said once)."""
-    pattern = _UNSAFE_IN_LINES if lines else _UNSAFE
-    return pattern.sub(_escaped, text) if pattern.search(text) else text
-
 
 #: NaN and ±inf are worth seeing (a diverging loss) and JSON has no number for them: every document
 #: and API of the run writes them as these strings, where a number would be (as protobuf's JSON
@@ -367,6 +360,7 @@ _PARTS: tuple[tuple[str, tuple[type, ...], Any], ...] = (
     ("points_from", _INT, 0),
     ("busy", _STR_OR_NONE, None),
     ("examples_per_step", _INT_OR_NONE, None),
+    ("folders", _DICT, {}),
 )
 
 

@@ -45,6 +45,7 @@ class TaskHealth:
     seq: int = 0  # of the latest heartbeat taken
     restored: Restored | None = None  # where the task started this attempt from (built-in loop)
     points_taken: int = 0  # of the process's points, the number written (a resend's are skipped)
+    folders: dict[str, str] = field(default_factory=dict)  # the job's own checkpoint folders it told
 
 
 class HealthStore:
@@ -117,6 +118,7 @@ class HealthStore:
                 seq=hb.seq,
                 restored=old.restored or hb.restored,
                 points_taken=max(old.points_taken, hb.points_from + len(hb.points)),
+                folders=hb.folders or old.folders,
             )
         if points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, points)

@@ -13,6 +13,7 @@ target and committed data first, index last, so a copy cut short never replaces 
 from __future__ import annotations
 
 import abc
+import hashlib
 import logging
 import posixpath
 import threading
@@ -60,15 +61,72 @@ class StateExchange:
         self._follower: threading.Thread | None = None
         self._follow_stop = threading.Event()
         self._owner_lacks = False  # the owner's folder was gone: home's copy goes back to it too
+        self._job_home: dict[str, Path] = {}  # the job's own folders brought home: where
 
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
         """Attempts after the first restore the owner's latest checkpoint: home, then to every
         reader's folder that differs; then the evaluators are followed."""
         self.stop_following()
-        if plan.state is None or plan.state.shared:
+        if plan.state is None:
             return []
-        notes = [*self.fetch(plan), *self.hand_out(plan)] if attempt > 0 else []
+        notes = []
+        if attempt > 0 and not plan.state.shared:
+            notes += [*self.fetch(plan), *self.hand_out(plan)]
+        if attempt > 0:
+            notes += self.job_folders(plan)
         self.follow(plan)
+        return notes
+
+    def job_folders(self, plan: LaunchPlan) -> list[str]:
+        """The folders the job writes its own checkpoints to (plan.state.job_folders, as the owner
+        told them), made the same on every reader's host: `fetch_job` then `hand_out_job`."""
+        return [*self.fetch_job(plan), *self.hand_out_job(plan)]
+
+    def fetch_job(self, plan: LaunchPlan) -> list[str]:
+        """The owner's copy of each of the job's own folders brought home (only what differs)."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        where = f"{owner.name} ({self._folders.label(owner.host_index)})"
+        self._job_home = {}
+        notes = []
+        for folder in plan.state.job_folders:
+            home = self._home / "job-checkpoints" / _slug(folder)
+            try:
+                got = self._folders.pull(owner.host_index, folder, home, mirror=True)
+            except LaunchError:
+                self._folders.lost(owner.host_index)
+                raise
+            if got.exists:
+                self._job_home[folder] = home
+            else:
+                notes.append(f"{where} has no {folder}: not copied")
+        return notes
+
+    def hand_out_job(self, plan: LaunchPlan) -> list[str]:
+        """Each folder brought home to every reader's host at the same place (under its working
+        folder, where the owner's is under the owner's). Only what differs moves: a folder every
+        host shares is left as it is (nothing in it differs)."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        readers = list(map(plan.task, plan.state.readers))
+        notes = []
+        for folder, home in self._job_home.items():
+            places = {(t.host_index, same_place(folder, owner, t)) for t in readers}
+            targets = sorted(places - {(owner.host_index, folder)})
+            ours = local_tree(home)
+
+            def one(target: tuple[int, str], home: Path = home, ours: dict[str, Any] = ours) -> Transfer:
+                try:
+                    return self._folders.push(target[0], home, target[1], ours)
+                except LaunchError:
+                    self._folders.lost(target[0])
+                    raise
+
+            sent = on_all(targets, one).raise_if_failed(f"copying {folder} of {owner.name} to the hosts")
+            notes += [
+                f"{folder} of {owner.name} → {self._folders.label(i)} {f}: {s.describe()}"
+                for (i, f), s in zip(targets, sent, strict=True)
+            ]
         return notes
 
     def fetch(self, plan: LaunchPlan, *, reachable: bool = True) -> list[str]:
@@ -213,3 +271,20 @@ class StateExchange:
             if (task.name == owner.name or task.role is Role.EVALUATOR) and not seen:
                 wanted.append((task, board, self._home / "tensorboard", False))
         return wanted
+
+
+def same_place(folder: str, owner: TaskPlan, reader: TaskPlan) -> str:
+    """Where `reader` looks for the owner's `folder`: under its own working folder where the
+    owner's is under the owner's (a relative path in the job), else the same absolute path."""
+    base = owner.cwd.rstrip("/") + "/"
+    if folder.startswith(base):
+        return posixpath.join(reader.cwd, folder[len(base) :])
+    return folder
+
+
+def _slug(folder: str) -> str:
+    """A folder's name in the run directory: its last part and a hash of the whole path."""
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in posixpath.basename(folder.rstrip("/")))[
+        :40
+    ]
+    return f"{tail or 'root'}-{hashlib.sha256(folder.encode(errors='replace')).hexdigest()[:10]}"

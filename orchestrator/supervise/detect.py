@@ -9,22 +9,21 @@ and the failure when it is one); the supervisor applies it, the policy decides w
 - stall: alive, step not advancing (the evaluator waits on the chief's checkpoints: never);
 - the startup deadline, naming the task the others wait for;
 - a frozen peer, when the survivors report losing one;
-- a diverged start: the training tasks of one attempt restored different states.
+- a diverged start (restores.py): the training tasks of one attempt restored different states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from orchestrator.health.store import TaskHealth
-from orchestrator.plan import StatePlan
+from orchestrator.supervise import restores
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.policy import Failure, FailureKind
 from orchestrator.supervise.records import describe_exit
 from orchestrator.supervise.states import TaskState
-from worker.wire import Restored
 
 
 class TaskView(NamedTuple):
@@ -79,6 +78,8 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
             # the first line only: a reason is one line in every event and status (a Keras error can
             # run to 2,000 characters); the whole message and traceback are in the error and the log
             detail, kind = f"raised {error.type}: {first_line(error.message)}", FailureKind.EXCEPTION
+            if restores.collective_mismatch(error):
+                detail, kind = restores.mismatch_detail(detail), FailureKind.DIVERGED
         else:
             detail, kind = describe_exit(code), FailureKind.EXIT
         step = h.step if h is not None else None
@@ -163,29 +164,3 @@ def startup_failure(late: Sequence[TaskView], config: SupervisorConfig, attempt:
     else:
         detail = f"{head} (its cluster never connected)"
     return Failure(tuple(t.name for t in culprits), FailureKind.STARTUP_TIMEOUT, attempt, detail)
-
-
-def diverged_start(
-    state: StatePlan, readers: Sequence[str], restored: Mapping[str, Restored], attempt: int
-) -> tuple[bool, Failure | None]:
-    """The training tasks of a synchronous job must start an attempt from one state, the owner's
-    (its checkpoint is the truth). Compared as their restore reports arrive (`restored`, of the
-    `readers` that reported): (settled — every one reported the same —, the failure if they differ)."""
-    if len({(r.step, r.fingerprint) for r in restored.values()}) < 2:
-        return len(restored) == len(readers), None
-    truth = restored.get(state.owner)
-    odd = tuple(
-        n
-        for n, r in restored.items()
-        if truth is None or (r.step, r.fingerprint) != (truth.step, truth.fingerprint)
-    )
-    table = "; ".join(
-        f"{n} step {r.step} from {r.source or 'no checkpoint (fresh weights)'} (state {r.fingerprint})"
-        for n, r in restored.items()
-    )
-    detail = (
-        f"restored a different state than {state.owner}: {table}. Trained together they would "
-        "average the gradients of different models, so the job stops here; their hosts' "
-        "checkpoint folders differ"
-    )
-    return False, Failure(odd, FailureKind.DIVERGED, attempt, detail)

@@ -115,6 +115,9 @@ class Snapshot:
     history: tuple[Failure, ...] = ()  # the root causes of the earlier attempts
     on_failure: Mapping[str, OnFailure] = field(default_factory=dict)  # per task, its role's policy
     task_restarts: Mapping[str, int] = field(default_factory=dict)  # per task, its restarts alone
+    #: The attempt learned checkpoint folders of the job's own: the next one keeps them the same
+    #: on every host first (something changes: a diverged start may not diverge again).
+    learned_folders: bool = False
 
 
 def decide(failures: Sequence[Failure], snap: Snapshot) -> list[Decision]:
@@ -173,9 +176,21 @@ def job_decision(failure: Failure, snap: Snapshot) -> Decision:
     if failure.kind is FailureKind.NO_STRATEGY and first_attempt:
         # the job's code runs but never creates its strategy: a restart runs the same code again
         return Decision(Action.FAIL, failure, f"{failure.describe()}; not restarted (it would wait again)")
-    if failure.kind is FailureKind.DIVERGED:
+    if failure.kind is FailureKind.DIVERGED and not (
+        snap.learned_folders and snap.restarts_used < snap.max_restarts
+    ):
         # never silent, never trained on: a restart would meet the same folders again
         return Decision(Action.FAIL, failure, f"{failure.describe()}; not restarted")
+    if failure.kind is FailureKind.DIVERGED:
+        why = (
+            "the folders the job checkpoints to, learned this attempt, are made the same on every host first"
+        )
+        used = snap.restarts_used
+        return Decision(
+            Action.RESTART_JOB,
+            failure,
+            f"{failure.describe()}; restart {used + 1} of {snap.max_restarts}: {why}",
+        )
     if failure.is_preemption:
         return Decision(
             Action.RESTART_JOB,

@@ -4,6 +4,7 @@ and how they read in status.json (docs/architecture.md §5).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -134,9 +135,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "rss_bytes": h.rss_bytes if h else None,
         "last_heartbeat_at": iso_time(h.last_heartbeat_wall) if h and h.last_heartbeat_wall else None,
         "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
-        "restored": None
-        if h is None or h.restored is None
-        else {"step": h.restored.step, "fingerprint": h.restored.fingerprint, "source": h.restored.source},
+        "restored": None if h is None or h.restored is None else dataclasses.asdict(h.restored),
     }
 
 
@@ -170,4 +169,5 @@ def status_document(sup: Any) -> dict[str, Any]:
         "failures": [failure_status(f) for f in sup.failures],
         "task_restarts": [failure_status(f) for f in sup.task_failures],
         "tasks": [task_status(r) for r in sup.tasks.values()],
+        "checkpoint_folders": sorted(sup.job_folders.folders),
     }

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +25,8 @@ from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import AtEnd, Strategy
-from orchestrator.supervise import detect, policy
+from orchestrator.spec.model import AtEnd
+from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.policy import Action, Failure, FailureKind
@@ -68,8 +68,10 @@ class Supervisor(Stopping):
         restarts: int = 0,
         replan: Callable[[Mapping[str, Placement]], LaunchPlan] | None = None,
         in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]] = stop_in_background,
+        job_folders: Sequence[str] = (),
     ):
-        self.plan = plan
+        self.job_folders = restores.JobFolders(job_folders)  # the job's own checkpoint folders
+        self.plan = self.job_folders.plan(plan)
         self.config = config
         self._backend = backend
         self._store = store
@@ -158,6 +160,7 @@ class Supervisor(Stopping):
     def _launch_all(self) -> None:
         self._store.reset(self.attempt, self.tasks)
         self._same_start, self.never_up = False, []
+        self.job_folders.attempt_starts()
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
         records = list(self.tasks.values())
         self._end_deadline = None
@@ -197,7 +200,7 @@ class Supervisor(Stopping):
         """The backend placed some tasks anew (a port taken meanwhile): the plan is made again."""
         assert self._replan is not None
         old = self.plan
-        self.plan = self._replan(moved)
+        self.plan = self.job_folders.plan(self._replan(moved))
         for task in self.plan.tasks:
             self.tasks[task.name].plan = task
         for name, place in moved.items():
@@ -244,11 +247,13 @@ class Supervisor(Stopping):
             history=tuple(self.failures),
             on_failure={name: rec.policy.on_failure for name, rec in self.tasks.items()},
             task_restarts={name: rec.restarts for name, rec in self.tasks.items()},
+            learned_folders=self.job_folders.learned_this_attempt,
         )
 
     def _observe(self) -> None:
         poll = self._poll()
         now = poll.now
+        self._learn_folders()
         failures: list[Failure] = []
         for rec in self.tasks.values():
             due = rec.restart_at is not None and now >= rec.restart_at
@@ -331,18 +336,16 @@ class Supervisor(Stopping):
             "not train with the others (does the script create a tf.distribute strategy?)",
         )
 
+    def _learn_folders(self) -> None:
+        """The job's own checkpoint folders, as the owner tells them: kept from the next attempt on."""
+        owner = self.plan.state.owner if self.plan.state is not None else None
+        for line in self.job_folders.learn(owner, self.tasks[owner].health if owner else None):
+            self._sink.event(kind="checkpoints", task=owner, attempt=self.attempt, reason=line)
+            self.plan = self.job_folders.plan(self.plan)
+
     def _diverged_start(self) -> Failure | None:
-        state = self.plan.state
-        if state is None or self.plan.strategy is Strategy.PARAMETER_SERVER:
-            self._same_start = True
-            return None
-        readers = [n for n in state.readers if self.tasks[n].plan.in_cluster]
-        restored = {}
-        for name in readers:
-            h = self.tasks[name].health
-            if h is not None and h.restored is not None:
-                restored[name] = h.restored
-        self._same_start, failure = detect.diverged_start(state, readers, restored, self.attempt)
+        reports = {name: (rec.plan.in_cluster, rec.health) for name, rec in self.tasks.items()}
+        self._same_start, failure = restores.check_start(self.plan, reports, self.attempt)
         return failure
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:

@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 
 from orchestrator.health.store import TaskHealth
-from orchestrator.plan import StatePlan
 from orchestrator.supervise import detect
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.policy import FailureKind
 from orchestrator.supervise.states import TaskState
-from worker.wire import Restored, TaskError
+from worker.wire import TaskError
 
 CONFIG = SupervisorConfig(
     heartbeat_interval_s=1, heartbeat_timeout_s=10, stall_timeout_s=30, startup_timeout_s=60
@@ -138,24 +137,6 @@ def test_tasks_that_run_but_never_begin_a_strategy_fail_as_no_strategy() -> None
     assert (
         detect.startup_failure([running("worker-0"), silent], CONFIG, 0).kind is FailureKind.STARTUP_TIMEOUT
     )
-
-
-def test_a_diverged_start_is_settled_only_when_every_reader_reported_the_same() -> None:
-    state = StatePlan(shared=False, owner="worker-0", readers=("worker-0", "worker-1"))
-    same = Restored(step=75, fingerprint="aa")
-    assert detect.diverged_start(state, ["worker-0", "worker-1"], {"worker-0": same}, 0) == (False, None)
-    assert detect.diverged_start(
-        state, ["worker-0", "worker-1"], {"worker-0": same, "worker-1": same}, 0
-    ) == (
-        True,
-        None,
-    )
-    fresh = Restored(step=0, fingerprint="bb")
-    settled, failure = detect.diverged_start(
-        state, ["worker-0", "worker-1"], {"worker-0": same, "worker-1": fresh}, 1
-    )
-    assert not settled and failure is not None
-    assert failure.tasks == ("worker-1",) and failure.kind is FailureKind.DIVERGED and failure.attempt == 1
 
 
 def test_an_exceptions_reason_is_its_first_line() -> None:

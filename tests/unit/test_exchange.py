@@ -4,14 +4,17 @@ moved with the same `folders.py` modes the hosts run: real files, no host, no ro
 
 from __future__ import annotations
 
+import dataclasses
+import posixpath
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.exchange import Folders, StateExchange
+from orchestrator.launch.exchange import Folders, StateExchange, same_place
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, commit_here, differing, local_tree
 from orchestrator.plan import LaunchPlan, make_plan
@@ -184,3 +187,52 @@ def test_the_results_come_home_and_a_host_away_is_said_not_raised(tmp_path: Path
     disks.down.add(0)
     said = StateExchange(disks, home, every_s=60).bring_home(plan)
     assert said and all(line.startswith("could not bring /runs/r1/") for line in said)
+
+
+def with_job_folders(plan: LaunchPlan, *folders: str) -> LaunchPlan:
+    assert plan.state is not None
+    return dataclasses.replace(plan, state=dataclasses.replace(plan.state, job_folders=folders))
+
+
+def test_the_jobs_own_folders_are_made_the_owners_on_every_host_at_the_same_place(tmp_path: Path) -> None:
+    """The tutorial's BackupAndRestore('/tmp/backup') and a relative ModelCheckpoint folder: each
+    host has its own; before an attempt every reader gets the owner's (issue 24)."""
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    owner, reader = plan.task("worker-0"), plan.task("worker-1")
+    relative = posixpath.join(owner.cwd, "ckpts")
+    plan = with_job_folders(plan, "/tmp/backup", relative)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=60)
+    backup = disks.at(0, "/tmp/backup/chief")
+    backup.mkdir(parents=True)
+    (backup / "ckpt-3.index").write_text("index 3")
+    (backup / "ckpt-3.data-00000-of-00001").write_bytes(b"\1" * 300)
+    (backup / "checkpoint").write_text('model_checkpoint_path: "ckpt-3"\n')
+    weights = disks.at(0, relative)
+    weights.mkdir(parents=True)
+    (weights / "w-1.weights.h5").write_bytes(b"\2" * 50)
+    stale = disks.at(1, "/tmp/backup/chief")  # worker-1's own disk: an older backup, a temp copy
+    stale.mkdir(parents=True)
+    (stale / "ckpt-1.index").write_text("index 1")
+    (disks.at(1, "/tmp/backup") / "workertemp_1").mkdir()
+    assert exchange.before_attempt(plan, 0) == []  # nothing restores on a first attempt
+
+    def own(attempt: int, plan: LaunchPlan = plan) -> list[str]:  # the notes on the job's own folders
+        return [n for n in exchange.before_attempt(plan, attempt) if not n.startswith(("checkpoints ", "→"))]
+
+    notes = own(1)
+    assert notes[0].startswith("/tmp/backup of worker-0 → h1 /tmp/backup: 3 file(s)"), notes
+    assert files(disks.at(1, "/tmp/backup")) == files(disks.at(0, "/tmp/backup"))  # the stale one gone
+    assert files(disks.at(1, posixpath.join(reader.cwd, "ckpts"))) == files(weights)
+    # again, unchanged: nothing moves (a folder every host shares: nothing written at all)
+    assert [n.split(": ", 1)[1] for n in own(2)] == ["already the same"] * 2
+    # a folder the owner does not have (yet) is said, not copied
+    assert own(3, with_job_folders(plan, "/tmp/never")) == ["worker-0 (h0) has no /tmp/never: not copied"]
+
+
+def test_a_folder_under_the_owners_working_folder_goes_under_each_readers() -> None:
+    owner = SimpleNamespace(cwd="/home/a/.orchestrate/r1/code")
+    reader = SimpleNamespace(cwd="/scratch/b/r1/code/")
+    assert same_place("/home/a/.orchestrate/r1/code/ckpts", owner, reader) == "/scratch/b/r1/code/ckpts"  # type: ignore[arg-type]
+    assert same_place("/tmp/backup", owner, reader) == "/tmp/backup"  # type: ignore[arg-type]
+    assert same_place("/home/a/.orchestrate/r1/codex", owner, reader) == "/home/a/.orchestrate/r1/codex"  # type: ignore[arg-type]

@@ -855,8 +855,8 @@ def test_tasks_restoring_different_states_fail_the_job_at_once_and_are_not_resta
     cause = sup.root_cause
     assert cause is not None and cause.kind is FailureKind.DIVERGED and cause.tasks == ("worker-1",)
     # says which task restored what, and why it matters
-    assert "worker-0 step 75 from /h0/checkpoints/ckpt-75" in cause.detail
-    assert "worker-1 step 0 from no checkpoint (fresh weights)" in cause.detail
+    assert "worker-0 restored /h0/checkpoints/ckpt-75 at step 75" in cause.detail
+    assert "worker-1 restored no checkpoint (fresh weights, state ffff000011112222)" in cause.detail
     assert "different models" in cause.detail
     while not sup.state.is_terminal:
         sup.step()
@@ -875,6 +875,56 @@ def test_tasks_restoring_the_same_state_train_on(tmp_path):
     assert sup.state is ClusterState.RUNNING and sup.root_cause is None
     status = sup.status()["tasks"]
     assert [t["restored"]["step"] for t in status] == [75, 75]  # status.json shows each task's start
+
+
+def test_the_jobs_own_folders_are_learned_and_a_start_that_diverges_before_them_is_tried_once_more(tmp_path):
+    """The tutorial case (issue 24): the owner tells its BackupAndRestore folder; a start that
+    diverged while it was new is restarted once (the next attempt has the folder on every host
+    first); diverging again with nothing new fails, never retried blindly."""
+    from worker.wire import Restored
+
+    class Planned(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.folders: list[tuple[str, ...]] = []
+
+        def before_attempt(self, plan: Any, attempt: int) -> Prepared:
+            self.folders.append(plan.state.job_folders)
+            return Prepared()
+
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=Planned())
+    told = {
+        "/tmp/backup": "tf_keras.callbacks.BackupAndRestore",
+        "/tmp/backup/chief": "tf.train.CheckpointManager",
+    }
+    chief = Restored(
+        step=0, fingerprint="0f3c0f3c0f3c0f3c", source="/tmp/backup/chief/ckpt-2", epoch=1, step_in_epoch=30
+    )
+    nothing = Restored(step=0, fingerprint="nothing")
+    for attempt in (0, 1):
+        if attempt:
+            clock.advance(60)
+        start_running(sup, launcher, store, clock, attempt)
+        beat(store, "worker-0", attempt, folders=told, restored=chief)
+        beat(store, "worker-1", attempt, restored=nothing)
+        sup.step()
+        while sup.state is ClusterState.STOPPING:
+            sup.step()
+    assert launcher.folders == [(), ("/tmp/backup",)]  # the next attempt's plan has it
+    said = [e["reason"] for e in sink.events if e.get("kind") == "checkpoints"]
+    assert said == [
+        "worker-0 checkpoints to /tmp/backup (tf_keras.callbacks.BackupAndRestore): kept the same on every "
+        "host that has a disk of its own before each attempt",
+        "worker-0 checkpoints to /tmp/backup/chief (tf.train.CheckpointManager): kept the same on every "
+        "host that has a disk of its own before each attempt",
+    ]
+    assert sup.state is ClusterState.FAILED and sup.restarts == 1, sup.reason
+    assert (
+        "worker-0 restored /tmp/backup/chief/ckpt-2 at epoch 1 batch 30; worker-1 restored nothing"
+        in sup.reason
+    )
+    assert sup.reason.endswith("not restarted")
+    assert sup.status()["checkpoint_folders"] == ["/tmp/backup", "/tmp/backup/chief"]
 
 
 def test_a_failure_to_ship_state_before_a_restart_is_a_launch_failure_of_that_attempt(tmp_path):

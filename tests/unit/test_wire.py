@@ -163,3 +163,20 @@ def test_huge_values_are_bounded_and_shown_truthfully():
         0
     ]
     assert point == {"step": 2**63 - 1, "big": math.inf, "ok": 2}
+
+
+def test_the_folders_a_task_tells_are_bounded_absolute_and_shown_safely():
+    base = {"task": "worker-0", "attempt": 0, "seq": 1, "sent_at": 0.0, "pid": 1}
+    told = wire.Heartbeat.from_dict({**base, "folders": {"/tmp/back\u202eup": "tf.train.CheckpointManager"}})
+    assert told.folders == {"/tmp/back\\u202eup": "tf.train.CheckpointManager"}
+    bad = [
+        {"ckpts": "x"},  # relative: on which host's which folder?
+        {"/a": 3},
+        {"/" + "a" * wire.MAX_PATH_CHARS: "x"},
+        {f"/c{i}": "x" for i in range(wire.MAX_FOLDERS + 1)},
+    ]
+    for folders in bad:
+        with pytest.raises(ValueError, match="folders"):
+            wire.Heartbeat.from_dict({**base, "folders": folders})
+    with pytest.raises(ValueError, match="folders"):
+        wire.Heartbeat.from_dict({**base, "folders": ["/a"]})

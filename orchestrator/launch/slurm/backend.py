@@ -283,9 +283,9 @@ class SlurmBackend(Backend):
         if self._shipping and plan.state is not None:  # while the owner's node is still ours
             owner = before.get(plan.state.owner)
             try:
-                notes += self._exchange.fetch(
-                    plan, reachable=owner is not None and owner not in self._excluded
-                )
+                reachable = owner is not None and owner not in self._excluded
+                notes += self._exchange.fetch(plan, reachable=reachable)
+                notes += self._exchange.fetch_job(plan) if reachable else []
             except LaunchError as exc:
                 notes.append(f"{exc}; the last checkpoints brought home are used")
         renewed = self._alloc.owned and self._renew_allocation(notes)
@@ -301,7 +301,7 @@ class SlurmBackend(Backend):
             self._files.ship_code(self._alloc.job_id, list(answers))  # new nodes, perhaps
         moved = self._place(answers)
         if self._shipping:
-            notes += self._exchange.hand_out(plan)
+            notes += [*self._exchange.hand_out(plan), *self._exchange.hand_out_job(plan)]
             self._exchange.follow(plan)
         for task in moved:
             if before.get(task) not in (None, self._node_of[task]):
