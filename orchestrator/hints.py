@@ -11,7 +11,8 @@ from pathlib import Path
 
 from orchestrator.plan import LaunchPlan
 from orchestrator.spec.load import key_lines
-from orchestrator.supervise.policy import Failure
+from orchestrator.supervise import restores
+from orchestrator.supervise.policy import Failure, FailureKind
 
 #: What Keras 3 raises under tf.distribute where tf-keras trains (docs/architecture.md §7: five of the six
 #: official tutorials, keras-team/keras#20585), matched in the error's message or traceback.
@@ -31,10 +32,15 @@ def hints(
     """The hints for a run's failures (each said once)."""
     out: list[str] = []
     for failure in failures:
-        hint = keras3_hint(failure, plan, run_dir, spec_name)
-        if hint is not None and hint not in out:
-            out.append(hint)
+        for hint in (keras3_hint(failure, plan, run_dir, spec_name), diverged_hint(failure)):
+            if hint is not None and hint not in out:
+                out.append(hint)
     return out
+
+
+def diverged_hint(failure: Failure) -> str | None:
+    """Tasks that started from different states: where checkpoints are kept the same on every host."""
+    return f"hint: {restores.FIX}" if failure.kind is FailureKind.DIVERGED else None
 
 
 def keras3_hint(

@@ -31,6 +31,7 @@ COLLECTIVE_MISMATCH = re.compile(
     r"Collective instance \d+ expected|mismatch in the collective instance|"
     r"but another member in the group|but that group has size"
 )
+#: What to do about it (the summary's hint: hints.py).
 FIX = (
     "orchestrate keeps $ORCHESTRATE_CHECKPOINT_DIR and the folders it sees the job checkpoint to "
     "(Keras BackupAndRestore and ModelCheckpoint, tf.train.CheckpointManager and Checkpoint) the same "
@@ -117,7 +118,7 @@ def diverged_start(
     differs = f"{folder} differs between the hosts" if folder else "their hosts' checkpoint folders differ"
     detail = (
         f"started from different states: {said} — {differs}, so trained together they would "
-        f"average the gradients of different models. {FIX}"
+        "average the gradients of different models"
     )
     return False, Failure(odd, FailureKind.DIVERGED, attempt, detail)
 
@@ -144,6 +145,6 @@ def mismatch_detail(first_line: str) -> str:
     """A collective mismatch, explained."""
     return (
         f"{first_line} — the tasks' collectives do not match: after a restart, the sign that they "
-        f"restored different checkpoints (a folder on each host's own disk); on a first attempt, that "
-        f"they build different models or batches. Not retried while nothing changes. {FIX}"
+        "restored different checkpoints (a folder on each host's own disk); on a first attempt, that "
+        "they build different models or batches"
     )

@@ -5,10 +5,12 @@ collective mismatch read as what it is after a restart."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from orchestrator.health.store import TaskHealth
+from orchestrator.hints import hints
 from orchestrator.plan import LaunchPlan, StatePlan
 from orchestrator.spec.model import Strategy
 from orchestrator.supervise import detect, restores
@@ -51,7 +53,10 @@ def test_a_job_that_restored_on_one_host_only_is_told_what_each_restored_and_the
         "started from different states: worker-0 restored /tmp/backup/chief/ckpt-3 at epoch 1 batch 30; "
         "worker-1 restored nothing — /tmp/backup/chief differs between the hosts"
     )
-    assert "$ORCHESTRATE_CHECKPOINT_DIR" in failure.detail and "shares" in failure.detail
+    assert failure.detail.endswith("would average the gradients of different models")
+    # the fix follows it in the summary, once
+    (hint,) = hints([failure, failure], _plan(), Path("/nonexistent"))
+    assert hint.startswith("hint: orchestrate keeps $ORCHESTRATE_CHECKPOINT_DIR and the folders")
     # the built-in loop's reports read as before: a step, a state
     loop = Restored(step=40, fingerprint="ab12", source="/r/checkpoints/ckpt-4")
     fresh = Restored(step=0, fingerprint="cd34")
@@ -121,7 +126,7 @@ def test_tensorflows_collective_mismatch_is_a_diverged_start_not_retried_while_n
     assert failure is not None and failure.kind is FailureKind.DIVERGED
     assert (
         "the tasks' collectives do not match" in failure.detail
-        and "ORCHESTRATE_CHECKPOINT_DIR" in failure.detail
+        and "restored different checkpoints" in failure.detail
     )
     decision = job_decision(failure, snap(first_attempt=False, restarts_used=1, max_restarts=3))
     assert decision.action is Action.FAIL and decision.reason.endswith("not restarted")

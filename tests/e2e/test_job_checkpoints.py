@@ -1,0 +1,229 @@
+"""A job's own checkpoints (issue 24): TensorFlow's distributed tutorials as their users run them,
+checkpointing to paths of their own (`/tmp/backup`, a relative folder, `/tmp/ckpt`), on hosts
+that share no disk (each lab host has its own /tmp and its own job folder), with a worker killed
+-9 mid-run: one restart, every task resumes from the same checkpoint. And a start that differs
+between tasks is caught before it trains, explained, and not retried.
+
+Real SSH, real TensorFlow, real kill -9; the lab as tests/lab.py makes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_processes, wait_until
+from tests.e2e.test_ssh import SshJob
+from tests.lab import make_lab, why_no_lab
+
+pytestmark = pytest.mark.e2e
+needs_lab = pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")
+
+#: The multi-worker Keras tutorial's main.py (mnist_setup's dataset made here: no network), with
+#: its fault-tolerance section as written: BackupAndRestore to /tmp/backup every 30 batches. A
+#: callback slows each batch and says where it is, so that the test can kill a worker mid-epoch.
+KERAS_TUTORIAL = """
+    import hashlib, json, os, time
+    import numpy as np
+    import tensorflow as tf
+
+    def mnist_dataset(batch_size):
+        rng = np.random.default_rng(0)
+        x_train = rng.normal(size=(2048, 28, 28)).astype("float32")
+        y_train = rng.integers(0, 10, size=2048).astype("int64")
+        dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(2048, seed=1)
+        return dataset.repeat().batch(batch_size)
+
+    def build_and_compile_cnn_model():
+        model = tf.keras.Sequential([
+            tf.keras.layers.InputLayer(input_shape=(28, 28)),
+            tf.keras.layers.Reshape(target_shape=(28, 28, 1)),
+            tf.keras.layers.Conv2D(4, 3, activation="relu"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(16, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ])
+        model.compile(
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=tf.keras.optimizers.SGD(learning_rate=0.001),
+            metrics=["accuracy"],
+        )
+        return model
+
+    per_worker_batch_size = 16
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    num_workers = len(tf_config["cluster"]["worker"])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    global_batch_size = per_worker_batch_size * num_workers
+    multi_worker_dataset = mnist_dataset(global_batch_size)
+    with strategy.scope():
+        multi_worker_model = build_and_compile_cnn_model()
+
+    class Where(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.04)
+            if batch % 10 == 0:
+                print(f"AT epoch {self._epoch} batch {batch}", flush=True)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch = epoch
+
+    callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir="/tmp/backup", save_freq=30), Where()]
+    multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=70, callbacks=callbacks, verbose=0)
+    weights = multi_worker_model.get_weights()
+    print("WEIGHTS", hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    if why_no_lab() is not None:
+        pytest.skip(why_no_lab() or "")
+    lab = make_lab(tmp_path_factory.mktemp("lab"), 2)
+    if not getattr(lab, "separate_disks", False):
+        lab.close()
+        pytest.skip("hosts with disks of their own need mount namespaces (root)")
+    yield lab
+    lab.close()
+
+
+@pytest.fixture
+def jobs():
+    made: list = []
+    yield made
+    for job in made:
+        for proc in run_processes(job.run_id):
+            proc.kill()
+
+
+def lab_job(lab, root: Path, script: str, jobs: list) -> SshJob:
+    job = SshJob(lab, root, script)
+    data = yaml.safe_load(job.spec.read_text())
+    data["job"]["env"] = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
+    data["health"]["heartbeat_timeout_s"] = 5
+    data["restart"] = {"max_restarts": 3, "backoff_s": 0.5}
+    job.spec.write_text(yaml.safe_dump(data))
+    jobs.append(job)
+    return job
+
+
+def logged(job: SshJob, task: str, pattern: str) -> list[re.Match[str]]:
+    try:
+        text = (job.run_dir / "logs" / f"{task}.log").read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    return list(re.finditer(pattern, text))
+
+
+def kill_when(job: SshJob, task: str, pattern: str, timeout_s: float = 150) -> None:
+    assert wait_until(lambda: logged(job, task, pattern), timeout_s, 0.2), job.status()
+    os.kill(job.task(task)["pid"], signal.SIGKILL)  # on its host; pids are global in the lab
+
+
+def after_restart(job: SshJob, task: str) -> str:
+    return (job.run_dir / "logs" / f"{task}.log").read_text(errors="replace").split("attempt 1 started", 1)[1]
+
+
+@needs_lab
+def test_the_keras_tutorials_backup_to_tmp_resumes_on_both_hosts_after_a_kill(lab, tmp_path, jobs):
+    job = lab_job(lab, tmp_path / "keras", KERAS_TUTORIAL, jobs)
+    proc = job.start()
+    try:
+        kill_when(job, "worker-1", r"AT epoch 0 batch 50")  # backed up at batch 30, killed after
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
+    assert status["checkpoint_folders"] == ["/tmp/backup", "/tmp/backup/chief"]
+    # both started attempt 1 from the chief's backup, which host 1 got only through the coordinator
+    starts = [t["restored"] for t in status["tasks"]]
+    assert starts[0] == starts[1] and starts[0]["source"].startswith("/tmp/backup/chief/ckpt-"), starts
+    assert (starts[0]["epoch"], starts[0]["step_in_epoch"]) >= (0, 29), starts
+    shipped = [e["reason"] for e in job.events() if e.get("kind") == "state"]
+    assert any(
+        f"/tmp/backup of worker-0 → hosts[1] {lab.hosts[1].address} /tmp/backup: 3 file(s)" in s
+        for s in shipped
+    ), shipped
+    said = [e["reason"] for e in job.events() if e.get("kind") == "checkpoints"]
+    assert said and said[0].startswith(
+        "worker-0 checkpoints to /tmp/backup (tf_keras.callbacks.BackupAndRestore)"
+    )
+    # resumed mid-epoch 0 on both hosts (not from the beginning), and ended with the same model
+    weights = []
+    for task in ("worker-0", "worker-1"):
+        second = after_restart(job, task)
+        first_at = re.search(r"AT epoch (\d+) batch (\d+)", second)
+        assert first_at and (int(first_at[1]), int(first_at[2])) != (0, 0), (task, second[:2000])
+        weights += re.findall(r"WEIGHTS (\w+)", second)
+    assert len(weights) == 2 and weights[0] == weights[1], weights
+    assert job.hosts_empty(), job.host_pids()
+
+
+#: One task restores a checkpoint only it has (planted: as a host whose disk kept an old one), the
+#: other starts fresh; their collectives match, so TensorFlow would train on, two models averaged.
+PLANTED = """
+    import os, time
+    import tensorflow as tf
+
+    task = os.environ["ORCHESTRATE_TASK"]
+    planted = os.path.join(os.environ["ORCHESTRATE_RUN_DIR"], "planted-" + task, "ckpt")
+
+    def build():
+        return tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)), tf.keras.layers.Dense(1)])
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    if task == "worker-1":  # outside the strategy's scope: this task's own variables
+        tf.train.Checkpoint(model=build()).write(planted)
+    with strategy.scope():
+        model = build()
+        optimizer = tf.keras.optimizers.SGD(0.1)
+    checkpoint = tf.train.Checkpoint(model=model)
+    if os.path.exists(planted + ".index"):
+        checkpoint.restore(planted)
+
+    @tf.function
+    def train_step(x):
+        def step_fn(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(step_fn, args=(x,))
+
+    for i in range(600):
+        train_step(tf.ones((2, 4)))
+        time.sleep(0.05)
+    print("TRAINED", flush=True)
+"""
+
+
+def test_a_start_that_differs_between_tasks_fails_at_once_explained_and_not_retried(job_factory):
+    job = job_factory(PLANTED, "restart: {max_restarts: 3, backoff_s: 0.5}\n")
+    text = job.spec.read_text().replace(
+        'TF_CPP_MIN_LOG_LEVEL: "2"', 'TF_CPP_MIN_LOG_LEVEL: "2", TF_USE_LEGACY_KERAS: "1"'
+    )
+    job.spec.write_text(text)
+    res = job.up(timeout_s=180)
+    assert res.returncode == 1, res.stdout
+    status = job.status()
+    assert status["state"] == "FAILED" and status["restarts"] == 0 and status["attempt"] == 0, status
+    (failure,) = status["failures"]
+    assert failure["kind"] == "diverged" and failure["tasks"] == ["worker-1"]
+    planted = f"{job.run_dir}/planted-worker-1"
+    assert f"worker-0 restored nothing; worker-1 restored {planted}/ckpt" in failure["reason"]
+    assert f"{planted} differs between the hosts" in failure["reason"]
+    assert status["reason"].endswith("not restarted"), status["reason"]
+    assert "hint: orchestrate keeps $ORCHESTRATE_CHECKPOINT_DIR" in res.stdout  # the fix, said once
+    assert res.stdout.count("ORCHESTRATE_CHECKPOINT_DIR") == 1
+    assert "continue it from its checkpoints" not in res.stdout  # a --resume would meet the same
+    for task in ("worker-0", "worker-1"):
+        assert "TRAINED" not in (job.run_dir / "logs" / f"{task}.log").read_text()
