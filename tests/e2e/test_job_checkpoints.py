@@ -227,3 +227,188 @@ def test_a_start_that_differs_between_tasks_fails_at_once_explained_and_not_retr
     assert "continue it from its checkpoints" not in res.stdout  # a --resume would meet the same
     for task in ("worker-0", "worker-1"):
         assert "TRAINED" not in (job.run_dir / "logs" / f"{task}.log").read_text()
+
+
+#: A Keras job that resumes the way many do: ModelCheckpoint's weights in a folder relative to the
+#: job (on each host, its own), and at start `load_weights` of the newest, with initial_epoch.
+MODEL_CHECKPOINT = """
+    import glob, hashlib, os, re, time
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        layers = [tf.keras.layers.Input(shape=(4,)), tf.keras.layers.Dense(8), tf.keras.layers.Dense(1)]
+        model = tf.keras.Sequential(layers)
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(512, 4)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(32).repeat()
+
+    def epoch_of(path):
+        return int(re.search(r"w-(\\d+)", path)[1])
+
+    saved = sorted(glob.glob("ckpts/w-*.weights.h5"), key=epoch_of)
+    initial_epoch = 0
+    if saved:
+        model.load_weights(saved[-1])
+        initial_epoch = epoch_of(saved[-1])
+    print(f"STARTS at epoch {initial_epoch}", flush=True)
+
+    class Where(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.05)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            print(f"EPOCH {epoch}", flush=True)
+
+    save = tf.keras.callbacks.ModelCheckpoint("ckpts/w-{epoch}.weights.h5", save_weights_only=True)
+    callbacks = [save, Where()]
+    model.fit(dataset, epochs=5, steps_per_epoch=10, initial_epoch=initial_epoch, callbacks=callbacks,
+              verbose=0)
+    weights = model.get_weights()
+    print("WEIGHTS", hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(), flush=True)
+"""
+
+
+@needs_lab
+def test_model_checkpoint_and_load_weights_in_a_relative_folder_resume_on_both_hosts(lab, tmp_path, jobs):
+    job = lab_job(lab, tmp_path / "weights", MODEL_CHECKPOINT, jobs)
+    proc = job.start()
+    try:
+        kill_when(job, "worker-1", r"EPOCH 2")  # epochs 1 and 2 saved by the chief, on its disk only
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
+    (folder,) = status["checkpoint_folders"]
+    assert folder.endswith("/ckpts"), folder
+    starts = [t["restored"] for t in status["tasks"]]
+    assert starts[0]["fingerprint"] == starts[1]["fingerprint"] and starts[0]["source"].endswith(
+        ".weights.h5"
+    )
+    weights = []
+    for task in ("worker-0", "worker-1"):
+        second = after_restart(job, task)
+        begun = re.findall(r"STARTS at epoch (\d+)", second)
+        assert begun and int(begun[0]) >= 2, (task, begun)  # not from the beginning, on both hosts
+        weights += re.findall(r"WEIGHTS (\w+)", second)
+    assert len(weights) == 2 and weights[0] == weights[1], weights
+    assert job.hosts_empty(), job.host_pids()
+
+
+#: The custom training loop tutorial's checkpointing as written (write_filepath, _get_temp_dir:
+#: the chief to its folder, the others to temporary ones they delete; every task restores from
+#: the chief's), with its folder fixed at /tmp/ckpt (the tutorial's `util.get_temp_dir()` is a new
+#: folder in every process: no restart could find it).
+CUSTOM_LOOP = """
+    import hashlib, json, os, time
+    import numpy as np
+    import tensorflow as tf
+
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task_type, task_id = strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id
+    cluster_spec = strategy.cluster_resolver.cluster_spec()
+    global_batch_size = 16 * len(tf_config["cluster"]["worker"])
+
+    def dataset_fn(input_context):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(1024, 6)).astype("float32")
+        y = (x @ rng.normal(size=(6, 1))).astype("float32")
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+        ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return ds.batch(input_context.get_per_replica_batch_size(global_batch_size))
+
+    with strategy.scope():
+        layers = [tf.keras.layers.Input(shape=(6,)), tf.keras.layers.Dense(1)]
+        multi_worker_model = tf.keras.Sequential(layers)
+        optimizer = tf.keras.optimizers.SGD(learning_rate=0.01)
+    multi_worker_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+
+    @tf.function
+    def train_step(iterator):
+        def step_fn(inputs):
+            x, y = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(tf.square(multi_worker_model(x, training=True) - y),
+                                                  global_batch_size=global_batch_size)
+            grads = tape.gradient(loss, multi_worker_model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, multi_worker_model.trainable_variables))
+            return loss
+        per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    def _is_chief(task_type, task_id, cluster_spec):
+        return (task_type is None or task_type == "chief"
+                or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict()))
+
+    def _get_temp_dir(dirpath, task_id):
+        base_dirpath = "workertemp_" + str(task_id)
+        temp_dir = os.path.join(dirpath, base_dirpath)
+        tf.io.gfile.makedirs(temp_dir)
+        return temp_dir
+
+    def write_filepath(filepath, task_type, task_id, cluster_spec):
+        dirpath = os.path.dirname(filepath)
+        base = os.path.basename(filepath)
+        if not _is_chief(task_type, task_id, cluster_spec):
+            dirpath = _get_temp_dir(dirpath, task_id)
+        return os.path.join(dirpath, base)
+
+    epoch = tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="epoch")
+    step_in_epoch = tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="step_in_epoch")
+    checkpoint_dir = "/tmp/ckpt"
+    checkpoint = tf.train.Checkpoint(model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
+    write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id, cluster_spec)
+    checkpoint_manager = tf.train.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    latest_checkpoint = tf.train.latest_checkpoint(checkpoint_dir)
+    if latest_checkpoint:
+        checkpoint.restore(latest_checkpoint)
+    print(f"STARTS at epoch {epoch.numpy()}", flush=True)
+
+    num_epochs, num_steps_per_epoch = 4, 20
+    while epoch.numpy() < num_epochs:
+        iterator = iter(multi_worker_dataset)
+        print(f"EPOCH {epoch.numpy()}", flush=True)
+        while step_in_epoch.numpy() < num_steps_per_epoch:
+            train_step(iterator)
+            step_in_epoch.assign_add(1)
+            time.sleep(0.05)
+        checkpoint_manager.save()
+        if not _is_chief(task_type, task_id, cluster_spec):
+            tf.io.gfile.rmtree(write_checkpoint_dir)
+        epoch.assign_add(1)
+        step_in_epoch.assign(0)
+    weights = multi_worker_model.get_weights()
+    print("WEIGHTS", hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(), flush=True)
+"""
+
+
+@needs_lab
+def test_the_custom_loop_tutorials_checkpoint_manager_resumes_on_both_hosts(lab, tmp_path, jobs):
+    job = lab_job(lab, tmp_path / "loop", CUSTOM_LOOP, jobs)
+    proc = job.start()
+    try:
+        kill_when(job, "worker-1", r"EPOCH 2")
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
+    assert status["checkpoint_folders"] == ["/tmp/ckpt"]  # the workers' temporary ones are not kept
+    starts = [t["restored"] for t in status["tasks"]]
+    assert starts[0] == starts[1] and starts[0]["source"].startswith("/tmp/ckpt/ckpt-"), starts
+    # saved as the tutorial saves: at an epoch's end, before its count goes up
+    assert starts[0]["epoch"] >= 1 and starts[0]["step_in_epoch"] == 20, starts
+    weights = []
+    for task in ("worker-0", "worker-1"):
+        second = after_restart(job, task)
+        assert re.findall(r"STARTS at epoch (\d+)", second)[0] == str(starts[0]["epoch"]), second[:1500]
+        weights += re.findall(r"WEIGHTS (\w+)", second)
+    assert len(weights) == 2 and weights[0] == weights[1], weights
+    assert job.hosts_empty(), job.host_pids()
