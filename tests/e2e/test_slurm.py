@@ -590,3 +590,52 @@ def test_a_checkpoint_folder_said_to_be_shared_that_a_node_does_not_see_is_exit_
     assert f"does not see {folder}, which the spec says every node shares" in res.stderr
     assert not list(folder.glob(".orchestrate-shared-*"))  # its proof taken away again
     assert lab.jobs() == []
+
+
+def test_a_jobs_own_backup_on_each_nodes_disk_resumes_on_every_node_after_a_kill(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    """The Keras tutorial's BackupAndRestore (issue 24) to a folder on each node's own disk
+    (lab.scratch: what /tmp is on a real node), the job's folder on no node: worker-1 killed -9
+    mid-epoch; the chief's backup reaches the other node before the restart, both resume from it."""
+    from tests.e2e.test_job_checkpoints import KERAS_TUTORIAL
+
+    root = lab.login_only / tmp_path.name
+    root.mkdir(parents=True)
+    backup = lab.scratch / f"backup-{tmp_path.name}"
+    script = textwrap.dedent(KERAS_TUTORIAL).replace('backup_dir="/tmp/backup"', f'backup_dir="{backup}"')
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
+    run = make(
+        runs,
+        lab,
+        root,
+        spec(
+            "own",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(lab.scratch), "time": "10:00"},
+            {"script": "job.py", "env": env},
+            restart={"max_restarts": 3, "backoff_s": 0.5},
+        ),
+        script,
+    )
+    proc = run.start()
+    try:
+        log = run.run_dir / "logs" / "worker-1.log"
+        assert wait_until(lambda: log.exists() and "AT epoch 0 batch 50" in run.log("worker-1"), 150, 0.2)
+        kill_task(run, "worker-1")
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
+    assert status["checkpoint_folders"] == [str(backup), f"{backup}/chief"]
+    starts = [t["restored"] for t in status["tasks"]]
+    assert starts[0] == starts[1] and starts[0]["source"].startswith(f"{backup}/chief/ckpt-"), starts
+    reasons = " | ".join(e.get("reason", "") for e in run.events())
+    assert f"{backup} of worker-0 → n2 {backup}: 3 file(s)" in reasons, reasons
+    weights = [
+        re.findall(r"WEIGHTS (\w+)", run.log(t).split("attempt 1 started")[1])
+        for t in ("worker-0", "worker-1")
+    ]
+    assert weights[0] and weights[0] == weights[1], weights
+    assert wait_until(lambda: nothing_left(lab, run), 15)
