@@ -10,7 +10,7 @@ Standard library only; each mode prints one JSON object on stdout (pack: a tar).
 - commit FOLDER STAGING   move the files received in STAGING into FOLDER (data first, index files
                           such as TF's `checkpoint` last, so a reader never sees an index naming
                           files not there yet), then remove what is not in the list on stdin (JSON).
-- shared write|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
+- shared write|mark|read|remove FOLDER NONCE…   prove a folder is shared: each host writes a nonce
                           file there, then reads the others'.
 - pack FOLDER SUB…        a tar of FOLDER/SUB… on stdout (the files `tree` lists: no hidden ones, no
                           scratch folders, no symlinks); a SUB may be a folder or one file, one
@@ -176,15 +176,17 @@ def unpack(folder: str, *how: str) -> dict[str, Any]:
 
 
 def shared(action: str, folder: str, *nonces: str) -> dict[str, Any]:
-    """write FOLDER NONCE: leave a file named by the nonce; read FOLDER NONCE…: which of those
-    files this host sees; remove FOLDER NONCE: take ours away again."""
+    """write FOLDER NONCE: leave a file named by the nonce (`mark`: only in a folder that is
+    there); read FOLDER NONCE…: which of those files this host sees; remove FOLDER NONCE: take
+    ours away again."""
     base = os.path.abspath(os.path.expanduser(folder))
     out: dict[str, Any] = {"error": None, "seen": []}
     try:
         for nonce in nonces:
             path = os.path.join(base, f".orchestrate-shared-{nonce}")
-            if action == "write":
-                os.makedirs(base, exist_ok=True)
+            if action in ("write", "mark"):  # mark: into a folder that is there, never made
+                if action == "write":
+                    os.makedirs(base, exist_ok=True)
                 with open(path, "x") as f:
                     f.write(nonce)
             elif action == "read":

@@ -13,9 +13,11 @@ target and committed data first, index last, so a copy cut short never replaces 
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import logging
 import posixpath
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,12 @@ class Folders(abc.ABC):
         """A copy to or from the host failed (ssh: its connection is renewed before the next use)."""
         return None
 
+    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
+        """worker/folders.py's `shared` on the host: `mark` (write a nonce file in `folder`, if
+        it is there: True if written), `read` (True if seen), `remove`. A backend without it:
+        nothing is shared (copied)."""
+        return False
+
 
 class StateExchange:
     def __init__(self, folders: Folders, home: Path, *, every_s: float, stop_wait_s: float = 60.0):
@@ -62,6 +70,7 @@ class StateExchange:
         self._follow_stop = threading.Event()
         self._owner_lacks = False  # the owner's folder was gone: home's copy goes back to it too
         self._job_home: dict[str, Path] = {}  # the job's own folders brought home: where
+        self._shared: dict[str, bool] = {}  # a job's folder: every reader's host sees the owner's
 
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
         """Attempts after the first restore the owner's latest checkpoint: home, then to every
@@ -90,6 +99,12 @@ class StateExchange:
         self._job_home = {}
         notes = []
         for folder in plan.state.job_folders:
+            targets = self._job_targets(plan, folder)
+            if not targets:
+                continue  # every reader is on the owner's host
+            if self._is_shared(owner, folder, targets):
+                notes.append(f"{folder} is on a disk every host of the job shares: left as it is")
+                continue
             home = self._home / "job-checkpoints" / _slug(folder)
             try:
                 got = self._folders.pull(owner.host_index, folder, home, mirror=True)
@@ -108,11 +123,9 @@ class StateExchange:
         host shares is left as it is (nothing in it differs)."""
         assert plan.state is not None
         owner = plan.task(plan.state.owner)
-        readers = list(map(plan.task, plan.state.readers))
         notes = []
         for folder, home in self._job_home.items():
-            places = {(t.host_index, same_place(folder, owner, t)) for t in readers}
-            targets = sorted(places - {(owner.host_index, folder)})
+            targets = self._job_targets(plan, folder)
             ours = local_tree(home)
 
             def one(target: tuple[int, str], home: Path = home, ours: dict[str, Any] = ours) -> Transfer:
@@ -128,6 +141,31 @@ class StateExchange:
                 for (i, f), s in zip(targets, sent, strict=True)
             ]
         return notes
+
+    def _job_targets(self, plan: LaunchPlan, folder: str) -> list[tuple[int, str]]:
+        """(host, where the owner's `folder` goes there) of the readers, but the owner's own."""
+        assert plan.state is not None
+        owner = plan.task(plan.state.owner)
+        places = {(t.host_index, same_place(folder, owner, t)) for t in map(plan.task, plan.state.readers)}
+        return sorted(places - {(owner.host_index, folder)})
+
+    def _is_shared(self, owner: TaskPlan, folder: str, targets: list[tuple[int, str]]) -> bool:
+        """Whether every reader's host sees the owner's `folder` (a nonce written there by the
+        owner's host, looked for by the others'; asked once a run): then nothing is copied."""
+        if folder not in self._shared:
+            nonce = secrets.token_hex(8)
+            shared = False
+            try:
+                if self._folders.shared(owner.host_index, "mark", folder, nonce):
+                    seen = on_all(targets, lambda t: self._folders.shared(t[0], "read", t[1], nonce))
+                    shared = all(v is True for _, v in seen)
+            except LaunchError as exc:
+                log.debug("is %s shared: %s", folder, exc)
+            finally:
+                with contextlib.suppress(LaunchError):
+                    self._folders.shared(owner.host_index, "remove", folder, nonce)
+            self._shared[folder] = shared
+        return self._shared[folder]
 
     def fetch(self, plan: LaunchPlan, *, reachable: bool = True) -> list[str]:
         """The owner's checkpoint folder brought home (only what differs); `reachable` False: its

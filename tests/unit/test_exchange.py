@@ -20,6 +20,7 @@ from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, commit_here, 
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec.load import parse_spec
 from tests.conftest import wait_until
+from worker import folders as worker_folders
 
 
 class Disks(Folders):
@@ -31,8 +32,17 @@ class Disks(Folders):
         self.down: set[int] = set()
         self.lost_hosts: list[int] = []
 
+        self.common: set[str] = set()  # folders every host sees (an NFS mount)
+
     def at(self, host: int, path: str) -> Path:
+        if any(path == c or path.startswith(c + "/") for c in self.common):
+            return self.root / "common" / path.lstrip("/")
         return self.root / f"h{host}" / path.lstrip("/")
+
+    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
+        self._reach(host, "shared", folder)
+        answer = worker_folders.shared(action, str(self.at(host, folder)), nonce)
+        return not answer["error"] and (action != "read" or nonce in answer["seen"])
 
     def label(self, host: int) -> str:
         return f"h{host}"
@@ -228,6 +238,25 @@ def test_the_jobs_own_folders_are_made_the_owners_on_every_host_at_the_same_plac
     assert [n.split(": ", 1)[1] for n in own(2)] == ["already the same"] * 2
     # a folder the owner does not have (yet) is said, not copied
     assert own(3, with_job_folders(plan, "/tmp/never")) == ["worker-0 (h0) has no /tmp/never: not copied"]
+
+
+def test_a_jobs_folder_every_host_shares_is_left_as_it_is(tmp_path: Path) -> None:
+    plan = with_job_folders(plan_of(tmp_path, TWO_HOSTS), "/nfs/ckpt", "/tmp/backup")
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    disks.common.add("/nfs")
+    for folder in ("/nfs/ckpt", "/tmp/backup"):
+        disks.at(0, folder).mkdir(parents=True)
+        (disks.at(0, folder) / "ckpt-1.index").write_text("index 1")
+    exchange = StateExchange(disks, home, every_s=60)
+    notes = [n for n in exchange.before_attempt(plan, 1) if not n.startswith(("checkpoints ", "→"))]
+    assert notes[0] == "/nfs/ckpt is on a disk every host of the job shares: left as it is"
+    assert notes[1].startswith("/tmp/backup of worker-0 → h1 /tmp/backup: 1 file(s)")
+    assert not any(c[0] in ("pull", "push") and c[2] == "/nfs/ckpt" for c in disks.calls)
+    assert sorted(p.name for p in disks.at(0, "/nfs/ckpt").iterdir()) == ["ckpt-1.index"]  # no nonce left
+    # asked once a run: the next attempt does not write there again
+    asked = sum(1 for c in disks.calls if c[0] == "shared")
+    exchange.before_attempt(plan, 2)
+    assert sum(1 for c in disks.calls if c[0] == "shared") == asked
 
 
 def test_a_folder_under_the_owners_working_folder_goes_under_each_readers() -> None:

@@ -162,6 +162,10 @@ class NodeFolders(Folders):
         done = self._step(node, "commit", theirs["folder"], staging, stdin=json.dumps(sorted(ours["files"])))
         return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
+    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
+        answer = self._step(self._where(host), "shared", action, folder, nonce)
+        return not answer.get("error") and (action != "read" or nonce in answer.get("seen", []))
+
     def _where(self, host: int) -> str:
         node = self._node(host)
         if node is None or self._job_id() is None:

@@ -12,7 +12,7 @@ import fabric
 
 from orchestrator.launch.exchange import Folders
 from orchestrator.launch.ssh import ship
-from orchestrator.launch.ssh.hosts import Host
+from orchestrator.launch.ssh.hosts import Host, probe
 from orchestrator.launch.transfer import Transfer
 
 
@@ -43,3 +43,12 @@ class SshFolders(Folders):
 
     def lost(self, host: int) -> None:
         self._suspect(host)
+
+    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
+        conn = self._connection(host)
+        answer = probe(conn, self._hosts[host], "shared", action, folder, nonce, timeout_s=self._io_timeout_s)
+        return (
+            isinstance(answer, dict)
+            and not answer.get("error")
+            and (action != "read" or nonce in answer["seen"])
+        )
