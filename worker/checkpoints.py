@@ -69,8 +69,10 @@ class Watch:
         *,
         cwd: str | None = None,
         known: str | None = None,
+        check: Callable[[Any, wire.Restored], None] | None = None,
     ):
         self._on_folder = on_folder
+        self._check = check or same_start
         self._on_first_step = on_first_step
         self._cwd = os.path.abspath(cwd or os.getcwd())
         self._known = os.path.abspath(known) if known else None  # ORCHESTRATE_CHECKPOINT_DIR: kept already
@@ -87,15 +89,20 @@ class Watch:
         if text is None:
             return
         if "://" in text:  # gs://, hdfs://: no host's own disk
-            self._say(text, f"orchestrate: {text} ({by}) is not a folder on this host's disk: not kept")
+            self._say(
+                text, f"{text} ({by}) is not a folder on this host's disk: not kept the same on every host"
+            )
             return
         folder = os.path.abspath(os.path.join(self._cwd, text))
         folder = os.path.dirname(folder) if is_file else folder
         if self._known and (folder == self._known or folder.startswith(self._known + os.sep)):
             return  # ORCHESTRATE_CHECKPOINT_DIR: kept consistent already
+        if any(_TEMP.match(p) for p in folder.split(os.sep)):
+            log.debug("%s (%s) is a worker's temporary copy: not kept", folder, by)
+            return
         why = self._refused(folder)
         if why is not None:
-            self._say(folder, f"orchestrate: {folder} ({by}) {why}")
+            self._say(folder, f"{folder} ({by}) {why}")
             return
         with self._lock:
             if folder in self.folders:
@@ -108,7 +115,7 @@ class Watch:
         if full:
             self._say(
                 "",
-                f"orchestrate: the job checkpoints to over {MAX_FOLDERS} folders; the others are not kept",
+                f"the job checkpoints to over {MAX_FOLDERS} folders; the others are not kept",
             )
             return
         self._on_folder(folder, by)
@@ -129,17 +136,19 @@ class Watch:
         )
         self.wrote(source, by)  # the folder it restores from is the job's too
 
-    def first_step(self) -> None:
+    def first_step(self, strategy: object = None) -> None:
+        """The job traces its first step: what it restored is reported, then compared with the
+        other workers' over the strategy's own collectives (RestoreMismatch when they differ)."""
         with self._lock:
             if self.stepped:
                 return
             self.stepped = True
-        self._on_first_step(self._restored or wire.Restored(step=0, fingerprint=NOTHING, source=None))
+        restored = self._restored or wire.Restored(step=0, fingerprint=NOTHING, source=None)
+        self._on_first_step(restored)
+        if strategy is not None:
+            self._check(strategy, restored)
 
     def _refused(self, folder: str) -> str | None:
-        parts = folder.split(os.sep)
-        if any(_TEMP.match(p) for p in parts):
-            return "is a worker's temporary copy: not kept"
         if len(folder) > MAX_PATH_CHARS:
             return "is too long a path: not kept"
         home = os.path.expanduser("~")
@@ -159,11 +168,44 @@ class Watch:
             if key in self._said:
                 return
             self._said.add(key)
-        log.info("%s", line)
+        log.warning("%s", line)  # in the task's log: these checkpoints are not kept the same
 
 
 #: The fingerprint of "restored nothing".
 NOTHING = "nothing"
+#: The strategies whose workers train one model together (MultiWorkerMirroredStrategy's names).
+_SYNCHRONOUS = ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")
+
+
+class RestoreMismatch(RuntimeError):
+    """The workers of one attempt restored different states: trained together, they would
+    average the gradients of different models."""
+
+
+def same_start(strategy: Any, mine: wire.Restored) -> None:
+    """Every worker of a MultiWorkerMirroredStrategy job compares what it restored with the
+    others' over the strategy's own collectives, before its first step (as the built-in loop
+    does): any difference stops every worker. Lifted out of a step being traced (init_scope)."""
+    if (
+        not type(strategy).__name__.startswith(_SYNCHRONOUS)
+        and "CollectiveAllReduce" not in type(strategy).__name__
+    ):
+        return
+    cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+    if len(cluster.get("chief", [])) + len(cluster.get("worker", [])) < 2:
+        return
+    import tensorflow as tf  # loaded already: the job's strategy is running
+
+    which = int(hashlib.sha256(mine.fingerprint.encode()).hexdigest()[:15], 16)
+    row = [which, mine.step, mine.epoch, mine.step_in_epoch]
+    with tf.init_scope():
+        gathered = strategy.gather(strategy.run(lambda: tf.constant([row], dtype=tf.int64)), axis=0)
+        rows = gathered.numpy().tolist()
+    if len({tuple(r) for r in rows}) > 1:
+        raise RestoreMismatch(
+            f"the workers restored different states (this one: {mine.source or 'nothing'}), so trained "
+            "together they would average the gradients of different models; not training on"
+        )
 
 
 def fingerprint(source: str) -> str:
@@ -221,7 +263,12 @@ def _patch_manager(watch: Watch, module: ModuleType) -> None:
 
 
 def _patch_strategy(watch: Watch, module: ModuleType) -> None:
-    _after(getattr(module, "StrategyBase", None), "run", lambda *_: watch.first_step(), before=True)
+    _after(
+        getattr(module, "StrategyBase", None),
+        "run",
+        lambda strategy, *_: watch.first_step(strategy),
+        before=True,
+    )
 
 
 def _patch_callback(watch: Watch, name: str, attribute: str, is_file: bool, module: ModuleType) -> None:
@@ -260,6 +307,8 @@ def _after(
     def call_then(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         try:
             then(self, args, kwargs, result)
+        except RestoreMismatch:
+            raise  # the one thing watching says to the job: it must not train on
         except Exception as exc:  # noqa: BLE001 - watching never breaks the job
             log.debug("watching %s.%s: %s", cls.__name__, name, exc)
 

@@ -78,7 +78,9 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
             # the first line only: a reason is one line in every event and status (a Keras error can
             # run to 2,000 characters); the whole message and traceback are in the error and the log
             detail, kind = f"raised {error.type}: {first_line(error.message)}", FailureKind.EXCEPTION
-            if restores.collective_mismatch(error):
+            if error.type.endswith("RestoreMismatch"):  # the workers compared their starts themselves
+                kind = FailureKind.DIVERGED
+            elif restores.collective_mismatch(error):
                 detail, kind = restores.mismatch_detail(detail), FailureKind.DIVERGED
         else:
             detail, kind = describe_exit(code), FailureKind.EXIT

@@ -34,6 +34,7 @@ PLAN = [
     ("P6", "capacity.py", ([], ["--cases", "whole:relayed:1000", "relay:direct:8", "--measure-s", "8"])),
     ("P7", "ssh_fanout.py", (["--repeats", "3"], ["--repeats", "1"])),
     ("P9", "ship_state.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
+    ("P12", "own_checkpoints.py", (["--repeats", "2"], ["--repeats", "1", "--quick"])),
     ("P8", "slurm_launch.py", (["--rounds", "5"], ["--rounds", "1"])),
     ("P10", "researcher_view.py", (["--kills", "5"], ["--kills", "2", "--measure-s", "8"])),
     ("P11", "web_strangers.py", (["--measure-s", "10"], ["--measure-s", "3"])),

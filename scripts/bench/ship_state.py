@@ -98,11 +98,10 @@ def read(run_dir: Path, name: str) -> Any:
         return {}
 
 
-def kill_and_resume(lab: NetnsLab, root: Path, k: int, width: int, every: int, shared: bool) -> dict:
-    """One run: worker-1 killed after step `every` * 2 + a random few; measured until the first
-    step of attempt 1, then the run is stopped (Ctrl-C) and its results brought home."""
+def kill_and_resume(spec: Path, root: Path, every: int) -> dict:
+    """One run of `spec`: worker-1 killed after step `every` * 2 + a random few; measured until
+    the first step of attempt 1, then the run is stopped (Ctrl-C) and its results brought home."""
     run_dir = root / f"run-{secrets.token_hex(3)}"
-    spec = spec_for(lab, root, k, width, every, shared)
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
         stdout=subprocess.DEVNULL,
@@ -168,7 +167,8 @@ def main() -> int:
                 for i in range(args.repeats):
                     for shared in (True, False):  # interleaved: drift hits both alike
                         where = root / f"{size.replace(' ', '')}-k{k}-{'shared' if shared else 'own'}-{i}"
-                        runs[shared].append(kill_and_resume(lab, where, k, WIDTHS[size], 5, shared))
+                        spec = spec_for(lab, where, k, WIDTHS[size], 5, shared)
+                        runs[shared].append(kill_and_resume(spec, where, 5))
                 base = statistics.median(r["restart_s"] for r in runs[True])
                 own = statistics.median(r["restart_s"] for r in runs[False])
                 rows.append(
@@ -185,9 +185,10 @@ def main() -> int:
                 )
             lost = {}
             for every in (10, 50) if not args.quick else (10,):
+                folders = [root / f"lost-{every}-{i}" for i in range(max(2, args.repeats))]
                 seen = [
-                    kill_and_resume(lab, root / f"lost-{every}-{i}", 2, 64, every, False)["steps_lost"]
-                    for i in range(max(2, args.repeats))
+                    kill_and_resume(spec_for(lab, f, 2, 64, every, False), f, every)["steps_lost"]
+                    for f in folders
                 ]
                 lost[every] = {"median": statistics.median(seen), "max": max(seen), "runs": seen}
             print(

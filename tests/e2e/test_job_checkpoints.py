@@ -9,9 +9,14 @@ Real SSH, real TensorFlow, real kill -9; the lab as tests/lab.py makes it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,8 @@ import yaml
 from tests.conftest import run_processes, wait_until
 from tests.e2e.test_ssh import SshJob
 from tests.lab import make_lab, why_no_lab
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 needs_lab = pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")
@@ -201,8 +208,8 @@ PLANTED = """
 
     for i in range(600):
         train_step(tf.ones((2, 4)))
+        print(f"STEP {i}", flush=True)
         time.sleep(0.05)
-    print("TRAINED", flush=True)
 """
 
 
@@ -225,8 +232,10 @@ def test_a_start_that_differs_between_tasks_fails_at_once_explained_and_not_retr
     assert "hint: orchestrate keeps $ORCHESTRATE_CHECKPOINT_DIR" in res.stdout  # the fix, said once
     assert res.stdout.count("ORCHESTRATE_CHECKPOINT_DIR") == 1
     assert "continue it from its checkpoints" not in res.stdout  # a --resume would meet the same
+    # caught before a step: the workers compare their starts before the first (RestoreMismatch, if
+    # the coordinator, comparing their reports, has not stopped them first)
     for task in ("worker-0", "worker-1"):
-        assert "TRAINED" not in (job.run_dir / "logs" / f"{task}.log").read_text()
+        assert "STEP " not in (job.run_dir / "logs" / f"{task}.log").read_text()
 
 
 #: A Keras job that resumes the way many do: ModelCheckpoint's weights in a folder relative to the
@@ -412,3 +421,42 @@ def test_the_custom_loop_tutorials_checkpoint_manager_resumes_on_both_hosts(lab,
         weights += re.findall(r"WEIGHTS (\w+)", second)
     assert len(weights) == 2 and weights[0] == weights[1], weights
     assert job.hosts_empty(), job.host_pids()
+
+
+def test_the_workers_compare_their_starts_themselves_before_the_first_step(tmp_path):
+    """Without a coordinator to stop them (`python -m worker run` by hand, TF_CONFIG written as
+    the tutorials do): the workers compare what they restored over their own collectives at the
+    first step, and neither trains."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(PLANTED))
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    for i in range(2):
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATE_")},
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "1",
+            "ORCHESTRATE_TASK": f"worker-{i}",
+            "ORCHESTRATE_RUN_DIR": str(tmp_path),
+            "PYTHONPATH": str(REPO),
+        }
+        argv = [sys.executable, "-m", "worker", "run", "--script", str(tmp_path / "job.py")]
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 1, out[-3000:]
+        assert "RestoreMismatch: the workers restored different states" in out and "STEP " not in out
+    assert f"this one: {tmp_path}/planted-worker-1/ckpt" in outs[1] and "this one: nothing" in outs[0]

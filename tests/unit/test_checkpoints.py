@@ -41,7 +41,7 @@ def test_temporary_copies_and_folders_that_hold_more_than_checkpoints_are_not_to
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     t = Told(tmp_path, known=str(tmp_path / "run" / "checkpoints"))
-    caplog.set_level(logging.INFO, logger="worker")
+    caplog.set_level(logging.DEBUG, logger="worker")
     t.watch.wrote("/tmp/backup/workertemp_1", "tf.train.CheckpointManager", is_file=False)
     t.watch.wrote("/tmp/workertemp_1/ckpt/ckpt-2", "tf.train.Checkpoint")
     t.watch.wrote("weights.h5", "tf_keras.callbacks.ModelCheckpoint")  # the working folder itself
@@ -51,7 +51,7 @@ def test_temporary_copies_and_folders_that_hold_more_than_checkpoints_are_not_to
     t.watch.wrote(12, "x")  # a symbolic tensor or anything else: no path
     assert t.folders == []
     said = caplog.text
-    assert "workertemp_1 (tf.train.CheckpointManager) is a worker's temporary copy" in said
+    assert "workertemp_1 (tf.train.CheckpointManager) is a worker's temporary copy" in said  # (debug)
     assert "/tmp (tf_keras.callbacks.ModelCheckpoint) is not a folder of checkpoints alone" in said
     assert "not a folder on this host's disk" in said and "run/checkpoints" not in said
 

@@ -5,6 +5,7 @@ collective mismatch read as what it is after a restart."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,15 @@ def test_tensorflows_collective_mismatch_is_a_diverged_start_not_retried_while_n
 def test_other_internal_errors_are_not_read_as_a_mismatch() -> None:
     (verdict,) = detect.check_task(_raised("Failed to connect to all addresses"), 1.0, CONFIG, 1)
     assert verdict.failure is not None and verdict.failure.kind is FailureKind.EXCEPTION
+
+
+def test_a_resumed_run_keeps_the_folders_its_record_names_and_nothing_else(tmp_path: Path) -> None:
+    from orchestrator.rundir import known_folders
+
+    (tmp_path / "status.json").write_text(
+        json.dumps({"name": "t", "checkpoint_folders": ["/tmp/backup", "relative", 3, "/" + "x" * 10]})
+    )
+    assert known_folders(tmp_path) == ["/tmp/backup", "/" + "x" * 10]
+    (tmp_path / "status.json").write_text(json.dumps({"name": "t", "checkpoint_folders": "/tmp/backup"}))
+    assert known_folders(tmp_path) == []
+    assert known_folders(tmp_path / "nowhere") == [] and known_folders(None) == []

@@ -1,0 +1,142 @@
+"""P12 a job's own checkpoint folder on hosts that share no disk (issue 24): what keeping it the
+same on every host adds to a restart.
+
+On the network-namespace lab (each host its own disk and /tmp, tests/lab.py), a mode-1 job (the
+custom-loop tutorial's checkpointing: the chief's CheckpointManager to its folder, the others to
+temporary ones; every task restores the chief's) on K hosts, one worker each; worker-1 is killed
+with SIGKILL after a checkpoint. Restart time = the kill → the first step of attempt 1, which
+includes the copy of the chief's folder home and to the other hosts. The baseline, measured in the
+same run (interleaved), is the same job with its folder on the lab's shared folder (an NFS mount:
+proven shared by a nonce, nothing is copied). Models of ~1 MB and ~100 MB (checkpoint size; SGD,
+so the checkpoint is the weights), K = 2 and 4. Also the copy itself (LAUNCHING → first task
+started, attempt 1).
+
+Needs root and openssh-server: `sudo .venv/bin/python scripts/bench/own_checkpoints.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.ship_state import WIDTHS, kill_and_resume  # noqa: E402
+from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
+
+JOB = """
+import os
+import numpy as np
+import tensorflow as tf
+import worker
+
+WIDTH, EVERY, FOLDER = int(os.environ["WIDTH"]), int(os.environ["EVERY"]), os.environ["FOLDER"]
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+resolver = strategy.cluster_resolver
+chief = resolver.task_type == "worker" and resolver.task_id == 0
+with strategy.scope():
+    init = tf.keras.initializers.RandomNormal(stddev=0.01, seed=1)
+    model = tf.keras.Sequential([
+        tf.keras.layers.Input(shape=(WIDTH,)),
+        tf.keras.layers.Dense(WIDTH, kernel_initializer=init),
+        tf.keras.layers.Dense(1, kernel_initializer=init),
+    ])
+    optimizer = tf.keras.optimizers.SGD(0.001)
+step = tf.Variable(0, dtype=tf.int64, name="step")
+checkpoint = tf.train.Checkpoint(model=model, step=step)
+folder = FOLDER if chief else os.path.join(os.path.dirname(FOLDER), f"workertemp_{resolver.task_id}", "ckpt")
+manager = tf.train.CheckpointManager(checkpoint, folder, max_to_keep=1)
+latest = tf.train.latest_checkpoint(FOLDER)
+if latest:
+    checkpoint.restore(latest)
+x = tf.constant(np.random.default_rng(0).normal(size=(8, WIDTH)).astype("float32"))
+
+@tf.function
+def train_step():
+    def fn():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    strategy.run(fn)
+
+while True:
+    train_step()
+    step.assign_add(1)
+    worker.report(step=int(step.numpy()))
+    if int(step.numpy()) % EVERY == 0:
+        manager.save()
+"""
+
+
+def spec_for(lab: NetnsLab, root: Path, k: int, width: int, every: int, shared: bool) -> Path:
+    (root / "job").mkdir(parents=True, exist_ok=True)
+    (root / "job" / "train.py").write_text(JOB)
+    tag = secrets.token_hex(3)
+    folder = str(lab.shared / f"own-{tag}" / "ckpt") if shared else f"/tmp/own-{tag}/ckpt"
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1", "WIDTH": str(width)}
+    data = {
+        "name": "bench-own",
+        "backend": "ssh",
+        "hosts": [lab.host_spec(i) for i in range(k)],
+        "job": {"script": "job/train.py", "env": {**env, "EVERY": str(every), "FOLDER": folder}},
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10, "stop_grace_s": 10},
+        "restart": {"max_restarts": 1, "backoff_s": 0},
+        "ssh": lab.ssh_spec(),
+    }
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return spec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="1 MB on 2 hosts only")
+    args = parser.parse_args()
+    if why_no_lab() or not can_netns():
+        print(json.dumps({"metric": "P12 a job's own folder", "skipped": why_no_lab() or "needs root"}))
+        return 0
+    cases = [("1 MB", 2)] if args.quick else [(size, k) for size in WIDTHS for k in (2, 4)]
+    with tempfile.TemporaryDirectory(prefix="bench-own-") as tmp:
+        root = Path(tmp)
+        lab = NetnsLab(root / "lab", 4)
+        try:
+            rows = []
+            for size, k in cases:
+                runs: dict[bool, list[dict]] = {True: [], False: []}
+                for i in range(args.repeats):
+                    for shared in (True, False):  # interleaved: drift hits both alike
+                        where = root / f"{size.replace(' ', '')}-k{k}-{'shared' if shared else 'own'}-{i}"
+                        spec = spec_for(lab, where, k, WIDTHS[size], 5, shared)
+                        runs[shared].append(kill_and_resume(spec, where, 5))
+                base = statistics.median(r["restart_s"] for r in runs[True])
+                own = statistics.median(r["restart_s"] for r in runs[False])
+                rows.append(
+                    {
+                        "model": size,
+                        "hosts": k,
+                        "restart_shared_s": round(base, 2),
+                        "restart_copied_s": round(own, 2),
+                        "ratio": round(own / base, 3),
+                        "added_s": round(own - base, 2),
+                        "copy_s": round(statistics.median(r["copy_s"] for r in runs[False]), 2),
+                        "copy_shared_s": round(statistics.median(r["copy_s"] for r in runs[True]), 2),
+                    }
+                )
+            print(
+                json.dumps({"metric": "P12 a job's own folder", "runs": args.repeats, "rows": rows}, indent=2)
+            )
+        finally:
+            lab.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
