@@ -138,7 +138,11 @@ def where(r: Restored) -> str:
 
 
 def collective_mismatch(error: TaskError | None) -> bool:
-    return error is not None and COLLECTIVE_MISMATCH.search(error.message) is not None
+    """In the message or, where Keras's `in user code:` pushed it past the message's first 2,000
+    characters, in the traceback's last lines (which end with the whole message)."""
+    if error is None:
+        return False
+    return any(COLLECTIVE_MISMATCH.search(text) for text in (error.message, error.traceback[-8000:]))
 
 
 def mismatch_detail(first_line: str) -> str:

@@ -106,8 +106,8 @@ def test_the_owners_folders_are_learned_once_each_the_outermost_kept_and_bounded
     assert not again.learned_this_attempt and again.plan(_plan()).state.job_folders == ("/tmp/backup",)  # type: ignore[union-attr]
 
 
-def _raised(message: str) -> TaskView:
-    error = TaskError("tensorflow.python.framework.errors_impl.InternalError", message, "Traceback…")
+def _raised(message: str, traceback: str = "Traceback…") -> TaskView:
+    error = TaskError("tensorflow.python.framework.errors_impl.InternalError", message, traceback)
     return TaskView("worker-1", TaskState.RUNNING, True, 0.0, 1, TaskHealth("worker-1", 1, error=error))
 
 
@@ -138,6 +138,15 @@ def test_tensorflows_collective_mismatch_is_a_diverged_start_not_retried_while_n
     assert job_decision(failure, learned).action is Action.RESTART_JOB
     spent = dataclasses.replace(learned, restarts_used=3)
     assert job_decision(failure, spent).action is Action.FAIL
+
+
+def test_a_mismatch_past_the_messages_first_characters_is_read_in_the_traceback() -> None:
+    """Keras's `in user code:` puts ~3,300 characters of its frames first (the tutorial case);
+    the message a task reports keeps 2,000, its traceback ends with the whole message."""
+    message = "in user code:\n\n" + '    File "training.py", line 1398, in train_function  *\n' * 60
+    traceback = f"Traceback (most recent call last):\n  ...\nInternalError: {message[:200]}\n    {MISMATCH}\n"
+    (verdict,) = detect.check_task(_raised(message[:2000], traceback), 1.0, CONFIG, 1)
+    assert verdict.failure is not None and verdict.failure.kind is FailureKind.DIVERGED
 
 
 def test_other_internal_errors_are_not_read_as_a_mismatch() -> None:
