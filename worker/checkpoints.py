@@ -171,8 +171,7 @@ class Watch:
         log.warning("%s", line)  # in the task's log: these checkpoints are not kept the same
 
 
-#: The fingerprint of "restored nothing".
-NOTHING = "nothing"
+NOTHING = wire.RESTORED_NOTHING
 #: The strategies whose workers train one model together (MultiWorkerMirroredStrategy's names).
 _SYNCHRONOUS = ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")
 
@@ -186,10 +185,7 @@ def same_start(strategy: Any, mine: wire.Restored) -> None:
     """Every worker of a MultiWorkerMirroredStrategy job compares what it restored with the
     others' over the strategy's own collectives, before its first step (as the built-in loop
     does): any difference stops every worker. Lifted out of a step being traced (init_scope)."""
-    if (
-        not type(strategy).__name__.startswith(_SYNCHRONOUS)
-        and "CollectiveAllReduce" not in type(strategy).__name__
-    ):
+    if not type(strategy).__name__.startswith(_SYNCHRONOUS):
         return
     cluster = strategy.cluster_resolver.cluster_spec().as_dict()
     if len(cluster.get("chief", [])) + len(cluster.get("worker", [])) < 2:

@@ -103,6 +103,10 @@ class TaskError:
     traceback: str
 
 
+#: A Restored's fingerprint when the task restored nothing (mode 1: no checkpoint before its first step).
+RESTORED_NOTHING = "nothing"
+
+
 @dataclass(frozen=True)
 class Restored:
     """Where a training task starts an attempt from: the position it restored (0 and no source

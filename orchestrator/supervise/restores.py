@@ -21,11 +21,10 @@ from orchestrator.health.store import TaskHealth
 from orchestrator.plan import LaunchPlan, StatePlan
 from orchestrator.spec.model import Strategy
 from orchestrator.supervise.policy import Failure, FailureKind
-from worker.wire import MAX_FOLDERS, TaskError
+from worker.wire import MAX_FOLDERS, RESTORED_NOTHING, TaskError
 from worker.wire import Restored as Restored
 
-#: What the fingerprint of "restored nothing" is (worker/checkpoints.py).
-NOTHING = "nothing"
+NOTHING = RESTORED_NOTHING  # the fingerprint of "restored nothing" (worker/checkpoints.py)
 #: TensorFlow's collective mismatch errors (collective_param_resolver_local.cc and its kin).
 COLLECTIVE_MISMATCH = re.compile(
     r"Collective instance \d+ expected|mismatch in the collective instance|"
