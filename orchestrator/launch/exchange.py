@@ -106,12 +106,7 @@ class StateExchange:
                 notes.append(f"{folder} is on a disk every host of the job shares: left as it is")
                 continue
             home = self._home / "job-checkpoints" / _slug(folder)
-            try:
-                got = self._folders.pull(owner.host_index, folder, home, mirror=True)
-            except LaunchError:
-                self._folders.lost(owner.host_index)
-                raise
-            if got.exists:
+            if self._pull(owner.host_index, folder, home).exists:
                 self._job_home[folder] = home
             else:
                 notes.append(f"{where} has no {folder}: not copied")
@@ -126,21 +121,34 @@ class StateExchange:
         notes = []
         for folder, home in self._job_home.items():
             targets = self._job_targets(plan, folder)
-            ours = local_tree(home)
-
-            def one(target: tuple[int, str], home: Path = home, ours: dict[str, Any] = ours) -> Transfer:
-                try:
-                    return self._folders.push(target[0], home, target[1], ours)
-                except LaunchError:
-                    self._folders.lost(target[0])
-                    raise
-
-            sent = on_all(targets, one).raise_if_failed(f"copying {folder} of {owner.name} to the hosts")
+            sent = self._send(home, targets, f"copying {folder} of {owner.name} to the hosts")
             notes += [
                 f"{folder} of {owner.name} → {self._folders.label(i)} {f}: {s.describe()}"
                 for (i, f), s in zip(targets, sent, strict=True)
             ]
         return notes
+
+    def _pull(self, host: int, remote: str, home: Path) -> Transfer:
+        """`remote` on the host mirrored into `home` (only what differs); the host said lost if not."""
+        try:
+            return self._folders.pull(host, remote, home, mirror=True)
+        except LaunchError:
+            self._folders.lost(host)
+            raise
+
+    def _send(self, home: Path, targets: list[tuple[int, str]], what: str) -> list[Transfer]:
+        """`home` to each (host, folder) that differs, hosts in parallel; a host that fails is
+        said lost, and the first failure raised (`what` failed)."""
+        ours = local_tree(home)  # once for every host it goes to
+
+        def one(target: tuple[int, str]) -> Transfer:
+            try:
+                return self._folders.push(target[0], home, target[1], ours)
+            except LaunchError:
+                self._folders.lost(target[0])
+                raise
+
+        return on_all(targets, one).raise_if_failed(what)
 
     def _job_targets(self, plan: LaunchPlan, folder: str) -> list[tuple[int, str]]:
         """(host, where the owner's `folder` goes there) of the readers, but the owner's own."""
@@ -151,21 +159,23 @@ class StateExchange:
 
     def _is_shared(self, owner: TaskPlan, folder: str, targets: list[tuple[int, str]]) -> bool:
         """Whether every reader's host sees the owner's `folder` (a nonce written there by the
-        owner's host, looked for by the others'; asked once a run): then nothing is copied."""
-        if folder not in self._shared:
-            nonce = secrets.token_hex(8)
-            shared = False
-            try:
-                if self._folders.shared(owner.host_index, "mark", folder, nonce):
-                    seen = on_all(targets, lambda t: self._folders.shared(t[0], "read", t[1], nonce))
-                    shared = all(v is True for _, v in seen)
-            except LaunchError as exc:
-                log.debug("is %s shared: %s", folder, exc)
-            finally:
-                with contextlib.suppress(LaunchError):
-                    self._folders.shared(owner.host_index, "remove", folder, nonce)
-            self._shared[folder] = shared
-        return self._shared[folder]
+        owner's host, looked for by the others'; known once a run, from the first time the owner
+        has the folder): then nothing is copied."""
+        if folder in self._shared:
+            return self._shared[folder]
+        nonce = secrets.token_hex(8)
+        try:
+            if not self._folders.shared(owner.host_index, "mark", folder, nonce):
+                return False  # not there (yet): asked again next time
+            seen = on_all(targets, lambda t: self._folders.shared(t[0], "read", t[1], nonce))
+            self._shared[folder] = all(v is True for _, v in seen)
+            return self._shared[folder]
+        except LaunchError as exc:
+            log.debug("is %s shared: %s", folder, exc)
+            return False
+        finally:
+            with contextlib.suppress(LaunchError):
+                self._folders.shared(owner.host_index, "remove", folder, nonce)
 
     def fetch(self, plan: LaunchPlan, *, reachable: bool = True) -> list[str]:
         """The owner's checkpoint folder brought home (only what differs); `reachable` False: its
@@ -179,11 +189,7 @@ class StateExchange:
         where = f"{owner.name} ({self._folders.label(owner.host_index)})"
         if not reachable:
             return [f"{where} is out of reach: the last checkpoints brought home are used"]
-        try:
-            got = self._folders.pull(owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home, mirror=True)
-        except LaunchError:
-            self._folders.lost(owner.host_index)
-            raise
+        got = self._pull(owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home)
         if not got.exists and any(home.iterdir() if home.is_dir() else ()):
             # the owner's folder is gone (a --resume after its host was cleaned): home's copy is
             # the latest state there is, so the owner gets it back too
@@ -202,16 +208,7 @@ class StateExchange:
         if self._owner_lacks:
             owner = plan.task(state.owner)
             targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
-        ours = local_tree(home)  # once for every host it goes to
-
-        def one(target: tuple[int, str]) -> Transfer:
-            try:
-                return self._folders.push(target[0], home, target[1], ours)
-            except LaunchError:
-                self._folders.lost(target[0])
-                raise
-
-        sent = on_all(targets, one).raise_if_failed("copying the checkpoint to the hosts")
+        sent = self._send(home, targets, "copying the checkpoint to the hosts")
         return [
             f"→ {self._folders.label(i)} {f}: {s.describe()}" for (i, f), s in zip(targets, sent, strict=True)
         ]
