@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.ship_state import WIDTHS, kill_and_resume  # noqa: E402
+from scripts.bench.ship_state import WIDTHS, compare_restarts  # noqa: E402
 from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
 
 JOB = """
@@ -108,28 +107,7 @@ def main() -> int:
         root = Path(tmp)
         lab = NetnsLab(root / "lab", 4)
         try:
-            rows = []
-            for size, k in cases:
-                runs: dict[bool, list[dict]] = {True: [], False: []}
-                for i in range(args.repeats):
-                    for shared in (True, False):  # interleaved: drift hits both alike
-                        where = root / f"{size.replace(' ', '')}-k{k}-{'shared' if shared else 'own'}-{i}"
-                        spec = spec_for(lab, where, k, WIDTHS[size], 5, shared)
-                        runs[shared].append(kill_and_resume(spec, where, 5))
-                base = statistics.median(r["restart_s"] for r in runs[True])
-                own = statistics.median(r["restart_s"] for r in runs[False])
-                rows.append(
-                    {
-                        "model": size,
-                        "hosts": k,
-                        "restart_shared_s": round(base, 2),
-                        "restart_copied_s": round(own, 2),
-                        "ratio": round(own / base, 3),
-                        "added_s": round(own - base, 2),
-                        "copy_s": round(statistics.median(r["copy_s"] for r in runs[False]), 2),
-                        "copy_shared_s": round(statistics.median(r["copy_s"] for r in runs[True]), 2),
-                    }
-                )
+            rows = compare_restarts(lab, root, cases, args.repeats, spec_for)
             print(
                 json.dumps({"metric": "P12 a job's own folder", "runs": args.repeats, "rows": rows}, indent=2)
             )

@@ -164,7 +164,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     for r in p9.get("rows", []):
         out.append(
             f"| P9 restart, chief's checkpoint copied, {r['model']} model, {r['hosts']} hosts | "
-            f"{r['restart_shipped_s']:.2f} s (×{r['ratio']:.2f}; the copy {r['copy_s']:.2f} s); results "
+            f"{r['restart_copied_s']:.2f} s (×{r['ratio']:.2f}; the copy {r['copy_s']:.2f} s); results "
             f"home {r['home_s']:.2f} s | same restart with a shared folder {r['restart_shared_s']:.2f} s |"
         )
     for every, r in (p9.get("steps_lost") or {}).items():
@@ -174,6 +174,16 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         )
     if p9.get("skipped"):
         out.append(f"| P9 state across hosts | skipped | {p9['skipped']} |")
+    p12 = results.get("P12", {})
+    for r in p12.get("rows", []):
+        out.append(
+            f"| P12 restart, a job's own folder copied, {r['model']} model, {r['hosts']} hosts | "
+            f"{r['restart_copied_s']:.2f} s (×{r['ratio']:.2f}; the copy {r['copy_s']:.2f} s) | same "
+            f"restart with the folder shared {r['restart_shared_s']:.2f} s "
+            f"(the nonce check {r['copy_shared_s']:.2f} s) |"
+        )
+    if p12.get("skipped"):
+        out.append(f"| P12 a job's own folder | skipped | {p12['skipped']} |")
     p8 = results.get("P8", {})
     if "ratio" in p8:
         out.append(

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,39 @@ def kill_and_resume(spec: Path, root: Path, every: int) -> dict:
     }
 
 
+def compare_restarts(
+    lab: NetnsLab, root: Path, cases: list[tuple[str, int]], repeats: int, spec_for: Callable[..., Path]
+) -> list[dict[str, Any]]:
+    """Each (model size, hosts) case run `repeats` times with its state on the lab's shared folder
+    and on the hosts' own disks, interleaved (drift hits both alike): the medians, one row each.
+    `spec_for(lab, root, k, width, every, shared)` writes the job's spec."""
+    rows = []
+    for size, k in cases:
+        runs: dict[bool, list[dict]] = {True: [], False: []}
+        for i in range(repeats):
+            for shared in (True, False):
+                where = root / f"{size.replace(' ', '')}-k{k}-{'shared' if shared else 'own'}-{i}"
+                runs[shared].append(
+                    kill_and_resume(spec_for(lab, where, k, WIDTHS[size], 5, shared), where, 5)
+                )
+        base = statistics.median(r["restart_s"] for r in runs[True])
+        own = statistics.median(r["restart_s"] for r in runs[False])
+        rows.append(
+            {
+                "model": size,
+                "hosts": k,
+                "restart_shared_s": round(base, 2),
+                "restart_copied_s": round(own, 2),
+                "ratio": round(own / base, 3),
+                "added_s": round(own - base, 2),
+                "copy_s": round(statistics.median(r["copy_s"] for r in runs[False]), 2),
+                "copy_shared_s": round(statistics.median(r["copy_s"] for r in runs[True]), 2),
+                "home_s": round(statistics.median(r["home_s"] for r in runs[False]), 2),
+            }
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
@@ -161,28 +195,7 @@ def main() -> int:
         root = Path(tmp)
         lab = NetnsLab(root / "lab", 4)
         try:
-            rows = []
-            for size, k in cases:
-                runs: dict[bool, list[dict]] = {True: [], False: []}
-                for i in range(args.repeats):
-                    for shared in (True, False):  # interleaved: drift hits both alike
-                        where = root / f"{size.replace(' ', '')}-k{k}-{'shared' if shared else 'own'}-{i}"
-                        spec = spec_for(lab, where, k, WIDTHS[size], 5, shared)
-                        runs[shared].append(kill_and_resume(spec, where, 5))
-                base = statistics.median(r["restart_s"] for r in runs[True])
-                own = statistics.median(r["restart_s"] for r in runs[False])
-                rows.append(
-                    {
-                        "model": size,
-                        "hosts": k,
-                        "restart_shared_s": round(base, 2),
-                        "restart_shipped_s": round(own, 2),
-                        "ratio": round(own / base, 3),
-                        "copy_s": round(statistics.median(r["copy_s"] for r in runs[False]), 2),
-                        "copy_shared_s": round(statistics.median(r["copy_s"] for r in runs[True]), 2),
-                        "home_s": round(statistics.median(r["home_s"] for r in runs[False]), 2),
-                    }
-                )
+            rows = compare_restarts(lab, root, cases, args.repeats, spec_for)
             lost = {}
             for every in (10, 50) if not args.quick else (10,):
                 folders = [root / f"lost-{every}-{i}" for i in range(max(2, args.repeats))]
