@@ -132,21 +132,34 @@ def kill_when(job: SshJob, task: str, pattern: str, timeout_s: float = 150) -> N
     os.kill(job.task(task)["pid"], signal.SIGKILL)  # on its host; pids are global in the lab
 
 
-def after_restart(job: SshJob, task: str) -> str:
-    return (job.run_dir / "logs" / f"{task}.log").read_text(errors="replace").split("attempt 1 started", 1)[1]
-
-
-@needs_lab
-def test_the_keras_tutorials_backup_to_tmp_resumes_on_both_hosts_after_a_kill(lab, tmp_path, jobs):
-    job = lab_job(lab, tmp_path / "keras", KERAS_TUTORIAL, jobs)
+def run_killing(job: SshJob, task: str, pattern: str) -> str:
+    """`up`; `task` killed -9 once its log says `pattern`; the output of a run that succeeded."""
     proc = job.start()
     try:
-        kill_when(job, "worker-1", r"AT epoch 0 batch 50")  # backed up at batch 30, killed after
+        kill_when(job, task, pattern)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    return out
+
+
+def after_restart(job: SshJob) -> dict[str, str]:
+    """What each task printed in attempt 1; its final weights the same on both hosts."""
+    logs = {
+        t: (job.run_dir / "logs" / f"{t}.log").read_text(errors="replace") for t in ("worker-0", "worker-1")
+    }
+    second = {t: text.split("attempt 1 started", 1)[1] for t, text in logs.items()}
+    weights = [w for text in second.values() for w in re.findall(r"WEIGHTS (\w+)", text)]
+    assert len(weights) == 2 and weights[0] == weights[1], weights
+    return second
+
+
+@needs_lab
+def test_the_keras_tutorials_backup_to_tmp_resumes_on_both_hosts_after_a_kill(lab, tmp_path, jobs):
+    job = lab_job(lab, tmp_path / "keras", KERAS_TUTORIAL, jobs)
+    run_killing(job, "worker-1", r"AT epoch 0 batch 50")  # backed up at batch 30, killed after
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
     assert status["checkpoint_folders"] == ["/tmp/backup", "/tmp/backup/chief"]
@@ -164,13 +177,9 @@ def test_the_keras_tutorials_backup_to_tmp_resumes_on_both_hosts_after_a_kill(la
         "worker-0 checkpoints to /tmp/backup (tf_keras.callbacks.BackupAndRestore)"
     )
     # resumed mid-epoch 0 on both hosts (not from the beginning), and ended with the same model
-    weights = []
-    for task in ("worker-0", "worker-1"):
-        second = after_restart(job, task)
+    for task, second in after_restart(job).items():
         first_at = re.search(r"AT epoch (\d+) batch (\d+)", second)
         assert first_at and (int(first_at[1]), int(first_at[2])) != (0, 0), (task, second[:2000])
-        weights += re.findall(r"WEIGHTS (\w+)", second)
-    assert len(weights) == 2 and weights[0] == weights[1], weights
     assert job.hosts_empty(), job.host_pids()
 
 
@@ -282,14 +291,7 @@ MODEL_CHECKPOINT = """
 @needs_lab
 def test_model_checkpoint_and_load_weights_in_a_relative_folder_resume_on_both_hosts(lab, tmp_path, jobs):
     job = lab_job(lab, tmp_path / "weights", MODEL_CHECKPOINT, jobs)
-    proc = job.start()
-    try:
-        kill_when(job, "worker-1", r"EPOCH 2")  # epochs 1 and 2 saved by the chief, on its disk only
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    run_killing(job, "worker-1", r"EPOCH 2")  # epochs 1 and 2 saved by the chief, on its disk only
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
     (folder,) = status["checkpoint_folders"]
@@ -298,13 +300,9 @@ def test_model_checkpoint_and_load_weights_in_a_relative_folder_resume_on_both_h
     assert starts[0]["fingerprint"] == starts[1]["fingerprint"] and starts[0]["source"].endswith(
         ".weights.h5"
     )
-    weights = []
-    for task in ("worker-0", "worker-1"):
-        second = after_restart(job, task)
+    for task, second in after_restart(job).items():
         begun = re.findall(r"STARTS at epoch (\d+)", second)
         assert begun and int(begun[0]) >= 2, (task, begun)  # not from the beginning, on both hosts
-        weights += re.findall(r"WEIGHTS (\w+)", second)
-    assert len(weights) == 2 and weights[0] == weights[1], weights
     assert job.hosts_empty(), job.host_pids()
 
 
@@ -399,14 +397,7 @@ CUSTOM_LOOP = """
 @needs_lab
 def test_the_custom_loop_tutorials_checkpoint_manager_resumes_on_both_hosts(lab, tmp_path, jobs):
     job = lab_job(lab, tmp_path / "loop", CUSTOM_LOOP, jobs)
-    proc = job.start()
-    try:
-        kill_when(job, "worker-1", r"EPOCH 2")
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    run_killing(job, "worker-1", r"EPOCH 2")
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
     assert status["checkpoint_folders"] == ["/tmp/ckpt"]  # the workers' temporary ones are not kept
@@ -414,12 +405,8 @@ def test_the_custom_loop_tutorials_checkpoint_manager_resumes_on_both_hosts(lab,
     assert starts[0] == starts[1] and starts[0]["source"].startswith("/tmp/ckpt/ckpt-"), starts
     # saved as the tutorial saves: at an epoch's end, before its count goes up
     assert starts[0]["epoch"] >= 1 and starts[0]["step_in_epoch"] == 20, starts
-    weights = []
-    for task in ("worker-0", "worker-1"):
-        second = after_restart(job, task)
+    for second in after_restart(job).values():
         assert re.findall(r"STARTS at epoch (\d+)", second)[0] == str(starts[0]["epoch"]), second[:1500]
-        weights += re.findall(r"WEIGHTS (\w+)", second)
-    assert len(weights) == 2 and weights[0] == weights[1], weights
     assert job.hosts_empty(), job.host_pids()
 
 
