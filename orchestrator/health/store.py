@@ -46,6 +46,14 @@ class TaskHealth:
     restored: Restored | None = None  # where the task started this attempt from (built-in loop)
     points_taken: int = 0  # of the process's points, the number written (a resend's are skipped)
     folders: dict[str, str] = field(default_factory=dict)  # the job's own checkpoint folders it told
+    first_step: int | None = None  # the first step it reported this attempt (progress: a step past it)
+    first_step_at: float | None = None  # when that came
+    restored_at: float | None = None  # when its `restored` came
+
+    @property
+    def progressed(self) -> bool:
+        """It reported a step past its first one this attempt: its training advanced."""
+        return self.step is not None and self.first_step is not None and self.step > self.first_step
 
 
 class HealthStore:
@@ -119,6 +127,13 @@ class HealthStore:
                 restored=old.restored or hb.restored,
                 points_taken=max(old.points_taken, hb.points_from + len(hb.points)),
                 folders=hb.folders or old.folders,
+                first_step=old.first_step if old.first_step is not None else hb.step,
+                first_step_at=old.first_step_at
+                if old.first_step_at is not None
+                else (now if hb.step is not None else None),
+                restored_at=old.restored_at
+                if old.restored_at is not None
+                else (now if hb.restored is not None else None),
             )
         if points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, points)

@@ -118,6 +118,8 @@ class Snapshot:
     #: The attempt learned checkpoint folders of the job's own: the next one keeps them the same
     #: on every host first (something changes: a diverged start may not diverge again).
     learned_folders: bool = False
+    progressed: bool = False  # a training task of this attempt reported a step past its first one
+    idle_in_a_row: int = 0  # the failed attempts just before this one that advanced no step
 
 
 def decide(failures: Sequence[Failure], snap: Snapshot) -> list[Decision]:
@@ -225,9 +227,10 @@ def job_decision(failure: Failure, snap: Snapshot) -> Decision:
     return Decision(Action.RESTART_JOB, failure, f"{failure.describe()}; restart {used + 1} of {budget}")
 
 
-def backoff_s(base_s: float, restarts_used: int, cap_s: float = 60.0) -> float:
-    """Wait before restart number `restarts_used + 1`: base, 2×base, 4×base, … up to cap_s."""
-    return min(cap_s, base_s * 2.0 ** min(restarts_used, 64))  # a task restarted alone 1,024 times
+def backoff_s(base_s: float, in_a_row: int, cap_s: float = 60.0) -> float:
+    """Wait before a restart that follows `in_a_row` earlier ones in a row: base, 2×base, 4×base,
+    … up to cap_s."""
+    return min(cap_s, base_s * 2.0 ** min(in_a_row, 64))  # a task restarted alone 1,024 times
 
 
 # --- what the supervisor does around a decision: who is blamed, how long a stop waits, what a
@@ -242,10 +245,18 @@ def blame_frozen_peer(decision: Decision, frozen: Failure | None, snap: Snapshot
     return job_decision(frozen, snap)
 
 
-def stop_grace_s(failed: bool, stop_grace_s: float, failure_grace_s: float) -> float:
-    """The grace of a whole-job stop: the spec's (a final checkpoint) when asked for or done; after
-    a failure at most `failure_grace_s` (the job's collectives are broken: nothing can be agreed)."""
-    return min(stop_grace_s, failure_grace_s) if failed else stop_grace_s
+def stop_grace_s(failed: bool, failure: Failure | None, stop_grace_s: float, failure_grace_s: float) -> float:
+    """The grace of a whole-job stop: the spec's (a final checkpoint) when asked for or done. After
+    a failure the tasks left save only where the job can still agree on a step: a preemption (they
+    save as they exit), a lost task (a frozen one is continued with the SIGTERM, and the whole job
+    may save), the coordinator's own trouble (`failure` None): at most `failure_grace_s`. After any
+    other failure a task of the job is gone, stuck or never came up: its collectives are broken,
+    nothing can be saved, and the tasks left are stopped at once (SIGKILL)."""
+    if not failed:
+        return stop_grace_s
+    if failure is None or failure.is_preemption or failure.kind is FailureKind.LOST:
+        return min(stop_grace_s, failure_grace_s)
+    return 0.0
 
 
 def task_stop_grace_s(at_end: AtEnd, failure_grace_s: float) -> float:
@@ -260,9 +271,12 @@ class JobRestart:
     counted: bool  # against restart.max_restarts (a preemption is not)
 
 
-def job_restart(decision: Decision, restarts_used: int, base_backoff_s: float) -> JobRestart:
-    """What restarting the job costs: the backoff for the restarts so far, and whether it counts."""
-    return JobRestart(backoff_s(base_backoff_s, restarts_used), not decision.failure.is_preemption)
+def job_restart(decision: Decision, snap: Snapshot, base_backoff_s: float) -> JobRestart:
+    """What restarting the job costs: no wait after an attempt that advanced (a failure after
+    progress is not a failure in a loop), else the backoff for the attempts in a row that did not;
+    and whether it counts against the budget."""
+    wait_s = 0.0 if snap.progressed else backoff_s(base_backoff_s, snap.idle_in_a_row)
+    return JobRestart(wait_s, not decision.failure.is_preemption)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Stopping:
     task_failures: list[Failure]
     root_cause: Failure | None
     unconfirmed: list[str]
+    idle_in_a_row: int  # failed attempts in a row that advanced no step (the backoff doubles)
     ended_at: str | None
     hurry: threading.Event
     _backend: Backend
@@ -81,7 +82,8 @@ class Stopping:
         assert self._stop is not None
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
         failed = self._stop.outcome is ClusterState.FAILED
-        grace_s = policy.stop_grace_s(failed, self.config.stop_grace_s, self.config.failure_grace_s)
+        failure = self._stop.decision.failure if self._stop.decision is not None else None
+        grace_s = policy.stop_grace_s(failed, failure, self.config.stop_grace_s, self.config.failure_grace_s)
         for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
             if rec.stopping is not None:
                 rec.stopping.exception()  # done within its own grace
@@ -107,8 +109,10 @@ class Stopping:
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
             if stop.decision.action is Action.RESTART_JOB:
-                restart = policy.job_restart(stop.decision, self.restarts, self.config.backoff_s)
+                snap = self._snapshot()
+                restart = policy.job_restart(stop.decision, snap, self.config.backoff_s)
                 self.restarts += 1 if restart.counted else 0
+                self.idle_in_a_row = 0 if snap.progressed else snap.idle_in_a_row + 1
                 self._restart_at = self._clock() + restart.wait_s
                 self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {restart.wait_s:g} s")
                 return

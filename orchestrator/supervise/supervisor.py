@@ -100,6 +100,7 @@ class Supervisor(Stopping):
         self._replan = replan  # between attempts: a new plan when the backend moved a task
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
+        self.idle_in_a_row = 0
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
         self._same_start = False  # every training task reported the same restored state
@@ -248,6 +249,8 @@ class Supervisor(Stopping):
             on_failure={name: rec.policy.on_failure for name, rec in self.tasks.items()},
             task_restarts={name: rec.restarts for name, rec in self.tasks.items()},
             learned_folders=self.job_folders.learned_this_attempt,
+            progressed=any(r.health.progressed for r in self._training() if r.health),
+            idle_in_a_row=self.idle_in_a_row,
         )
 
     def _observe(self) -> None:
@@ -386,6 +389,9 @@ class Supervisor(Stopping):
         self._sink.event(
             kind="task", task=rec.plan.name, attempt=self.attempt, old=old.value, new=new.value, reason=reason
         )
+
+    def _training(self) -> list[TaskRecord]:
+        return [r for r in self.tasks.values() if r.plan.in_cluster]
 
     def _launched_at(self) -> float:
         return min(r.launched_at for r in self.tasks.values() if r.launched_at is not None)

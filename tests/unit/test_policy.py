@@ -422,20 +422,34 @@ def test_a_frozen_peer_takes_the_blame_from_the_survivors_peer_loss():
     assert policy.blame_frozen_peer(own, frozen, snap) is own  # an error of its own: its own cause
 
 
-def test_a_failed_job_stops_within_the_failure_grace_and_a_server_within_the_quick_one():
-    assert policy.stop_grace_s(False, 30.0, 3.0) == 30.0  # asked for, or done: a final checkpoint
-    assert policy.stop_grace_s(True, 30.0, 3.0) == 3.0  # its collectives are broken
-    assert policy.stop_grace_s(True, 1.0, 3.0) == 1.0  # never more than the spec's
+def test_a_job_whose_collectives_are_broken_is_stopped_at_once_and_one_that_can_save_gets_its_grace():
+    died = failure("worker-1", exit_code=-9)
+    assert policy.stop_grace_s(False, None, 30.0, 3.0) == 30.0  # asked for, or done: a final checkpoint
+    assert policy.stop_grace_s(True, died, 30.0, 3.0) == 0.0  # a peer is gone: nothing can be saved
+    broken = (FailureKind.EXCEPTION, FailureKind.STALLED, FailureKind.STARTUP_TIMEOUT, FailureKind.DIVERGED)
+    for kind in broken:
+        assert policy.stop_grace_s(True, failure(kind=kind), 30.0, 3.0) == 0.0, kind
+    frozen = failure("worker-1", FailureKind.LOST)  # continued with the SIGTERM: the job may save
+    assert policy.stop_grace_s(True, frozen, 30.0, 3.0) == 3.0
+    preempted = failure("worker-0", exit_code=wire.EXIT_PREEMPTED)  # the others save as they exit
+    assert policy.stop_grace_s(True, preempted, 30.0, 3.0) == 3.0
+    assert policy.stop_grace_s(True, None, 30.0, 3.0) == 3.0  # the coordinator's own trouble
+    assert policy.stop_grace_s(True, frozen, 1.0, 3.0) == 1.0  # never more than the spec's
     assert policy.task_stop_grace_s(AtEnd.WAIT, 3.0) == 3.0
     assert policy.task_stop_grace_s(AtEnd.STOP, 3.0) == QUICK_GRACE_S
 
 
-def test_a_preemption_restarts_outside_the_budget_and_the_backoff_grows_with_restarts():
+def test_a_restart_after_progress_waits_nothing_and_the_backoff_doubles_only_without_progress():
     snap = Snapshot(attempt=2, first_attempt=False, restarts_used=2, max_restarts=3)
     killed = job_decision(failure("worker-0", exit_code=-9), snap)
     preempted = job_decision(failure("worker-0", exit_code=wire.EXIT_PREEMPTED), snap)
-    assert policy.job_restart(killed, 2, 1.5) == policy.JobRestart(wait_s=6.0, counted=True)
-    assert policy.job_restart(preempted, 2, 1.5) == policy.JobRestart(wait_s=6.0, counted=False)
+    trained = dataclasses.replace(snap, progressed=True, idle_in_a_row=2)
+    assert policy.job_restart(killed, trained, 1.5) == policy.JobRestart(wait_s=0.0, counted=True)
+    idle = dataclasses.replace(snap, progressed=False)
+    assert policy.job_restart(killed, idle, 1.5) == policy.JobRestart(wait_s=1.5, counted=True)
+    again = dataclasses.replace(snap, progressed=False, idle_in_a_row=2)
+    assert policy.job_restart(killed, again, 1.5) == policy.JobRestart(wait_s=6.0, counted=True)
+    assert policy.job_restart(preempted, again, 1.5) == policy.JobRestart(wait_s=6.0, counted=False)
 
 
 def test_the_end_of_training_waits_once_and_bounded_for_the_tasks_that_end_by_themselves():

@@ -295,6 +295,31 @@ def test_kill_restarts_whole_job_with_new_attempt(tmp_path):
     assert sup.restarts == 1
 
 
+def test_a_dead_peers_survivor_is_killed_at_once_and_a_job_that_trained_restarts_without_a_wait(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=3, backoff_s=2)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-1"].ignores_term = True  # it would take the whole grace over a SIGTERM
+    beat(store, "worker-0", step=3), beat(store, "worker-0", step=9)  # it trained: 3 → 9
+    launcher.handles["worker-0"].code = -9
+    sup.step()
+    stop_began = clock.now
+    sup.step()
+    assert sup.state is ClusterState.RESTARTING and sup.reason.endswith(", in 0 s"), sup.reason
+    assert ("worker-1", Sig.KILL) in launcher.signals and clock.now - stop_began < 0.5  # no grace
+    sup.step()
+    assert sup.state is ClusterState.LAUNCHING and sup.attempt == 1  # no backoff after progress
+    # two attempts in a row that advance nothing: the backoff, doubling
+    waits = []
+    for attempt in (1, 2):
+        start_running(sup, launcher, store, clock, attempt=attempt)
+        beat(store, "worker-0", attempt, step=9)
+        launcher.handles["worker-0"].code = -9
+        sup.step(), sup.step()
+        waits.append(sup.reason.rsplit(", in ", 1)[1])
+        clock.advance(10)
+    assert waits == ["2 s", "4 s"]
+
+
 def test_restart_budget_exhausted(tmp_path):
     sup, launcher, store, clock, sink = make(tmp_path, max_restarts=2)
     for attempt in range(3):
