@@ -90,6 +90,27 @@ class FailureStatus(BaseModel):
     exit_code: int | None
 
 
+_Phase = Literal["stop", "wait", "start", "connect", "restore", "first_step"]
+
+
+class RecoveryStatus(BaseModel):
+    model_config = _Strict
+    attempt: int = Field(description="the attempt this restart started")
+    cause: str = Field(description="in a few words: `worker-1 died`")
+    noticed_at: str = Field(description="when the failure was noticed (UTC)")
+    phases_s: dict[Literal["stop", "wait", "start", "connect", "restore", "first_step"], float | None] = (
+        Field(
+            description="seconds of each phase, by the coordinator's clock: stop (failure noticed → old "
+            "attempt stopped), wait (backoff), start (the attempt prepared, its checkpoint copied, its "
+            "tasks started), connect (→ every strategy up), restore (→ every deciding task restored), "
+            "first_step (→ every deciding task reported a step); null: not (yet) reported"
+        )
+    )
+    training_again_s: float | None = Field(description="failure noticed → first step; null until then")
+    complete: bool = Field(description="false while the restart is under way")
+    line: str = Field(description="the summary's and the page's line")
+
+
 class CoordinatorStatus(BaseModel):
     model_config = _Strict
     pid: int | None
@@ -127,6 +148,9 @@ class Status(BaseModel):
         description="the folders the job writes its own checkpoints to, as the owner told them (besides "
         "ORCHESTRATE_CHECKPOINT_DIR): kept the same on every host that has a disk of its own",
     )
+    recoveries: list[RecoveryStatus] = Field(
+        default_factory=list, description="every whole-job restart's timeline, in order"
+    )
     urls: dict[str, str] | None = Field(
         None,
         description="while the run lives: `page` (its web page, with the token) and `metrics` "
@@ -148,8 +172,8 @@ class Event(BaseModel):
     schema_version: Literal[1]
     time: str = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
     kind: str = Field(
-        description="run · task · task_restart · warning · unconfirmed · port · results · resume · "
-        "state · error"
+        description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · warning · "
+        "unconfirmed · port · results · resume · state · error"
     )
     reason: str = ""
     attempt: int | None = None

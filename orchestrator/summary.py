@@ -23,9 +23,13 @@ def summarize(outcome: RunResult) -> int:
     took = elapsed_s({"started_at": r.started_at, "ended_at": r.ended_at})
     took_text = f"took {duration_text(took)} · " if took is not None else ""
     print(f"  {took_text}attempts {r.attempt + 1} · restarts {r.restarts}")
-    if len(r.failures) > 1 or (r.failures and r.state is ClusterState.SUCCEEDED):
-        for f in r.failures:  # each restart's cause (one alone is the first failure, below)
+    recoveries = {r.get("attempt"): r.get("line") for r in outcome.status.get("recoveries") or []}
+    listed = len(r.failures) > 1 or (r.failures and r.state is ClusterState.SUCCEEDED)
+    for f in r.failures:  # each restart's cause (one alone is the first failure, below)...
+        if listed:
             print(f"  attempt {f.attempt} ended: {f.describe()}")
+        if f.attempt + 1 in recoveries:  # ...and its timeline
+            print(f"  {recoveries[f.attempt + 1]}")
     for f in r.task_restarts:
         print(f"  restarted alone: {f.describe()}")
     for f in r.ignored:

@@ -170,4 +170,5 @@ def status_document(sup: Any) -> dict[str, Any]:
         "task_restarts": [failure_status(f) for f in sup.task_failures],
         "tasks": [task_status(r) for r in sup.tasks.values()],
         "checkpoint_folders": sorted(sup.job_folders.folders),
+        "recoveries": sup.timeline.status(),
     }

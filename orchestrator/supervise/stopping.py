@@ -22,6 +22,7 @@ from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, TaskRecord
 from orchestrator.supervise.states import ClusterState, TaskState
+from orchestrator.supervise.timeline import Recovery, Timeline
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Stopping:
     root_cause: Failure | None
     unconfirmed: list[str]
     idle_in_a_row: int  # failed attempts in a row that advanced no step (the backoff doubles)
+    timeline: Timeline  # each restart's phases
+    never_up: list[str]
+    _end_deadline: float | None
     ended_at: str | None
     hurry: threading.Event
     _backend: Backend
@@ -76,7 +80,19 @@ class Stopping:
             self.failures.append(stop.decision.failure)
             if self.root_cause is None:
                 self.root_cause = stop.decision.failure
+            failure, wall = stop.decision.failure, now_iso()
+            self._said(self.timeline.failure_stops(self.attempt + 1, failure, self._clock(), wall))
         self._move(ClusterState.STOPPING, stop.reason)
+
+    def _said(self, recovery: Recovery | None) -> None:
+        """A restart's timeline, complete: an event (`recovery`) with its line and phases."""
+        if recovery is not None:
+            self._sink.event(
+                kind="recovery",
+                attempt=recovery.attempt,
+                reason=recovery.line(),
+                phases_s=recovery.status()["phases_s"],
+            )
 
     def _teardown(self) -> None:
         assert self._stop is not None
@@ -113,6 +129,7 @@ class Stopping:
                 restart = policy.job_restart(stop.decision, snap, self.config.backoff_s)
                 self.restarts += 1 if restart.counted else 0
                 self.idle_in_a_row = 0 if snap.progressed else snap.idle_in_a_row + 1
+                self.timeline.stopped(self._clock(), restarting=True)
                 self._restart_at = self._clock() + restart.wait_s
                 self._move(ClusterState.RESTARTING, f"{stop.decision.reason}, in {restart.wait_s:g} s")
                 return
@@ -120,8 +137,43 @@ class Stopping:
             return
         self._finish(stop.outcome, stop.reason)
 
+    def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
+        """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
+        waiting = [
+            r.plan.name
+            for r in self.tasks.values()
+            if r.policy.at_end is AtEnd.WAIT and r.handle is not None and not r.state.is_terminal
+        ]
+        training = [r.plan.name for r in self.tasks.values() if r.plan.in_cluster]
+        end = policy.end_of_training(
+            now,
+            [r.plan.name for r in deciders],
+            training,
+            waiting,
+            self._end_deadline,
+            self.config.final_wait_s,
+        )
+        self._end_deadline = end.deadline
+        if end.note is not None:
+            self._sink.event(kind="run", attempt=self.attempt, reason=end.note)
+        if end.stop:
+            self._begin_stop(Stop(ClusterState.SUCCEEDED, end.done))
+
+    def _never_up(self, rec: TaskRecord) -> None:
+        """A training task ended well without its strategy ever coming up: it trained alone, if at all."""
+        self.never_up.append(rec.plan.name)
+        self._sink.event(
+            kind="warning",
+            task=rec.plan.name,
+            attempt=self.attempt,
+            reason=f"{rec.plan.name} exited 0 without its distribution strategy ever coming up: it did "
+            "not train with the others (does the script create a tf.distribute strategy?)",
+        )
+
     def _finish(self, state: ClusterState, reason: str) -> None:
         self.ended_at = now_iso()
+        self.timeline.stopped(self._clock(), restarting=False)  # no restart follows this stop
+        self._said(self.timeline.run_ends())
         self._move(state, reason)
 
     # --- transitions -------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
-from orchestrator.spec.model import AtEnd
 from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
@@ -39,6 +38,7 @@ from orchestrator.supervise.states import (
     check_transition,
 )
 from orchestrator.supervise.stopping import Stop, Stopping
+from orchestrator.supervise.timeline import Timeline
 
 log = logging.getLogger("orchestrator.supervise")
 
@@ -101,6 +101,7 @@ class Supervisor(Stopping):
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
         self.idle_in_a_row = 0
+        self.timeline = Timeline()
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
         self._same_start = False  # every training task reported the same restored state
@@ -165,6 +166,7 @@ class Supervisor(Stopping):
         self._move(ClusterState.LAUNCHING, f"attempt {self.attempt}: starting {len(self.tasks)} tasks")
         records = list(self.tasks.values())
         self._end_deadline = None
+        self.timeline.launching(self._clock())
         for rec in records:
             rec.exit_code, rec.health, rec.handle, rec.restart_at, rec.stopping = None, None, None, None, None
         try:
@@ -184,6 +186,7 @@ class Supervisor(Stopping):
             [self._token_for(r.plan.name, self.attempt) for r in records],
             [self._sink.log_path(r.plan.log_name) for r in records],
         )
+        self.timeline.started(self._clock())
         failed: Failure | None = None
         for rec, result in zip(records, results, strict=True):
             if isinstance(result, LaunchError):
@@ -289,7 +292,7 @@ class Supervisor(Stopping):
                 stop = policy.blame_frozen_peer(stop, frozen.failure if frozen else None, self._snapshot())
             self._begin_stop(Stop(ClusterState.FAILED, stop.failure.describe(), stop))
             return
-        in_cluster = [r for r in self.tasks.values() if r.plan.in_cluster]
+        in_cluster = self._training()
         deciders = [r for r in self.tasks.values() if r.policy.decides]
         if self.state is ClusterState.LAUNCHING:
             if all(r.state in (TaskState.RUNNING, TaskState.SUCCEEDED) for r in in_cluster):
@@ -298,11 +301,14 @@ class Supervisor(Stopping):
                     alone = ", ".join(self.never_up)
                     why = f"every task is up or done; {alone} exited without a distribution strategy"
                 self._move(ClusterState.RUNNING, why)
+                self.timeline.up(now)
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
+        if self.state is ClusterState.RUNNING:
+            self._said(self.timeline.observe(r.health for r in deciders))
 
     def _apply(self, verdicts: list[detect.Verdict]) -> list[Failure]:
         """Move the tasks as the detectors saw them; their failures."""
@@ -328,17 +334,6 @@ class Supervisor(Stopping):
             return failure
         return dataclasses.replace(failure, detail=f"{failure.detail}; {finding}") if finding else failure
 
-    def _never_up(self, rec: TaskRecord) -> None:
-        """A training task ended well without its strategy ever coming up: it trained alone, if at all."""
-        self.never_up.append(rec.plan.name)
-        self._sink.event(
-            kind="warning",
-            task=rec.plan.name,
-            attempt=self.attempt,
-            reason=f"{rec.plan.name} exited 0 without its distribution strategy ever coming up: it did "
-            "not train with the others (does the script create a tf.distribute strategy?)",
-        )
-
     def _learn_folders(self) -> None:
         """The job's own checkpoint folders, as the owner tells them: kept from the next attempt on."""
         owner = self.plan.state.owner if self.plan.state is not None else None
@@ -350,28 +345,6 @@ class Supervisor(Stopping):
         reports = {name: (rec.plan.in_cluster, rec.health) for name, rec in self.tasks.items()}
         self._same_start, failure = restores.check_start(self.plan, reports, self.attempt)
         return failure
-
-    def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
-        """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""
-        waiting = [
-            r.plan.name
-            for r in self.tasks.values()
-            if r.policy.at_end is AtEnd.WAIT and r.handle is not None and not r.state.is_terminal
-        ]
-        training = [r.plan.name for r in self.tasks.values() if r.plan.in_cluster]
-        end = policy.end_of_training(
-            now,
-            [r.plan.name for r in deciders],
-            training,
-            waiting,
-            self._end_deadline,
-            self.config.final_wait_s,
-        )
-        self._end_deadline = end.deadline
-        if end.note is not None:
-            self._sink.event(kind="run", attempt=self.attempt, reason=end.note)
-        if end.stop:
-            self._begin_stop(Stop(ClusterState.SUCCEEDED, end.done))
 
     def _move(self, new: ClusterState, reason: str) -> None:
         old = self.state

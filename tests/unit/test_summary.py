@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,14 @@ def test_summary_exit_codes(
 ) -> None:
     cause = Failure(("worker-0",), kind, 0, "went wrong", exit_code=1) if kind is not None else None
     assert summarize(outcome(tmp_path, state, cause)) == expected
+
+
+def test_summary_follows_each_restarts_cause_with_its_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cause = Failure(("worker-1",), FailureKind.EXIT, 0, "was killed by SIGKILL (exit code -9)", exit_code=-9)
+    line = "attempt 1 training again 2.9 s after worker-1 died: stop 0.3, start 0.1, connect 1.2"
+    done = outcome(tmp_path, ClusterState.SUCCEEDED, cause, failures=(cause,))
+    summarize(dataclasses.replace(done, status={"recoveries": [{"attempt": 1, "line": line}]}))
+    out = capsys.readouterr().out
+    assert f"  attempt 0 ended: worker-1 was killed by SIGKILL (exit code -9)\n  {line}\n" in out

@@ -320,6 +320,60 @@ def test_a_dead_peers_survivor_is_killed_at_once_and_a_job_that_trained_restarts
     assert waits == ["2 s", "4 s"]
 
 
+def test_a_restarts_timeline_is_measured_phase_by_phase_and_said_once(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=3, backoff_s=2)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-1"].code = -9
+    clock.advance(0.5)
+    sup.step()  # noticed
+    launcher.handles["worker-0"].ignores_term = True
+    clock.advance(0.25)
+    sup.step()  # stopped (killed at once: it could save nothing)
+    clock.advance(2.0)
+    sup.step()  # the backoff (no step was trained) is over: started
+    assert sup.state is ClusterState.LAUNCHING
+    clock.advance(1.0)
+    for name in sup.tasks:
+        beat(store, name, 1, ready=True)
+    sup.step()  # connected
+    restored = wire.Restored(step=40, fingerprint="f" * 64)
+    clock.advance(0.5)
+    beat(store, "worker-0", 1, restored=restored), beat(store, "worker-1", 1, restored=restored)
+    sup.step()
+    assert sup.status()["recoveries"][0]["complete"] is False  # under way: said as it stands
+    clock.advance(0.75)
+    beat(store, "worker-0", 1, step=41), beat(store, "worker-1", 1, step=41)
+    sup.step()
+    said = [e for e in sink.events if e["kind"] == "recovery"]
+    assert [e["reason"] for e in said] == [
+        "attempt 1 training again 4.5 s after worker-1 died: stop 0.2, wait 2.0, start 0.0, connect 1.0, "
+        "restore 0.5, first step 0.8"
+    ]
+    [recovery] = sup.status()["recoveries"]
+    assert (
+        recovery["phases_s"]
+        == {"stop": 0.25, "wait": 2.0, "start": 0.0, "connect": 1.0, "restore": 0.5, "first_step": 0.75}
+        and recovery["training_again_s"] == 4.5
+        and recovery["complete"] is True
+    )
+    sup.step()
+    assert len([e for e in sink.events if e["kind"] == "recovery"]) == 1  # said once
+
+
+def test_a_restart_that_fails_before_training_is_said_with_what_it_saw(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=1, backoff_s=0)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-0"].code = -9
+    sup.step(), sup.step(), sup.step()
+    assert sup.state is ClusterState.LAUNCHING
+    launcher.handles["worker-1"].code = 1  # attempt 1 dies before any task is up
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.FAILED
+    [line] = [e["reason"] for e in sink.events if e["kind"] == "recovery"]
+    assert line.startswith("attempt 1 after worker-0 died: never up: stop 0.0, start 0.0, connect —")
+    assert len(sup.status()["recoveries"]) == 1  # the failure of attempt 1 restarted nothing
+
+
 def test_restart_budget_exhausted(tmp_path):
     sup, launcher, store, clock, sink = make(tmp_path, max_restarts=2)
     for attempt in range(3):

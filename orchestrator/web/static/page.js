@@ -216,7 +216,11 @@ function renderEvents() {
 
 function renderFailures(status) {
   const items = [
-    ...(status.failures || []).map((f) => `attempt ${f.attempt} ended: ${f.reason}`),
+    ...(status.failures || []).flatMap((f) => [
+      `attempt ${f.attempt} ended: ${f.reason}`,
+      // the restart that followed, with its timeline
+      ...(status.recoveries || []).filter((r) => r.attempt === f.attempt + 1).map((r) => r.line),
+    ]),
     ...(status.task_restarts || []).map((f) => `restarted alone: ${f.reason}`),
   ];
   document.getElementById("failures").replaceChildren(
