@@ -100,6 +100,7 @@ class Reporter:
         if any(k not in self._metrics for k in values):
             values = self._admit(values)
         with self._lock:
+            first_step = self._step is None
             if step is None:
                 step = (self._step or 0) + 1
             self._step = int(step)
@@ -108,7 +109,7 @@ class Reporter:
                 self._points.append({"time": time.time(), "step": self._step, **values})
                 if self._scalars is not None:
                     self._scalars.add({"step": self._step, **values})
-            first = not self._ready
+            first = not self._ready or first_step  # the process's first step: said at once
             self._ready = True
         if first:
             self._wake.set()
@@ -307,7 +308,17 @@ class Reporter:
                 points_from=points_from,
                 folders=dict(self._folders),
             )
-        phase = (hb.connecting, hb.ready, hb.done, hb.error, hb.restored, len(hb.folders))
+        # a change of phase is forwarded at once by a relay (the first step too: a restart's
+        # timeline ends there)
+        phase = (
+            hb.connecting,
+            hb.ready,
+            hb.step is not None,
+            hb.done,
+            hb.error,
+            hb.restored,
+            len(hb.folders),
+        )
         body = hb.to_bytes()
         while len(body) > wire.MAX_HEARTBEAT_BYTES and hb.points:  # many points of many values
             keep = len(hb.points) // 2

@@ -59,6 +59,7 @@ TF_CONFIG = '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker",
 
 # (variable, value, observation, base environment of all three runs, what is observed)
 CASES = [
+    ("PYTHONHASHSEED", "0", "hash", {}, "sys.flags.hash_randomization"),
     ("TF_CPP_MIN_LOG_LEVEL", "3", "log", {"TF_CPP_MAX_VLOG_LEVEL": "1"}, "C++ log lines after the import"),
     ("TF_CPP_MAX_VLOG_LEVEL", "1", "log", {}, "C++ log lines after the import"),
     ("TF_ENABLE_ONEDNN_OPTS", "0", "onednn", {}, "oneDNN custom operations on"),
@@ -70,7 +71,6 @@ CASES = [
     ("GRPC_VERBOSITY", "DEBUG", "server", {}, "log lines when a gRPC server starts"),
     ("TF_CONFIG", TF_CONFIG, "tf_config", {}, "the cluster TFConfigClusterResolver reads"),
     ("CUDA_VISIBLE_DEVICES", "0", "gpus", {}, "GPUs listed"),
-    ("PYTHONHASHSEED", "0", "hash", {}, "sys.flags.hash_randomization"),
 ]
 
 
@@ -79,6 +79,8 @@ def observe(var: str, value: str, when: str, how: str, base: dict[str, str]) -> 
 
     env = {k: v for k, v in os.environ.items() if k != var}
     env.update(base)
+    if var.startswith("PYTHON") and when == "before":  # the interpreter's own: given at its start
+        env[var], when = value, "unset"
     out = subprocess.run(
         [sys.executable, "-c", PROBE, var, value, when, how],
         env=env,
@@ -95,7 +97,7 @@ def observe(var: str, value: str, when: str, how: str, base: dict[str, str]) -> 
 
 def verdict(var: str, unset: str, before: str, after: str) -> str:
     if var.startswith("PYTHON") and after == unset != before:
-        return "at interpreter start"
+        return "at interpreter start (set before it starts)"
     if before == unset:
         return "no effect seen here"
     if after == before:

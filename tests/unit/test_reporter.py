@@ -174,3 +174,23 @@ def test_a_name_no_view_shows_as_it_is_is_reported_as_its_escape_said_once(serve
     ] * 3
     said = [r.getMessage() for r in caplog.records if "is shown as" in r.getMessage()]
     assert len(said) == 2 and "'bad\\\\ud800name'" in said[0]  # once per name, in the task's log
+
+
+def test_the_first_step_after_the_strategy_came_up_is_said_at_once(server):
+    """A restart's timeline ends at the first step: it must not wait for the next heartbeat."""
+    srv, store, _ = server
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, interval_s=30, coordinator_timeout_s=60))
+    rep.start()
+    try:
+        rep.mark_ready()
+        deadline = time.monotonic() + 10
+        while store.snapshot()["worker-0"].ready_at is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rep.progress(7)
+        while store.snapshot()["worker-0"].step is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        said = store.snapshot()["worker-0"]
+        assert said.step == 7 and said.first_step == 7 and said.first_step_at is not None
+        assert time.monotonic() < deadline - 5  # far sooner than the 30 s interval
+    finally:
+        rep.finish()
