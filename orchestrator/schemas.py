@@ -111,6 +111,18 @@ class RecoveryStatus(BaseModel):
     line: str = Field(description="the summary's and the page's line")
 
 
+class StandbyStatus(BaseModel):
+    model_config = _Strict
+    task: str = Field(description="the task it will become at the next restart")
+    host: str = Field(description='where it waits ("" on this machine)')
+    pid: int | None
+    state: Literal["importing", "ready", "failed", "gone"] = Field(
+        description="importing TensorFlow (at the lowest CPU priority) · ready · failed (its import: "
+        "an event says why) · gone"
+    )
+    rss_bytes: int | None
+
+
 class CoordinatorStatus(BaseModel):
     model_config = _Strict
     pid: int | None
@@ -151,6 +163,10 @@ class Status(BaseModel):
     recoveries: list[RecoveryStatus] = Field(
         default_factory=list, description="every whole-job restart's timeline, in order"
     )
+    standbys: list[StandbyStatus] = Field(
+        default_factory=list,
+        description="the warm standbys waiting for the next attempt (restart.standby), one per task at most",
+    )
     urls: dict[str, str] | None = Field(
         None,
         description="while the run lives: `page` (its web page, with the token) and `metrics` "
@@ -172,8 +188,8 @@ class Event(BaseModel):
     schema_version: Literal[1]
     time: str = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
     kind: str = Field(
-        description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · warning · "
-        "unconfirmed · port · results · resume · state · error"
+        description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · standby · "
+        "warning · unconfirmed · port · results · resume · state · error"
     )
     reason: str = ""
     attempt: int | None = None

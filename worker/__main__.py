@@ -1,4 +1,5 @@
-"""`python -m worker run --script FILE [-- ARGS…]`: the entry point of every task."""
+"""`python -m worker run --script FILE [-- ARGS…]`: the entry point of every task (and `python -m
+worker standby`: a warm standby, worker/standby.py, which runs the same entry point once it is one)."""
 
 from __future__ import annotations
 
@@ -58,4 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["standby"]:  # a warm standby: it runs main() itself once it is a task
+        from worker import standby
+
+        sys.exit(standby.main(main))
     runtime.flush_and_exit(main(sys.argv[1:]))

@@ -308,17 +308,8 @@ class Reporter:
                 points_from=points_from,
                 folders=dict(self._folders),
             )
-        # a change of phase is forwarded at once by a relay (the first step too: a restart's
-        # timeline ends there)
-        phase = (
-            hb.connecting,
-            hb.ready,
-            hb.step is not None,
-            hb.done,
-            hb.error,
-            hb.restored,
-            len(hb.folders),
-        )
+        # a phase change (the first step too: a restart's timeline ends there) goes on at once
+        phase = (hb.connecting, hb.ready, hb.step is None, hb.done, hb.error, hb.restored, len(hb.folders))
         body = hb.to_bytes()
         while len(body) > wire.MAX_HEARTBEAT_BYTES and hb.points:  # many points of many values
             keep = len(hb.points) // 2

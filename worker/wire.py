@@ -31,6 +31,9 @@ ENV_COORDINATOR_TIMEOUT_S = "ORCHESTRATE_COORDINATOR_TIMEOUT_S"
 #: TensorFlow's own coordination service: peer heartbeat and cluster registration timeouts.
 ENV_TF_HEARTBEAT_TIMEOUT_S = "ORCHESTRATE_TF_HEARTBEAT_TIMEOUT_S"
 ENV_TF_REGISTER_TIMEOUT_S = "ORCHESTRATE_TF_REGISTER_TIMEOUT_S"
+#: What changes from one attempt of a task to the next: a warm standby gets these only when it
+#: becomes its task (TensorFlow reads none of them at import; docs/architecture.md §7).
+PER_ATTEMPT_ENV = ("TF_CONFIG", ENV_ATTEMPT, ENV_TOKEN)
 
 #: Set by the orchestrator for every task; a spec may not set them.
 RESERVED_ENV = (
@@ -92,6 +95,8 @@ EXIT_NO_COORDINATOR = 75
 #: A task's exit code after it saved a checkpoint on a stop or preemption (TensorFlow's convention):
 #: the coordinator restarts it without counting against the restart budget.
 EXIT_PREEMPTED = 42
+#: A warm standby's exit code when it cannot import TensorFlow (its log says why).
+EXIT_STANDBY_FAILED = 76
 
 
 @dataclass(frozen=True)

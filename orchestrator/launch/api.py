@@ -291,6 +291,20 @@ class Backend(abc.ABC):
                 raise error
         return cast(list[TaskHandle | LaunchError], group.values())  # every other exception raised above
 
+    def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
+        """The attempt is up: a warm standby for every task that has none (launch/standby.py),
+        where the backend has them; lines for the record. Never slows the attempt."""
+        return []
+
+    def standby_news(self) -> list[str]:
+        """Standbys that failed since last asked (they could not import TensorFlow): a line each,
+        with the host and the error. Asked once per supervisor iteration: it must be cheap."""
+        return []
+
+    def standbys(self) -> list[dict[str, Any]]:
+        """The standbys as status.json lists them: task, host, pid, state, rss_bytes."""
+        return []
+
     def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:
         """At the start-up deadline, with `late` tasks never up: why their cluster did not connect,
         when the backend can tell (hosts that cannot reach each other's TF ports); None otherwise.

@@ -46,6 +46,12 @@ class OnFailure(str, enum.Enum):
     IGNORE = "ignore"  # report it; the job goes on without the task
 
 
+class Standby(str, enum.Enum):
+    AUTO = "auto"  # on where the host has the memory for it (docs/architecture.md §6)
+    ON = "on"
+    OFF = "off"
+
+
 class AtEnd(str, enum.Enum):
     WAIT = "wait"  # let the task finish by itself (bounded by health.final_wait_s)
     STOP = "stop"  # stop it (servers that never exit: ps, PS workers)
@@ -202,7 +208,20 @@ class RestartSpec(Strict):
     max_restarts: int = Field(
         default=3, ge=0, description="whole-job restarts; also each task's own restarts (restart_task)"
     )
-    backoff_s: float = Field(default=2.0, ge=0)
+    backoff_s: float = Field(
+        default=2.0, ge=0, description="before a restart after an attempt that trained no step; doubles"
+    )
+    standby: Standby = Field(
+        default=Standby.AUTO,
+        description="a warm process per task, TensorFlow imported, for the next attempt: auto (on where "
+        "the host keeps enough memory available with them; off when max_restarts is 0) | on | off",
+    )
+
+    @field_validator("standby", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class RolePolicySpec(Strict):

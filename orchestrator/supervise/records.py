@@ -171,4 +171,5 @@ def status_document(sup: Any) -> dict[str, Any]:
         "tasks": [task_status(r) for r in sup.tasks.values()],
         "checkpoint_folders": sorted(sup.job_folders.folders),
         "recoveries": sup.timeline.status(),
+        "standbys": sup.standby_rows(),
     }

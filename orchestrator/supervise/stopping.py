@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_all, unconfirmed_reason
+from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import AtEnd
 from orchestrator.supervise import policy
@@ -68,6 +69,8 @@ class Stopping:
         def _move_task(self, rec: TaskRecord, new: TaskState, reason: str) -> None: ...
 
         def _snapshot(self) -> policy.Snapshot: ...
+
+        def _standbys(self, ask: Callable[[LaunchPlan], list[str]]) -> None: ...
 
     def _fail(self, failure: Failure) -> None:
         """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
@@ -223,6 +226,7 @@ class Stopping:
             f"restarted alone (restart {rec.restarts} of {self.config.max_restarts}), "
             f"pid {rec.handle.process.pid}",
         )
+        self._standbys(self._backend.prepare_standbys)  # the next one, for this task
         return None
 
     def _note_unconfirmed(self, stopping: Future[Any] | None) -> None:

@@ -150,8 +150,8 @@ class Supervisor(Stopping):
             self._observe()
         elif self.state is ClusterState.STOPPING:
             self._teardown()
-        elif self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
-            self.attempt += 1
+        if self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
+            self.attempt += 1  # at once after the stop when there is no backoff: no idle poll
             self._launch_all()
         if self._on_change is not None:
             self._on_change(self)
@@ -260,6 +260,7 @@ class Supervisor(Stopping):
         poll = self._poll()
         now = poll.now
         self._learn_folders()
+        self._standbys(lambda _plan: self._backend.standby_news())
         failures: list[Failure] = []
         for rec in self.tasks.values():
             due = rec.restart_at is not None and now >= rec.restart_at
@@ -302,6 +303,7 @@ class Supervisor(Stopping):
                     why = f"every task is up or done; {alone} exited without a distribution strategy"
                 self._move(ClusterState.RUNNING, why)
                 self.timeline.up(now)
+                self._standbys(self._backend.prepare_standbys)
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
@@ -333,6 +335,16 @@ class Supervisor(Stopping):
             log.warning("diagnosing the start-up deadline: %s", exc)
             return failure
         return dataclasses.replace(failure, detail=f"{failure.detail}; {finding}") if finding else failure
+
+    def _standbys(self, ask: Callable[[LaunchPlan], list[str]]) -> None:
+        """Warm standbys prepared (the attempt is up) or found broken: said, never fatal."""
+        try:
+            lines = ask(self.plan)
+        except Exception as exc:  # noqa: BLE001 - a standby is an optimisation: the run goes on
+            lines = [f"warm standbys: {type(exc).__name__}: {exc}"]
+        for line in lines:
+            self._sink.event(kind="standby", attempt=self.attempt, reason=line)
+            log.info("%s", line)
 
     def _learn_folders(self) -> None:
         """The job's own checkpoint folders, as the owner tells them: kept from the next attempt on."""
@@ -368,6 +380,13 @@ class Supervisor(Stopping):
 
     def _launched_at(self) -> float:
         return min(r.launched_at for r in self.tasks.values() if r.launched_at is not None)
+
+    def standby_rows(self) -> list[dict[str, Any]]:
+        try:
+            return self._backend.standbys()
+        except Exception as exc:  # noqa: BLE001 - a status is written whatever a backend says
+            log.warning("listing the warm standbys: %s", exc)
+            return []
 
     def status(self) -> dict[str, Any]:
         """The status.json document (docs/architecture.md §5; its JSON Schema: `orchestrate schema

@@ -1110,3 +1110,13 @@ def test_an_evaluator_on_another_host_than_the_checkpoints_is_fine(tmp_path: Pat
         """,
     )
     assert spec.role_count(Role.EVALUATOR) == 1
+
+
+@pytest.mark.parametrize(
+    ("written", "mode"), [("off", "off"), ("on", "on"), ("auto", "auto"), ("'off'", "off")]
+)
+def test_restart_standby_reads_yamls_bare_on_and_off(tmp_path, written, mode):
+    (tmp_path / "job.py").write_text("")
+    text = "name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 1}}]\njob: {script: job.py}\n"
+    spec = parse_spec(text + f"restart: {{standby: {written}}}\n", file="s.yaml", base_dir=tmp_path)
+    assert spec.restart.standby.value == mode

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch import standby
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
@@ -34,6 +35,7 @@ from orchestrator.launch.api import (
 )
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.local.ports import PortReservation, reserve_ports
+from orchestrator.launch.local.standbys import LocalStandbys
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso, private_open
@@ -46,9 +48,12 @@ _SIGNALS = {Sig.TERM: signal.SIGTERM, Sig.KILL: signal.SIGKILL}
 
 
 class LocalTaskHandle(TaskHandle):
-    def __init__(self, task: TaskPlan, attempt: int, log_path: Path, popen: subprocess.Popen[bytes]):
+    def __init__(
+        self, task: TaskPlan, attempt: int, log_path: Path, popen: subprocess.Popen[bytes], warm: bool = False
+    ):
         super().__init__(task, attempt, log_path)
         self.popen = popen
+        self.warm = warm  # a standby made this task
         try:
             created = psutil.Process(popen.pid).create_time()
         except psutil.Error:
@@ -88,6 +93,9 @@ class LocalBackend(Backend):
         self._python = python
         self._ports: PortReservation | None = None
         self._placements: dict[str, Placement] = {}
+        self._standbys = LocalStandbys(
+            spec.restart.standby, standby.for_run(spec), run_dir / "logs" / "standby"
+        )
 
     def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
         self._ports = reserve_ports(self._spec)
@@ -120,6 +128,13 @@ class LocalBackend(Backend):
                 f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} =====\n".encode()
             )
             out.flush()
+            warm, cold_why = self._standbys.take(task, env, log_path)
+            if warm is not None:
+                log.debug("%s attempt %d: handed to its standby, pid %d", task.name, attempt, warm.pid)
+                return LocalTaskHandle(task, attempt, log_path, warm, warm=True)
+            if attempt > 0 and cold_why != "no standby":
+                out.write(f"orchestrate: started cold: {cold_why}\n".encode())
+                out.flush()
             try:
                 popen = subprocess.Popen(
                     list(task.argv),
@@ -135,11 +150,21 @@ class LocalBackend(Backend):
         log.debug("started %s attempt %d: pid %d", task.name, attempt, popen.pid)
         return LocalTaskHandle(task, attempt, log_path, popen)
 
+    def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
+        return self._standbys.prepare(list(plan.tasks), os.environ)
+
+    def standby_news(self) -> list[str]:
+        return self._standbys.news()
+
+    def standbys(self) -> list[dict[str, Any]]:
+        return self._standbys.status()
+
     def record(self) -> dict[str, Any]:
         # The tasks' process groups are in status.json (pid, pgid, start time) as they start.
         return {"backend": self.name}
 
     def close(self) -> None:
+        self._standbys.close()
         if self._ports is not None:
             self._ports.release()
             self._ports = None

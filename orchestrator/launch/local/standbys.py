@@ -1,0 +1,161 @@
+"""Launch layer, local backend: the run's warm standbys on this machine (launch/standby.py says
+what they are). One per task at most, each in a session of its own (its process group is its
+task's once it is handed over), its stdin a pipe from the coordinator: the handover comes on it,
+and its end (the coordinator gone, even by SIGKILL) makes a standby that is still waiting exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from orchestrator.launch import standby
+from orchestrator.plan import TaskPlan
+from orchestrator.record import now_iso, private_open
+from orchestrator.spec.model import Standby
+from worker.standby import READY
+
+log = logging.getLogger("orchestrator.launch")
+
+_TAIL_BYTES = 4096
+
+
+class _One:
+    def __init__(self, task: str, popen: subprocess.Popen[bytes], env: Mapping[str, str], log_path: Path):
+        self.task = task
+        self.popen = popen
+        self.env = dict(env)
+        self.log_path = log_path
+        self.offset = log_path.stat().st_size if log_path.exists() else 0  # where its own lines begin
+        self.ready_s: str | None = None
+        self.said = False  # its failure reported
+
+    def state(self) -> str:
+        code = self.popen.poll()
+        if code is not None:
+            return "failed" if code != 0 else "gone"
+        if self.ready_s is None:
+            line = next((x for x in self.lines() if x.startswith(READY)), None)
+            self.ready_s = line[len(READY) :].strip() if line else None
+        return "ready" if self.ready_s is not None else "importing"
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self.offset, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+                return f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5.0)
+        if self.popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.popen.stdin.close()
+
+
+class LocalStandbys:
+    def __init__(self, mode: Standby, run: standby.Verdict, logs: Path):
+        self._mode = mode
+        self._run = run  # whether the run may have standbys at all
+        self._logs = logs  # each standby's output before its handover
+        self._ready: dict[str, _One] = {}
+        self.said: str | None = None  # why there are none, once said
+
+    def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
+        """A standby for each task that has none; lines for the record (why none, said once)."""
+        missing = [t for t in tasks if t.name not in self._ready and standby.command(t.argv)]
+        if not missing:
+            return []
+        memory = psutil.virtual_memory()
+        verdict = (
+            self._run
+            if not self._run.on
+            else standby.for_host(self._mode, len(missing), memory.available, memory.total)
+        )
+        if not verdict.on:
+            if self.said == verdict.why:
+                return []
+            self.said = verdict.why
+            return [f"no warm standbys: {verdict.why}"]
+        for task in missing:
+            env = standby.stable_env({**base_env, **task.launch_env(attempt=0, token="")})
+            self._ready[task.name] = self._start(task, env)
+        names = ", ".join(t.name for t in missing)
+        return [f"warm standbys started for {names} ({verdict.why}; at the lowest CPU priority)"]
+
+    def _start(self, task: TaskPlan, env: dict[str, str]) -> _One:
+        command, _ = standby.command(task.argv) or ((), ())
+        path = self._logs / f"{task.name}.log"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with private_open(path) as out:
+            out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
+            out.flush()
+            popen = subprocess.Popen(
+                list(command),
+                cwd=task.cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: stopped as one, its task's once handed over
+            )
+        log.debug("standby of %s: pid %d", task.name, popen.pid)
+        return _One(task.name, popen, env, path)
+
+    def take(
+        self, task: TaskPlan, env: Mapping[str, str], log_path: Path
+    ) -> tuple[subprocess.Popen[bytes] | None, str]:
+        """The task's standby made its task (the marker line already in its log), or None and why."""
+        one = self._ready.pop(task.name, None)
+        if one is None:
+            return None, "no standby"
+        args = standby.command(task.argv)
+        why = one.state() if one.state() in ("failed", "gone") else standby.differs(one.env, env)
+        if why is None and args is not None and one.popen.stdin is not None:
+            try:
+                one.popen.stdin.write(standby.handover(args[1], env, str(log_path)))
+                one.popen.stdin.close()
+                return one.popen, ""
+            except OSError as exc:
+                why = f"its handover failed ({exc})"
+        one.kill()
+        return None, f"its standby {why}"
+
+    def news(self) -> list[str]:
+        """Standbys that could not import TensorFlow, each said once with its last lines."""
+        out = []
+        for one in self._ready.values():
+            if not one.said and one.state() == "failed":
+                one.said = True
+                tail = " | ".join(x for x in one.lines()[-3:] if x.strip())
+                out.append(f"the standby of {one.task} (this machine) exited {one.popen.returncode}: {tail}")
+        return out
+
+    def status(self) -> list[dict[str, Any]]:
+        rows = []
+        for one in self._ready.values():
+            try:
+                rss = psutil.Process(one.popen.pid).memory_info().rss if one.popen.poll() is None else None
+            except psutil.Error:
+                rss = None
+            rows.append(
+                {"task": one.task, "host": "", "pid": one.popen.pid, "state": one.state(), "rss_bytes": rss}
+            )
+        return rows
+
+    def close(self) -> None:
+        for one in self._ready.values():
+            one.kill()
+        self._ready.clear()

@@ -1,0 +1,104 @@
+"""Worker runtime: a warm standby — a process that imports TensorFlow before its attempt exists,
+at the lowest CPU priority, and becomes its task when told (docs/architecture.md §6).
+
+`python -m worker standby` is started with its task's environment except the variables that
+change per attempt (wire.PER_ATTEMPT_ENV: TensorFlow reads none of them at import, §7). It
+imports numpy at its own priority first (OpenBLAS starts its threads then, and they keep the
+priority of the thread that started them), then TensorFlow and Keras on a thread of the lowest
+priority (SCHED_IDLE, else nice 19), never creating TensorFlow's context (a
+MultiWorkerMirroredStrategy configures it first). Its main thread meanwhile waits for one line on
+stdin, the handover (JSON): {"argv": the worker's arguments, "env": the attempt's variables,
+"log": the task's log}. It then waits for the import to end, writes to the task's log, takes the
+variables and runs `python -m worker ARGV` in this process. End of file instead (its coordinator
+is done with it, or gone): it exits at once. Its own output before the handover is its log's;
+when TensorFlow cannot be imported it says why there and exits EXIT_STANDBY_FAILED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from worker import wire
+
+#: A line the standby writes once TensorFlow is imported (followed by the seconds it took).
+READY = "orchestrate-standby: ready"
+
+
+def _lowest_priority() -> None:
+    """This thread at the lowest CPU priority (Linux: per thread)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+
+
+def _modules() -> list[str]:
+    """What a task of this environment will import: TensorFlow, and the Keras its job selects."""
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    return ["tensorflow", "tf_keras" if legacy else "keras"]
+
+
+class _Import(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="standby-import", daemon=True)
+
+    def run(self) -> None:
+        _lowest_priority()
+        start = time.monotonic()
+        try:
+            for name in _modules():
+                try:
+                    importlib.import_module(name)
+                except ModuleNotFoundError as exc:
+                    if name == "tensorflow" or exc.name != name:
+                        raise  # TensorFlow itself, or something the Keras present needs
+        except BaseException as exc:  # noqa: BLE001 - said at once: a broken host found before it is needed
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+            print(f"orchestrate-standby: cannot import {_modules()[0]}: {exc}", file=sys.stderr, flush=True)
+            os._exit(wire.EXIT_STANDBY_FAILED)
+        print(f"{READY} {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
+
+
+def main(run: Callable[[list[str]], int]) -> int:
+    """Be a standby; once handed over, `run(ARGV)` (the worker's entry point) as the task."""
+    import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
+
+    loading = _Import()
+    loading.start()
+    line = sys.stdin.buffer.readline()
+    if not line:
+        os._exit(0)  # nothing to become: at once, even mid-import
+    loading.join()  # a failed import has ended the process
+    handover: dict[str, Any] = json.loads(line)
+    _become(handover)
+    from worker import runtime
+
+    runtime.flush_and_exit(run([str(a) for a in handover["argv"]]))
+    return 0  # not reached
+
+
+def _become(handover: dict[str, Any]) -> None:
+    """Output to the task's log, stdin from nothing, the attempt's variables."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(
+        handover["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(nothing, 0)
+    os.close(log)
+    os.close(nothing)
+    os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
