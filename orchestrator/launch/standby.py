@@ -121,4 +121,4 @@ def differs(standby_env: Mapping[str, str], env: Mapping[str, str]) -> str | Non
     if not changed:
         return None
     more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-    return f"its environment changed ({', '.join(changed[:3])}{more})"
+    return f"its task's environment is not the one it was started with ({', '.join(changed[:3])}{more})"

@@ -147,6 +147,7 @@ def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(jo
         assert wait_until(progressed, 90)
         st = status(job)
         killed_at_step = st["tasks"][victim]["last_step"]
+        standbys = {s["task"]: s["pid"] for s in st["standbys"]}  # ready, or still importing
         os.kill(st["tasks"][victim]["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -155,6 +156,15 @@ def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(jo
     st = status(job)
     assert st["state"] == "SUCCEEDED" and st["restarts"] >= 1
     assert f"worker-{victim} was killed by SIGKILL" in " ".join(e["reason"] for e in events(job))
+    # attempt 1's tasks were the standbys of attempt 0, and the restart's timeline was said
+    started = {
+        e["task"]: e["reason"] for e in events(job) if e.get("new") == "STARTING" and e["attempt"] == 1
+    }
+    assert started == {name: f"pid {pid}" for name, pid in standbys.items()}, (started, standbys)
+    [recovery] = [e for e in events(job) if e["kind"] == "recovery"]
+    assert recovery["reason"].startswith("attempt 1 training again ") and f"after worker-{victim} died" in out
+    assert all(v is not None for k, v in recovery["phases_s"].items() if k != "wait"), recovery
+    assert recovery["reason"] in out  # the summary's line
     assert [t["last_step"] for t in st["tasks"]] == [300, 300]  # the final step count is exact
     log = (job.run_dir / "logs" / "worker-0.log").read_text()
     resumed = [line for line in log.splitlines() if "resumed from" in line]

@@ -41,7 +41,7 @@ class _One:
     def state(self) -> str:
         code = self.popen.poll()
         if code is not None:
-            return "failed" if code != 0 else "gone"
+            return "failed" if code != 0 else "gone"  # gone: its stdin closed
         if self.ready_s is None:
             line = next((x for x in self.lines() if x.startswith(READY)), None)
             self.ready_s = line[len(READY) :].strip() if line else None
@@ -122,16 +122,17 @@ class LocalStandbys:
         if one is None:
             return None, "no standby"
         args = standby.command(task.argv)
-        why = one.state() if one.state() in ("failed", "gone") else standby.differs(one.env, env)
+        state = one.state()
+        why = f"its standby {state}" if state in ("failed", "gone") else standby.differs(one.env, env)
         if why is None and args is not None and one.popen.stdin is not None:
             try:
                 one.popen.stdin.write(standby.handover(args[1], env, str(log_path)))
                 one.popen.stdin.close()
                 return one.popen, ""
             except OSError as exc:
-                why = f"its handover failed ({exc})"
+                why = f"its standby's handover failed ({exc})"
         one.kill()
-        return None, f"its standby {why}"
+        return None, why or "no standby"
 
     def news(self) -> list[str]:
         """Standbys that could not import TensorFlow, each said once with its last lines."""

@@ -1,0 +1,226 @@
+"""Warm standbys: the worker's side (worker/standby.py) as real processes whose `tensorflow` is a
+small stand-in package put first on their path (the import a standby waits for is then quick and
+can be made to fail); the local backend's (launch/local/standbys.py) and the rules every backend
+shares (launch/standby.py). The real thing, with TensorFlow, is tests/e2e/test_recovery.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.launch import standby
+from orchestrator.launch.local.standbys import LocalStandbys
+from orchestrator.plan import TaskPlan
+from orchestrator.spec import parse_spec
+from orchestrator.spec.model import Role, Standby
+from worker import wire
+from worker.standby import READY
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The stand-in records the policy of the thread that imports it (SCHED_IDLE: 5) and can sleep or fail.
+FAKE_TF = """
+import os, threading, time
+IMPORTED_BY = (threading.get_native_id(), os.sched_getscheduler(threading.get_native_id()))
+if os.environ.get("FAKE_TF_SLEEP_S"):
+    time.sleep(float(os.environ["FAKE_TF_SLEEP_S"]))
+if os.environ.get("FAKE_TF_FAILS"):
+    raise ImportError("libtensorflow_framework.so.2: cannot open shared object file")
+"""
+
+SCRIPT = """
+import json, os, sys, threading
+import tensorflow
+out = {
+    "argv": sys.argv[1:],
+    "tf_config": os.environ.get("TF_CONFIG"),
+    "attempt": os.environ.get("ORCHESTRATE_ATTEMPT"),
+    "kept": os.environ.get("KEPT"),
+    "main_policy": os.sched_getscheduler(threading.get_native_id()),
+    "import_policy": tensorflow.IMPORTED_BY[1],
+    "imported_elsewhere": tensorflow.IMPORTED_BY[0] != threading.get_native_id(),
+}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture
+def fake_tf(tmp_path: Path) -> Path:
+    root = tmp_path / "site"
+    (root / "tensorflow").mkdir(parents=True)
+    (root / "tensorflow" / "__init__.py").write_text(FAKE_TF)
+    (root / "keras").mkdir()
+    (root / "keras" / "__init__.py").write_text("")
+    return root
+
+
+def start(fake_tf: Path, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATE_")}
+    base["PYTHONPATH"] = f"{fake_tf}{os.pathsep}{REPO}"
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "standby"],
+            env={**base, **env},
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=log.parent,
+            start_new_session=True,
+        )
+
+
+def wait_for_line(path: Path, start: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        found = next((line for line in text.splitlines() if line.startswith(start)), None)
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"{start!r} not in {path} within {timeout_s} s:\n{path.read_text()}")
+
+
+def test_a_standby_becomes_its_task_with_the_attempts_variables(tmp_path: Path, fake_tf: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    own, task_log = tmp_path / "standby.log", tmp_path / "worker-0.log"
+    proc = start(fake_tf, own, KEPT="from the start")
+    assert wait_for_line(own, READY)
+    env = {"TF_CONFIG": '{"cluster": {}}', wire.ENV_ATTEMPT: "1", wire.ENV_TOKEN: "t", "KEPT": "ignored"}
+    assert proc.stdin is not None
+    proc.stdin.write(
+        standby.handover(["run", "--script", str(script), "--", "a b", "$(x)"], env, str(task_log))
+    )
+    proc.stdin.close()
+    assert proc.wait(timeout=20) == 0, task_log.read_text()
+    result: dict[str, Any] = json.loads(wait_for_line(task_log, "RESULT ")[len("RESULT ") :])
+    assert (
+        result["argv"] == ["a b", "$(x)"]
+        and result["attempt"] == "1"
+        and result["tf_config"] == '{"cluster": {}}'
+    )
+    assert result["kept"] == "from the start"  # only the per-attempt variables come with the handover
+    assert result["imported_elsewhere"] and result["import_policy"] == os.SCHED_IDLE
+    assert result["main_policy"] == os.SCHED_OTHER  # the task itself runs at its own priority
+    assert "RESULT" not in own.read_text()  # the task's output is its log's, not the standby's
+
+
+def test_a_standby_exits_at_once_when_its_coordinator_is_gone(tmp_path: Path, fake_tf: Path) -> None:
+    proc = start(fake_tf, tmp_path / "standby.log", FAKE_TF_SLEEP_S="60")
+    time.sleep(0.5)
+    assert proc.stdin is not None
+    began = time.monotonic()
+    proc.stdin.close()  # what the coordinator's death (even by SIGKILL) does to the pipe
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - began < 5  # not after the 60 s import
+
+
+def test_a_standby_that_cannot_import_tensorflow_says_why_at_once(tmp_path: Path, fake_tf: Path) -> None:
+    own = tmp_path / "standby.log"
+    proc = start(fake_tf, own, FAKE_TF_FAILS="1")
+    assert proc.wait(timeout=20) == wire.EXIT_STANDBY_FAILED  # without waiting for a handover
+    said = wait_for_line(own, "orchestrate-standby: cannot import tensorflow")
+    assert "libtensorflow_framework.so.2" in said
+
+
+def task_plan(tmp_path: Path, name: str = "worker-0", env: dict[str, str] | None = None) -> TaskPlan:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    argv = (sys.executable, "-m", "worker", "run", "--script", str(script), "--")
+    return TaskPlan(name, Role.WORKER, 0, "", "", 0, argv, env or {}, str(tmp_path), True)
+
+
+def test_the_local_backend_says_a_broken_standby_once_and_then_starts_that_task_cold(
+    tmp_path: Path, fake_tf: Path
+) -> None:
+    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "FAKE_TF_FAILS": "1"}
+    standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby")
+    task = task_plan(tmp_path)
+    [started] = standbys.prepare([task], base)
+    assert started.startswith("warm standbys started for worker-0")
+    deadline = time.monotonic() + 20
+    news: list[str] = []
+    while not news and time.monotonic() < deadline:
+        news = standbys.news()
+        time.sleep(0.05)
+    assert len(news) == 1 and "worker-0 (this machine) exited 76" in news[0]
+    assert "libtensorflow_framework.so.2" in news[0]
+    assert standbys.news() == []  # said once
+    assert standbys.status()[0]["state"] == "failed"
+    popen, why = standbys.take(task, {**base, **task.launch_env(attempt=1, token="t")}, tmp_path / "w.log")
+    assert popen is None and why == "its standby failed"
+    assert standbys.status() == []  # the next one is prepared once the attempt is up
+
+
+def test_a_standby_started_with_another_environment_is_not_used(tmp_path: Path, fake_tf: Path) -> None:
+    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "FAKE_TF_SLEEP_S": "60"}
+    standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby")
+    task = task_plan(tmp_path)
+    standbys.prepare([task], base)
+    pid = standbys.status()[0]["pid"]
+    changed = {**base, "TF_CPP_MIN_LOG_LEVEL": "3", **task.launch_env(attempt=1, token="t")}
+    popen, why = standbys.take(task, changed, tmp_path / "w.log")
+    assert popen is None
+    assert why == "its task's environment is not the one it was started with (TF_CPP_MIN_LOG_LEVEL)"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed, and reaped
+    standbys.close()
+
+
+def test_standbys_are_for_runs_that_can_restart_and_jobs_that_leave_import_time_variables_alone(
+    tmp_path: Path,
+) -> None:
+    def spec(restart: str, code: str = "import tensorflow\n") -> Any:
+        (tmp_path / "train.py").write_text(code)
+        text = "name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\njob: {script: train.py}\n"
+        text += restart
+        return parse_spec(text, file="s.yaml", base_dir=tmp_path)
+
+    assert standby.for_run(spec("")).on
+    assert standby.for_run(spec("restart: {standby: off}\n")) == standby.Verdict(
+        False, "restart.standby is off"
+    )
+    assert not standby.for_run(spec("restart: {max_restarts: 0}\n")).on
+    assert standby.for_run(spec("restart: {max_restarts: 0, standby: on}\n")).on  # preemptions restart too
+    sets = spec("", "import os\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'\nimport tensorflow\n")
+    verdict = standby.for_run(sets)
+    assert not verdict.on and verdict.why.startswith(
+        "train.py mentions TF_CPP_MIN_LOG_LEVEL, which TensorFlow"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "tasks", "available", "on"),
+    [
+        (Standby.AUTO, 2, 8 * 2**30, True),
+        (Standby.AUTO, 2, 2 * 2**30, False),  # 1.2 GiB of standbys would leave under 2 GiB
+        (Standby.ON, 2, 2 * 2**30, True),
+        (Standby.AUTO, 8, 6 * 2**30, False),
+    ],
+)
+def test_auto_keeps_standbys_only_where_the_host_keeps_memory_available(mode, tasks, available, on) -> None:
+    verdict = standby.for_host(mode, tasks, available, 16 * 2**30)
+    assert verdict.on is on
+    assert f"{tasks} × 600 MiB" in verdict.why
+
+
+def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it() -> None:
+    argv = ("/venv/bin/python", "-m", "worker", "loop", "--module", "m.py")
+    assert standby.command(argv) == (
+        ("/venv/bin/python", "-m", "worker", "standby"),
+        ("loop", "--module", "m.py"),
+    )
+    assert standby.command(("bash", "-c", "true")) is None
+    assert (
+        standby.differs({"A": "1", "TF_CONFIG": "x"}, {"A": "1", "TF_CONFIG": "y", wire.ENV_ATTEMPT: "2"})
+        is None
+    )
+    changed = standby.differs({"A": "1"}, {"A": "2", "B": "3"})
+    assert changed == "its task's environment is not the one it was started with (A, B)"
