@@ -1,41 +1,39 @@
 """Remote side of the ssh backend: the shim that runs one task on a lab host.
 
 The coordinator copies this file (with the rest of the package) into each host's file cache and
-runs it from there over an SSH channel as `PYTHON -S WORKDIR/cache/<sha256>`. Standard library only,
-and it imports nothing of this package: it is what puts the package in place.
+runs it from there over an SSH channel as `PYTHON -S WORKDIR/cache/<sha256>`. Standard library
+only, and it imports nothing of this package: it is what puts the package in place.
 
 Protocol (one SSH channel per task attempt):
 - stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
-  attempt, grace_s, and optionally error_file, follow, forward_signals and port_lock}.
-  The shim first fills the run's folder from the cache (`files`: [relpath,
-  sha256, mode] — the job's files and the worker runtime), then starts the task. The
-  environment travels here rather than on a command line: no shell ever parses a value (a JSON
-  TF_CONFIG or `$(...)` stays literal) and the task's credential does not show in `ps`.
-- stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL".
-  End of file — the coordinator closed the channel, died, or lost the connection — means the same
-  as TERM, then SIGKILL after grace_s: a task never outlives its SSH connection.
+  attempt, grace_s, and optionally error_file, follow, forward_signals, port_lock and standby}.
+  The shim fills the run's folder from the cache (`files`: [relpath, sha256, mode]), then starts
+  the task (with `standby`, its warm standby first: worker/shim_standby.py). The environment
+  travels here, not on a command line: no shell parses a value, and no credential shows in `ps`.
+- stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL". End of
+  file (the coordinator closed the channel, died, or lost the connection) means TERM, then
+  SIGKILL after grace_s: a task never outlives its SSH connection.
 - stdout: the task's output, followed live from its log file on the host (the task writes to the
   file itself, so a slow or dead connection never blocks it and the host keeps the full log).
-- The slurm backend runs the same shim as a job step (`srun … python -S worker/shim.py`), with
-  `follow: false` (the log file is on a filesystem the coordinator shares: nothing is streamed)
-  and `forward_signals: false` (Slurm signals every process of the step itself, the task included:
-  a time limit's SIGTERM must reach the task once, not twice), and `port_lock`: a node-local
-  file the shim holds locked while the task lives, so that another run's probe avoids its port.
+- Slurm runs the same shim as a job step (`srun … python -S worker/shim.py`) with `follow: false`
+  (the log is on a filesystem the coordinator shares), `forward_signals: false` (Slurm signals
+  the task itself: a time limit's SIGTERM must reach it once) and `port_lock`: a node-local file
+  held locked while the task lives, so that another run's probe avoids its port.
 - stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then,
-  for a task that failed and wrote its error file (job's `error_file`, worker/failure.py),
-  {"event": "failure", "document": {…}}, then {"event": "exit", "code": N} (negative N: killed by
-  signal -N). Anything else on stderr comes
-  from a failed start (e.g. the shell's "python3: not found").
+  for a task that failed and wrote its error file (worker/failure.py), {"event": "failure",
+  "document": {…}}, then {"event": "exit", "code": N} (negative N: killed by signal -N). Any other
+  text comes from a failed start (e.g. the shell's "python3: not found").
 
 Before starting, the shim stops a previous attempt of the same task still alive on this host
 (recorded in the pidfile and checked by its run id), so a task is never running twice.
-`shim.py --stop RUN_ID GRACE_S PIDFILE…` does only that, for `orchestrate down` when the coordinator is gone.
+`shim.py --stop RUN_ID GRACE_S PIDFILE…` does only that, for `orchestrate down` without a coordinator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -59,15 +57,23 @@ def main(argv: list[str]) -> int:
     if not line:
         return 2
     job: dict[str, Any] = json.loads(line)
-    ready = _prepare(job)
+    standby = None
+    if job.get("standby") is not None:  # a warm standby first; the attempt comes on "GO {…}"
+        spec = importlib.util.spec_from_file_location("shim_standby", job["standby"]["module"])
+        assert spec is not None and spec.loader is not None  # the cache's copy: the shim runs alone
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if isinstance(standby := module.standby(job, sys.modules[__name__]), int):
+            return standby
+        job.update(standby[1])
+    ready = _prepare(job, files=standby is None)
     if isinstance(ready, str):
         _emit({"event": "error", "message": ready})
         return 1
-    started = _start(job, stale=ready)
+    started = _start(job, stale=ready, child=standby[0] if standby else None)
     if isinstance(started, int):
         return started
-    child, offset = started
-    return _watch(job, child, offset)
+    return _watch(job, *started)
 
 
 def _stop_only(run_id: str, grace_s: float, pidfiles: list[str]) -> int:
@@ -78,11 +84,12 @@ def _stop_only(run_id: str, grace_s: float, pidfiles: list[str]) -> int:
     return 0
 
 
-def _prepare(job: dict[str, Any]) -> int | None | str:
-    """The run's folder filled, a previous attempt of the task still running here stopped (its
-    process group, or None), its TF port's lock held; or why not (a str)."""
+def _prepare(job: dict[str, Any], files: bool = True) -> int | None | str:
+    """The run's folder filled (unless a standby did), a previous attempt of the task still
+    running here stopped (its process group, or None), its TF port's lock held; or why not."""
     try:
-        _materialize(job["cache"], job["folder"], job["files"])
+        if files:
+            _materialize(job["cache"], job["folder"], job["files"])
     except OSError as exc:
         return f"cannot fill {job['folder']} from {job['cache']}: {exc}"
     for path in (job["log"], job["pidfile"]):
@@ -102,9 +109,12 @@ def _prepare(job: dict[str, Any]) -> int | None | str:
     return stale
 
 
-def _start(job: dict[str, Any], stale: int | None) -> tuple[subprocess.Popen[bytes], int] | int:
-    """The task started in its own session, its output to its log (after a marker line), and
-    said ("started"); the child and where its output begins, or the exit code of a failed start."""
+def _start(
+    job: dict[str, Any], stale: int | None, child: subprocess.Popen[bytes] | None = None
+) -> tuple[subprocess.Popen[bytes], int] | int:
+    """The task started in its own session (or its standby, `child`, handed the attempt), its
+    output to its log (after a marker line), and said ("started"); the child and where its output
+    begins, or the exit code of a failed start."""
     out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write(f"===== orchestrate: {job['task']} attempt {job['attempt']} started {stamp} =====\n".encode())
@@ -114,6 +124,16 @@ def _start(job: dict[str, Any], stale: int | None) -> tuple[subprocess.Popen[byt
         )
     out.flush()
     offset = out.tell()
+    if child is not None:
+        out.close()
+        try:
+            assert child.stdin is not None
+            child.stdin.write((json.dumps(job["handover"]) + "\n").encode())
+            child.stdin.close()
+        except OSError as exc:
+            _emit({"event": "error", "message": f"cannot hand the attempt to the standby: {exc}"})
+            return 1
+        return _said_started(job, child), offset
     try:
         child = subprocess.Popen(
             job["argv"],
@@ -129,6 +149,10 @@ def _start(job: dict[str, Any], stale: int | None) -> tuple[subprocess.Popen[byt
         return 127
     finally:
         out.close()
+    return _said_started(job, child), offset
+
+
+def _said_started(job: dict[str, Any], child: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
     info = {"pid": child.pid, "pgid": child.pid, "create_time": _create_time(child.pid)}
     _write_json(job["pidfile"], {**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()})
     step = os.environ.get("SLURM_STEP_ID")
@@ -137,7 +161,7 @@ def _start(job: dict[str, Any], stale: int | None) -> tuple[subprocess.Popen[byt
         "step": f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None,
     }
     _emit({"event": "started", **info, **where})
-    return child, offset
+    return child
 
 
 def _watch(job: dict[str, Any], child: subprocess.Popen[bytes], offset: int) -> int:

@@ -77,6 +77,10 @@ class ShimEvents:
         self.step: str | None = None  # its Slurm step (JOB.STEP), when it runs as one
         self.messages: list[str] = []  # text that is not an event, the latest few
         self.failure: Any = None  # the task's error file, as the shim read it (checked when used)
+        self.standby: ProcessInfo | None = None  # a warm standby's process, waiting for its attempt
+        self.standby_ready = False  # it has imported TensorFlow
+        self.standby_failed: str | None = None  # it exited before its attempt: its log's last lines
+        self.standby_refused: tuple[int, int] | None = None  # (available, total): too little memory
 
     def feed(self, line: str) -> None:
         try:
@@ -91,6 +95,14 @@ class ShimEvents:
             self.info = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
             self.step = event.get("step")
             self.started.set()
+        elif event["event"] == "standby":
+            self.standby = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
+        elif event["event"] == "standby_ready":
+            self.standby_ready = True
+        elif event["event"] == "standby_failed":
+            self.standby_failed = str(event.get("tail", ""))[-_KEPT_CHARS:]
+        elif event["event"] == "standby_refused":
+            self.standby_refused = (int(event["available"]), int(event["total"]))
         elif event["event"] == "failure":
             self.failure = event.get("document")
         elif event["event"] == "exit":
@@ -167,7 +179,11 @@ class ShimHandle(TaskHandle):
 
     @property
     def process(self) -> ProcessInfo:
-        return self._events.info or ProcessInfo(pid=0, pgid=0, create_time=0.0)
+        return self._events.info or self._events.standby or ProcessInfo(pid=0, pgid=0, create_time=0.0)
+
+    @property
+    def events(self) -> ShimEvents:
+        return self._events
 
     @property
     def where(self) -> str:

@@ -41,12 +41,11 @@ from orchestrator.launch.api import (
     Backend,
     Heartbeats,
     Prepared,
-    TaskHandle,
 )
 from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.runtime import RUNTIME_ROOT
-from orchestrator.launch.shim import shim_job
+from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import (
     Request,
@@ -60,16 +59,17 @@ from orchestrator.launch.slurm.cluster import (
 from orchestrator.launch.slurm.files import NodeFiles, NodeFolders
 from orchestrator.launch.slurm.nodes import NodeProbe, files_copied, node_addresses
 from orchestrator.launch.slurm.spec import SlurmSpec, section
-from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_step
-from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import make_private_dir, now_iso, private_open
+from orchestrator.launch.slurm.step import SlurmTaskHandle
+from orchestrator.launch.slurm.tasks import SlurmTasks
+from orchestrator.plan import LaunchPlan
+from orchestrator.record import make_private_dir
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 
 log = logging.getLogger("orchestrator.slurm")
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(SlurmTasks, Backend):
     name = "slurm"
     listen_key = "slurm.coordinator_address"
     starts_at_once = True
@@ -116,6 +116,8 @@ class SlurmBackend(Backend):
         )
         every_s, copy_s = max(2.0, spec.health.heartbeat_interval_s), self._conf.connect_timeout_s + 60
         self._exchange = StateExchange(folders, self._run_dir, every_s=every_s, stop_wait_s=copy_s)
+        self._standbys = ShimStandbys(spec)
+        self._logs = self._run_dir / "logs"
 
     # --- opening ---
 
@@ -345,47 +347,8 @@ class SlurmBackend(Backend):
             return None
         return f"the allocation (Slurm job {alloc.job_id}) ended from outside: {ended}"
 
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
-        handle = self._open_step(task, attempt, token, log_path)
-        handle.wait_started(self._conf.connect_timeout_s + 20)
-        return handle
-
-    def _open_step(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SlurmTaskHandle:
-        assert self._alloc is not None
-        node = self._node_of[task.name]
-        pidfile = self._folder / "nodes" / node / f"{task.name}.json"
-        log_on_node = ""
-        if self._shipping:
-            pidfile = Path(posixpath.join(self._files.folder, "tasks", f"{task.name}.json"))
-            log_on_node = posixpath.join(self._files.folder, "logs", task.log_name)
-            with private_open(log_path) as out:
-                marker = (
-                    f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {node} ====="
-                )
-                out.write(f"{marker}\n".encode())
-        job = shim_job(
-            task,
-            attempt,
-            task.launch_env(attempt=attempt, token=token),
-            run_id=self._run_id,
-            folder=str(self._run_dir),
-            log=log_on_node if self._shipping else str(log_path.resolve()),
-            pidfile=str(pidfile),
-            grace_s=self._spec.health.stop_grace_s,
-            port_lock=port_lock(node, str(task.port)),  # held while the task lives
-            follow=self._shipping,  # shared: the coordinator reads the log file in place
-            forward_signals=False,  # Slurm signals the task itself
-        )
-        name = f"{job_name(self._run_id)}-{task.name}"
-        step = start_step(
-            self._slurm, self._alloc.job_id, node, name, self._python, job, stream=self._shipping
-        )
-        handle = SlurmTaskHandle(task, attempt, log_path, step)
-        with self._lock:
-            self._handles[task.name] = handle
-        return handle
-
     def close(self) -> None:
+        self._standbys.close()
         self._cancel.set()
         self._exchange.stop_following()
         alloc = self._alloc

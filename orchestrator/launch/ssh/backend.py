@@ -25,6 +25,7 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
+from orchestrator.launch import standby
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
@@ -35,6 +36,7 @@ from orchestrator.launch.api import (
 from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.shim import shim_job
+from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
 from orchestrator.launch.ssh import preflight
 from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
 from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of, probe
@@ -86,6 +88,8 @@ class SshBackend(Backend):
         folders = SshFolders(self._hosts, self._connection, self._suspect.add, io_timeout_s=io_timeout_s)
         every_s = max(2.0, spec.health.heartbeat_interval_s)
         self._states = StateExchange(folders, home, every_s=every_s, stop_wait_s=4 * io_timeout_s)
+        self._standbys = ShimStandbys(spec)
+        self._logs = home / "logs"
 
     def listen(self) -> tuple[str, int]:
         """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""
@@ -197,23 +201,56 @@ class SshBackend(Backend):
     # --- per attempt ---
 
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
+        host = self._hosts[task.host_index]
         try:
-            handle = self._open(task, attempt, token, log_path)
+            job = self._job(task, attempt, token)
+            with private_open(log_path) as out:
+                marker = (
+                    f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label}"
+                )
+                out.write(f"{marker} =====\n".encode())
+            go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file")}
+            args = standby.command(task.argv)
+            go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
+            handle, _ = self._standbys.take(task, job["env"], host.label, go)
+            if handle is None:
+                handle = self._open(task, job, log_path)
             handle.wait_started(self._ssh.connect_timeout_s + 10.0)
         except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
             self._suspect.add(task.host_index)
             raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
         return handle
 
-    def _open(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> SshTaskHandle:
-        host = self._hosts[task.host_index]
-        conn = self._connection(task.host_index)
+    def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
+        def open_one(task: TaskPlan) -> tuple[SshTaskHandle, dict[str, str], str]:
+            job = self._job(task, 0, "")
+            job["argv"] = list((standby.command(task.argv) or ((), ()))[0])
+            job["env"] = standby.stable_env(job["env"])
+            folder = job["folder"]
+            log_path = posixpath.join(folder, "logs", "standby", f"{task.name}.log")
+            count = sum(1 for t in plan.tasks if t.host_index == task.host_index)
+            module = posixpath.join(job["cache"], runtime_entry(self._files, "shim_standby.py").sha256)
+            job["standby"] = standby_job(self._spec, count, module, log_path)
+            return (
+                self._open(task, job, self._logs / task.log_name),
+                job["env"],
+                self._hosts[task.host_index].label,
+            )
+
+        return self._standbys.prepare(plan.tasks, open_one)
+
+    def standby_news(self) -> list[str]:
+        return self._standbys.news()
+
+    def standbys(self) -> list[dict[str, Any]]:
+        return self._standbys.status()
+
+    def _job(self, task: TaskPlan, attempt: int, token: str) -> dict[str, Any]:
         ctx = self._contexts[task.host_index]
         folder = posixpath.join(ctx.workdir, "runs", self._run_id)
         env = task.launch_env(attempt=attempt, token=token)
         env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index)
-        cache = posixpath.join(ctx.workdir, "cache")
-        job = shim_job(
+        return shim_job(
             task,
             attempt,
             env,
@@ -222,14 +259,14 @@ class SshBackend(Backend):
             log=posixpath.join(folder, "logs", task.log_name),
             pidfile=posixpath.join(folder, "tasks", f"{task.name}.json"),
             grace_s=self._spec.health.stop_grace_s,
-            cache=cache,
+            cache=posixpath.join(ctx.workdir, "cache"),
             files=[[f.rel, f.sha256, f.mode] for f in self._files],
         )
-        with private_open(log_path) as out:
-            marker = (
-                f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label} ====="
-            )
-            out.write(f"{marker}\n".encode())
+
+    def _open(self, task: TaskPlan, job: dict[str, Any], log_path: Path) -> SshTaskHandle:
+        host = self._hosts[task.host_index]
+        conn = self._connection(task.host_index)
+        cache = job["cache"]
         shim = posixpath.join(cache, shim_entry(self._files).sha256)  # it fills the run's folder itself
         # -S: the shim needs only the standard library; skipping site-packages starts it ~2x faster
         command = "exec " + shlex.join([*host.python, "-S", shim])
@@ -244,7 +281,7 @@ class SshBackend(Backend):
             raise LaunchError(
                 f"cannot start {task.name} on {host.label}: {exc or type(exc).__name__}"
             ) from None
-        return SshTaskHandle(task, attempt, log_path, SshChannel(host, channel, self._suspect.add))
+        return SshTaskHandle(task, job["attempt"], log_path, SshChannel(host, channel, self._suspect.add))
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
@@ -330,6 +367,7 @@ class SshBackend(Backend):
         )
 
     def close(self) -> None:
+        self._standbys.close()
         self._states.stop_following()
         for relay in self._relays.values():
             relay.close()

@@ -1,0 +1,136 @@
+"""Launch layer: warm standbys kept by shims on other hosts (ssh hosts, Slurm nodes), as
+launch/standby.py says what they are. Each is a shim run in standby mode
+(worker/shim_standby.py) over its own transport: its handle is the task's handle once the attempt
+is handed to it ("GO {…}" on the shim's stdin); closing it stops the standby.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.launch import standby
+from orchestrator.launch.shim import ShimHandle
+from orchestrator.plan import TaskPlan
+from orchestrator.spec.model import ClusterSpec, Standby
+
+log = logging.getLogger("orchestrator.launch")
+
+
+@dataclass
+class _One:
+    handle: ShimHandle
+    env: dict[str, str]  # the environment it was started with
+    place: str  # where it waits (a host's label, a node)
+    said: bool = False  # its failure reported
+
+
+def standby_job(spec: ClusterSpec, count_on_host: int, module: str, log_path: str) -> dict[str, Any]:
+    """The `standby` part of a shim's job: its module's path, its log on the host, and what the
+    host must keep available (`auto`), checked by the shim against the host's memory."""
+    part: dict[str, Any] = {"module": module, "log": log_path, "need": None, "keep": None}
+    if spec.restart.standby is Standby.AUTO:
+        part.update(need=count_on_host * standby.STANDBY_BYTES, keep=standby.KEEP_AVAILABLE_BYTES)
+    return part
+
+
+class ShimStandbys:
+    def __init__(self, spec: ClusterSpec):
+        self._spec = spec
+        self._run = standby.for_run(spec)
+        self._ready: dict[str, _One] = {}
+        self._said: str | None = None
+
+    def prepare(
+        self,
+        tasks: Sequence[TaskPlan],
+        open_one: Callable[[TaskPlan], tuple[ShimHandle, dict[str, str], str]],
+    ) -> list[str]:
+        """A standby for each task that has none (`open_one` starts its shim); lines for the record."""
+        missing = [t for t in tasks if t.name not in self._ready and standby.command(t.argv)]
+        if not missing:
+            return []
+        if not self._run.on:
+            if self._said == self._run.why:
+                return []
+            self._said = self._run.why
+            return [f"no warm standbys: {self._run.why}"]
+        started, failed = [], []
+        for task in missing:
+            try:
+                handle, env, place = open_one(task)
+            except Exception as exc:  # noqa: BLE001 - a standby is an optimisation: said, never fatal
+                failed.append(f"the standby of {task.name} could not be started: {exc}")
+                continue
+            self._ready[task.name] = _One(handle, env, place)
+            started.append(task.name)
+        out = failed
+        if started:
+            out.append(f"warm standbys started for {', '.join(started)} (at the lowest CPU priority)")
+        return out
+
+    def take(
+        self, task: TaskPlan, env: Mapping[str, str], place: str, go: dict[str, Any]
+    ) -> tuple[ShimHandle | None, str]:
+        """The task's standby handed its attempt (`go`: the attempt's part of the shim's job), or
+        None and why it starts cold."""
+        one = self._ready.pop(task.name, None)
+        if one is None:
+            return None, "no standby"
+        events = one.handle.events
+        why = (
+            "its standby failed"
+            if events.standby_failed is not None or events.ended.is_set()
+            else f"its standby waits on {one.place}, not {place}"
+            if one.place != place
+            else standby.differs(one.env, env)
+        )
+        if why is None:
+            one.handle.attempt = int(go["attempt"])
+            one.handle.transport.send(f"GO {json.dumps(go)}\n".encode())
+            return one.handle, ""
+        one.handle.release()
+        return None, why
+
+    def news(self) -> list[str]:
+        """Standbys that could not import TensorFlow or were refused for memory, each said once."""
+        out = []
+        for name, one in list(self._ready.items()):
+            events = one.handle.events
+            if one.said:
+                continue
+            if events.standby_failed is not None:
+                one.said = True
+                tail = " | ".join(x for x in events.standby_failed.splitlines()[-3:] if x.strip())
+                out.append(f"the standby of {name} on {one.place} could not import TensorFlow: {tail}")
+            elif events.standby_refused is not None:
+                one.said = True
+                available, total = events.standby_refused
+                verdict = standby.for_host(self._spec.restart.standby, 1, available, total)
+                out.append(f"no warm standby for {name} on {one.place}: {verdict.why}")
+        return out
+
+    def status(self) -> list[dict[str, Any]]:
+        rows = []
+        for name, one in self._ready.items():
+            events = one.handle.events
+            state = (
+                "failed"
+                if events.standby_failed is not None
+                else "gone"
+                if events.ended.is_set()
+                else "ready"
+                if events.standby_ready
+                else "importing"
+            )
+            pid = events.standby.pid if events.standby is not None else None
+            rows.append({"task": name, "host": one.place, "pid": pid, "state": state, "rss_bytes": None})
+        return rows
+
+    def close(self) -> None:
+        for one in self._ready.values():
+            one.handle.release()
+        self._ready.clear()
