@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -59,10 +60,12 @@ def main(argv: list[str]) -> int:
     job: dict[str, Any] = json.loads(line)
     standby = None
     if job.get("standby") is not None:  # a warm standby first; the attempt comes on "GO {…}"
-        spec = importlib.util.spec_from_file_location("shim_standby", job["standby"]["module"])
-        assert spec is not None and spec.loader is not None  # the cache's copy: the shim runs alone
+        path = job["standby"]["module"]  # the cache's copy, named by its checksum: the shim runs alone
+        loader = importlib.machinery.SourceFileLoader("shim_standby", path)
+        spec = importlib.util.spec_from_file_location("shim_standby", path, loader=loader)
+        assert spec is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        loader.exec_module(module)
         if isinstance(standby := module.standby(job, sys.modules[__name__]), int):
             return standby
         job.update(standby[1])

@@ -108,13 +108,15 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(la
     proc = job.start()
     try:
         assert wait_until(lambda: (job.task("worker-1").get("last_step") or 0) >= 35, 120), job.status()
-        os.kill(job.task("worker-1")["pid"], signal.SIGKILL)  # on host 1; pids are global here
-        assert wait_until(lambda: job.status().get("state") == "RESTARTING", 30), job.status()
-        # meanwhile the chief's host got a half-written checkpoint (as a save cut short leaves)
+        # each task's warm standby waits on its host (its pid said by its shim)
+        assert wait_until(lambda: len([s for s in job.status()["standbys"] if s["pid"]]) == 2, 60)
+        standbys = {s["task"]: (s["host"], s["pid"]) for s in job.status()["standbys"]}
+        # the chief's host has a half-written checkpoint (as a save cut short leaves)
         host0 = lab.hosts[0]
         folder = host0.path(host0.workdir / "runs" / job.run_id / "checkpoints")
         (folder / "ckpt-999.data-00000-of-00001").write_bytes(os.urandom(5000))
         (folder / "ckpt-999.index").write_bytes(b"\x00half")
+        os.kill(job.task("worker-1")["pid"], signal.SIGKILL)  # on host 1; pids are global here
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -128,6 +130,16 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(la
     assert starts[0]["step"] == starts[1]["step"] >= 30, starts
     assert starts[0]["fingerprint"] == starts[1]["fingerprint"], starts
     assert "ckpt-999" not in starts[0]["source"]  # the previous complete checkpoint was used
+    # attempt 1's tasks were the standbys, on their hosts; the restart's timeline was said
+    attempt_1 = {
+        e["task"]: e["reason"] for e in job.events() if e.get("new") == "STARTING" and e["attempt"] == 1
+    }
+    assert attempt_1 == {t: f"pid {pid} on {host}" for t, (host, pid) in standbys.items()}, (
+        attempt_1,
+        standbys,
+    )
+    [recovery] = [e for e in job.events() if e["kind"] == "recovery"]
+    assert recovery["reason"].startswith("attempt 1 training again") and recovery["reason"] in out
     host1 = lab.hosts[1]
     log1 = (job.run_dir / "logs" / "worker-1.log").read_text()
     assert f"resumed from {starts[1]['source']} at step {starts[1]['step']}" in log1

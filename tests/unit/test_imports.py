@@ -14,7 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "worker")
 TENSORFLOW = {"tensorflow", "tf_keras", "keras"}
 #: Run on a host as single files, away from the package (`python -S cache/<sha256>`, `python -c`).
-ALONE = ("worker.shim", "worker.shim_standby", "worker.relay", "worker.http1", "worker.probe", "worker.folders")
+ALONE = (
+    "worker.shim",
+    "worker.shim_standby",
+    "worker.relay",
+    "worker.http1",
+    "worker.probe",
+    "worker.folders",
+)
 
 
 def _modules() -> dict[str, Path]:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,93 @@ def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it
     )
     changed = standby.differs({"A": "1"}, {"A": "2", "B": "3"})
     assert changed == "its task's environment is not the one it was started with (A, B)"
+
+
+def shim_standby(
+    tmp_path: Path, fake_tf: Path, **standby_part: Any
+) -> tuple[subprocess.Popen[bytes], list[dict]]:
+    """worker/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
+    checksum (as in a host's cache); its events collected as they come."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "f00d").write_bytes((REPO / "worker" / "shim_standby.py").read_bytes())
+    run = tmp_path / "run"
+    job = {
+        "cache": str(cache),
+        "folder": str(run),
+        "files": [],
+        "argv": [sys.executable, "-m", "worker", "standby"],
+        "env": {"PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "ORCHESTRATE_RUN_ID": "r-standby"},
+        "cwd": str(tmp_path),
+        "run_id": "r-standby",
+        "task": "worker-0",
+        "grace_s": 2,
+        "standby": {
+            "module": str(cache / "f00d"),
+            "log": str(run / "logs" / "standby" / "worker-0.log"),
+            "need": None,
+            "keep": None,
+            **part,
+        },
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-S", str(REPO / "worker" / "shim.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stderr is not None
+    proc.stdin.write((json.dumps(job) + "\n").encode())
+    proc.stdin.flush()
+    said: list[dict] = []
+    stderr = proc.stderr
+
+    def read() -> None:
+        for line in stderr:
+            said.append(json.loads(line))
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, said
+
+
+def until(said: list[dict], event: str, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = next((e for e in said if e["event"] == event), None)
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"no {event!r} within {timeout_s} s: {said}")
+
+
+def test_a_shim_keeps_a_standby_and_hands_it_the_attempt(tmp_path: Path, fake_tf: Path) -> None:
+    proc, said = shim_standby(tmp_path, fake_tf)
+    waiting = until(said, "standby")
+    until(said, "standby_ready")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "run" / "logs" / "worker-0.log"
+    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: "3", wire.ENV_TOKEN: "secret"}
+    go = {
+        "attempt": 3,
+        "log": str(log),
+        "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
+        "error_file": str(tmp_path / "run" / "errors" / "worker-0-3.json"),
+        "handover": json.loads(standby.handover(["run", "--script", str(script)], env, str(log))),
+    }
+    assert proc.stdin is not None
+    proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
+    proc.stdin.flush()
+    started = until(said, "started")
+    assert started["pid"] == waiting["pid"]  # the standby is the task
+    assert until(said, "exit")["code"] == 0
+    assert "===== orchestrate: worker-0 attempt 3 started" in log.read_text()
+    assert json.loads(wait_for_line(log, "RESULT ")[7:])["attempt"] == "3"
+    assert json.loads((tmp_path / "run" / "tasks" / "worker-0.json").read_text())["pgid"] == waiting["pgid"]
+
+
+def test_a_shim_refuses_a_standby_the_hosts_memory_cannot_keep(tmp_path: Path, fake_tf: Path) -> None:
+    proc, said = shim_standby(tmp_path, fake_tf, need=2**60, keep=2**30)
+    refused = until(said, "standby_refused")
+    assert refused["available"] > 0 and refused["total"] >= refused["available"]
+    assert proc.wait(timeout=10) == 0 and not any(e["event"] == "standby" for e in said)
