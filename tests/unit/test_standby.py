@@ -227,9 +227,7 @@ def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it
     assert changed == "its task's environment is not the one it was started with (A, B)"
 
 
-def shim_standby(
-    tmp_path: Path, fake_tf: Path, **standby_part: Any
-) -> tuple[subprocess.Popen[bytes], list[dict]]:
+def shim_standby(tmp_path: Path, fake_tf: Path, **part: Any) -> tuple[subprocess.Popen[bytes], list[dict]]:
     """worker/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
     checksum (as in a host's cache); its events collected as they come."""
     cache = tmp_path / "cache"
