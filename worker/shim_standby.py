@@ -32,6 +32,7 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
     need, keep = job["standby"].get("need"), job["standby"].get("keep")
     if need is not None and memory and memory[0] - need < max(keep, memory[1] // 10):
         shim._emit({"event": "standby_refused", "available": memory[0], "total": memory[1]})
+        shim._emit({"event": "exit", "code": 0})
         return 0
     try:
         shim._materialize(job["cache"], job["folder"], job["files"])
@@ -63,6 +64,7 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
     told.set()
     if not line.startswith(b"GO "):
         shim._terminate_group(child.pid, 0.0)  # the coordinator is done with it, or gone
+        shim._emit({"event": "exit", "code": 0})
         return 0
     return child, json.loads(line[3:])
 

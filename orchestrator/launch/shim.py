@@ -148,6 +148,10 @@ class Transport(abc.ABC):
     def send(self, data: bytes) -> None:
         """To the shim's stdin; a transport already gone is fine (the shim stops the task itself)."""
 
+    def end_input(self) -> None:
+        """End of file on the shim's stdin, the transport kept (a standby then stops and says so)."""
+        return None
+
     @abc.abstractmethod
     def read_events(self) -> bytes:
         """The next bytes of the shim's stderr; b"" once it ended."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +93,7 @@ class ShimStandbys:
             one.handle.attempt = int(go["attempt"])
             one.handle.transport.send(f"GO {json.dumps(go)}\n".encode())
             return one.handle, ""
-        one.handle.release()
+        _stop([one])
         return None, why
 
     def news(self) -> list[str]:
@@ -131,6 +132,16 @@ class ShimStandbys:
         return rows
 
     def close(self) -> None:
-        for one in self._ready.values():
-            one.handle.release()
+        _stop(list(self._ready.values()))
         self._ready.clear()
+
+
+def _stop(ones: list[_One], wait_s: float = 5.0) -> None:
+    """End of file to each standby's shim, which stops it and says so; its transport let go once
+    it did (or after `wait_s`: then as a task whose end is unknown)."""
+    for one in ones:
+        one.handle.transport.end_input()
+    deadline = time.monotonic() + wait_s
+    for one in ones:
+        one.handle.events.ended.wait(max(0.0, deadline - time.monotonic()))
+        one.handle.release()

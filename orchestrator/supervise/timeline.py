@@ -91,7 +91,7 @@ class Recovery:
         """`attempt 1 training again 2.9 s after worker-1 died: stop 0.3, start 0.1, …`."""
         shown = []
         for name, seconds in self.phases().items():
-            if name == "wait" and not seconds:
+            if name == "wait" and (seconds or 0.0) < 0.05:
                 continue  # no backoff: nothing to say
             shown.append(f"{name.replace('_', ' ')} {'—' if seconds is None else f'{seconds:.1f}'}")
         total = self.training_again_s

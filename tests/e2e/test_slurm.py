@@ -203,10 +203,22 @@ def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
     )
-    out = run.through("worker-1", 30, lambda: kill_task(run, "worker-1"))
+    standbys: dict[str, tuple[str, int]] = {}
+
+    def kill_once_the_standbys_wait() -> None:
+        assert wait_until(lambda: len([s for s in run.status()["standbys"] if s["pid"]]) == 2, 60)
+        standbys.update({s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]})
+        kill_task(run, "worker-1")
+
+    out = run.through("worker-1", 30, kill_once_the_standbys_wait)
     assert run.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["attempt"] == 1
+    # attempt 1's steps were the standbys' (steps that waited on the nodes), the timeline said
+    events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    attempt_1 = {e["task"]: e["reason"] for e in events if e.get("new") == "STARTING" and e["attempt"] == 1}
+    assert attempt_1 == {t: f"pid {pid} on {node}" for t, (node, pid) in standbys.items()}, attempt_1
+    assert any(e["kind"] == "recovery" and e["reason"] in out for e in events)
     assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0")), run.log("worker-0")[
         -2000:
     ]

@@ -50,6 +50,11 @@ class SrunStep(Transport):
             self._popen.stdin.write(data)
             self._popen.stdin.flush()
 
+    def end_input(self) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            assert self._popen.stdin is not None
+            self._popen.stdin.close()
+
     def read_events(self) -> bytes:
         assert self._popen.stderr is not None
         data = os.read(self._popen.stderr.fileno(), 65536)

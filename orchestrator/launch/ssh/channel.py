@@ -38,6 +38,10 @@ class SshChannel(Transport):
         with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
             self._channel.sendall(data)
 
+    def end_input(self) -> None:
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            self._channel.shutdown_write()
+
     def read_events(self) -> bytes:
         try:
             return bytes(self._channel.recv_stderr(65536))
