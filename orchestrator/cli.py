@@ -29,7 +29,8 @@ from orchestrator.errors import (
 from orchestrator.quiet import console_writes_anything
 
 if TYPE_CHECKING:
-    pass
+    from orchestrator.plan import LaunchPlan
+    from orchestrator.spec.model import ClusterSpec
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_LAUNCH", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -104,6 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         decides = str(rule.decides).lower()
         keys = f"decides: {decides}, on_failure: {rule.on_failure.value}, at_end: {rule.at_end.value}"
         print(f"  {role.value + ':':<11}{keys}\n  {'':<11}({rule.describe()})")
+    print(standby_lines(spec, plan))
     for t in plan.tasks:
         print(
             f"\n{t.name}  host {t.host}  port {t.port}"
@@ -116,6 +118,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<the task's own credential>")
     print(f"\n({note})")
     return EXIT_OK
+
+
+def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:
+    """`plan`'s word on warm standbys: per host, what they would take."""
+    from collections import Counter
+
+    from orchestrator.launch import standby
+
+    verdict = standby.for_run(spec)
+    if not verdict.on:
+        return f"warm standbys: none ({verdict.why})"
+    hosts = Counter(t.host for t in plan.tasks if standby.command(t.argv))
+    mode = spec.restart.standby.value
+    keep = standby.mib(standby.KEEP_AVAILABLE_BYTES)
+    lines = [f"warm standbys (restart.standby: {mode}; each imports TensorFlow for the next attempt):"]
+    for host, n in hosts.items():
+        cost = f"{n} × {standby.mib(standby.STANDBY_BYTES)} = {standby.mib(n * standby.STANDBY_BYTES)}"
+        lines.append(
+            f"  {host}: {cost}" + (f", where {keep} stay available with them" if mode == "auto" else "")
+        )
+    return "\n".join(lines)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ def facts(workdir: str, *ports: str) -> dict[str, Any]:
         "psutil": version("psutil"),
         "home": os.path.expanduser("~"),
         "gpus": _gpus(),
+        "memory": _memory(),
     }
     path = os.path.abspath(os.path.expanduser(workdir))
     out["workdir"] = path
@@ -67,6 +68,16 @@ def facts(workdir: str, *ports: str) -> dict[str, Any]:
     have = set(os.listdir(cache)) if os.path.isdir(cache) else set()
     out["missing"] = sorted(set(wanted) - have)
     return out
+
+
+def _memory() -> dict[str, int] | None:
+    """This host's memory, bytes: what is available (what a warm standby would take) and in all."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return {"available": kib["MemAvailable"] * 1024, "total": kib["MemTotal"] * 1024}
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def version(*names: str) -> str | None:

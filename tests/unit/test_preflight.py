@@ -15,6 +15,7 @@ from orchestrator.launch.ssh.preflight import (
     table_rows,
     warnings,
 )
+from orchestrator.spec import parse_spec
 
 CONNECTED: Any = object()  # stands for an open fabric.Connection: the table only asks whether there is one
 GIB = 1024**3
@@ -281,3 +282,26 @@ def test_shared_column_per_host() -> None:
 def test_the_shared_column_is_empty_when_the_spec_declares_no_shared_folder() -> None:
     [row] = table_rows([report()], shared_declared=False)
     assert row["shared"] == "-"
+
+
+@pytest.mark.parametrize(
+    ("restart", "available", "cell"),
+    [
+        ("", 10 * GIB, "2 × 600 MiB"),
+        ("", 2 * GIB, "off: low memory (2.0 GiB available)"),
+        ("restart: {standby: on}\n", 2 * GIB, "2 × 600 MiB"),
+        ("restart: {standby: off}\n", 10 * GIB, "off"),
+    ],
+)
+def test_the_check_table_says_what_warm_standbys_each_host_would_keep(
+    tmp_path, restart, available, cell
+) -> None:
+    (tmp_path / "job.py").write_text("")
+    text = (
+        "name: t\nbackend: ssh\nhosts:\n  - {address: 10.0.0.1, tasks: {worker: 2}}\n"
+        f"job: {{script: job.py}}\n{restart}"
+    )
+    spec = parse_spec(text, file="s.yaml", base_dir=tmp_path)
+    memory = {"available": available, "total": 16 * GIB}
+    [row] = table_rows([report(facts=facts(memory=memory))], spec=spec)
+    assert row["standbys"] == cell

@@ -22,6 +22,7 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch import standby
 from orchestrator.launch.api import CheckReport, on_all
 from orchestrator.launch.runtime import PROBE_SOURCE
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
@@ -117,7 +118,7 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
     try:
         return CheckReport(
             f"{spec.name}: {len(reports)} host(s)",
-            table_rows(reports, shared_declared=bool(declared_shared(spec))),
+            table_rows(reports, shared_declared=bool(declared_shared(spec)), spec=spec),
             warnings(reports),
             problems(reports),
         )
@@ -240,9 +241,12 @@ def close(reports: list[HostReport]) -> None:
     close_all({r.host.index: r.conn for r in reports if r.conn is not None})
 
 
-def table_rows(reports: list[HostReport], shared_declared: bool = True) -> list[dict[str, str]]:
+def table_rows(
+    reports: list[HostReport], shared_declared: bool = True, spec: ClusterSpec | None = None
+) -> list[dict[str, str]]:
     """One row per host for the `check` table (strings, in column order); the shared column says
-    "-" where the spec declares no shared folder (nothing was checked)."""
+    "-" where the spec declares no shared folder (nothing was checked); the standbys column, the
+    warm standbys the host would keep (with `spec`)."""
     rows = []
     for r in reports:
         f = r.facts or {}
@@ -266,7 +270,22 @@ def table_rows(reports: list[HostReport], shared_declared: bool = True) -> list[
                 else ("NOT SHARED" if r.shared else "ok"),
             }
         )
+        if spec is not None:
+            rows[-1]["standbys"] = _standby_cell(spec, r.host.index, f.get("memory"))
     return rows
+
+
+def _standby_cell(spec: ClusterSpec, index: int, memory: dict[str, int] | None) -> str:
+    """What warm standbys the host would keep: `2 × 600 MiB`, or `off` and why in a word."""
+    tasks = sum(spec.hosts[index].tasks.values()) if index < len(spec.hosts) else 0
+    if not tasks:
+        return "-"
+    if not standby.for_run(spec).on:
+        return "off"
+    available, total = (memory or {}).get("available"), (memory or {}).get("total")
+    verdict = standby.for_host(spec.restart.standby, tasks, available, total)
+    cost = f"{tasks} × {standby.mib(standby.STANDBY_BYTES)}"
+    return cost if verdict.on else f"off: low memory ({_size(available or 0)} available)"
 
 
 def _gpu_cell(gpus: dict[str, Any] | None) -> str:
