@@ -9,13 +9,17 @@ The standby starts where the host keeps the memory for it (`standby.need` bytes 
 figures) and is said ("standby"; "standby_ready" once TensorFlow is imported; "standby_failed"
 with its log's last lines when it exits first, a broken host found before it was needed). The
 coordinator's next line is the attempt's part of the job, "GO {…}" (attempt, env, log, pidfile,
-error_file, port_lock, and the `handover` line the standby reads); end of file instead stops it.
+error_file, port_lock, and the `handover` line the standby reads); end of file instead stops it,
+and so does silence: the coordinator says "ALIVE" every few seconds, and a standby that hears
+nothing for `standby.alive_s` (its host cut off, where sshd may never see the connection end)
+stops.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -60,13 +64,26 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
     )
     told = threading.Event()
     threading.Thread(target=_watch, args=(shim, job["standby"]["log"], child, told), daemon=True).start()
-    line = sys.stdin.buffer.readline()
+    line = _next_line(float(job["standby"].get("alive_s") or 0) or None)
     told.set()
     if not line.startswith(b"GO "):
         shim._terminate_group(child.pid, 0.0)  # the coordinator is done with it, or gone
+        child.wait()  # killed: at once
         shim._emit({"event": "exit", "code": 0})
         return 0
     return child, json.loads(line[3:])
+
+
+def _next_line(alive_s: float | None) -> bytes:
+    """The coordinator's next line other than "ALIVE" (it says so every few seconds); b"" at end
+    of file, or when it said nothing for `alive_s` (its host cut off: sshd may never notice)."""
+    stdin = sys.stdin.buffer
+    while True:
+        if alive_s is not None and not select.select([stdin], [], [], alive_s)[0]:
+            return b""
+        line = stdin.readline()
+        if line.strip() != b"ALIVE":
+            return line
 
 
 def _watch(shim: Any, log: str, child: subprocess.Popen[bytes], told: threading.Event) -> None:

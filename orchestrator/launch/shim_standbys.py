@@ -29,10 +29,18 @@ class _One:
     said: bool = False  # its failure reported
 
 
+#: How often the coordinator tells each standby's shim it is there ("ALIVE"), and how long a shim
+#: waits for word before it stops its standby (a cut host's sshd may never see the connection end).
+ALIVE_EVERY_S = 2.0
+ALIVE_S = 30.0
+
+
 def standby_job(spec: ClusterSpec, count_on_host: int, module: str, log_path: str) -> dict[str, Any]:
-    """The `standby` part of a shim's job: its module's path, its log on the host, and what the
-    host must keep available (`auto`), checked by the shim against the host's memory."""
-    part: dict[str, Any] = {"module": module, "log": log_path, "need": None, "keep": None}
+    """The `standby` part of a shim's job: its module's path, its log on the host, how long it
+    waits without word from the coordinator, and what the host must keep available (`auto`),
+    checked by the shim against the host's memory."""
+    alive_s = max(ALIVE_S, 3 * spec.health.heartbeat_timeout_s)
+    part: dict[str, Any] = {"module": module, "log": log_path, "need": None, "keep": None, "alive_s": alive_s}
     if spec.restart.standby is Standby.AUTO:
         part.update(need=count_on_host * standby.STANDBY_BYTES, keep=standby.KEEP_AVAILABLE_BYTES)
     return part
@@ -44,6 +52,7 @@ class ShimStandbys:
         self._run = standby.for_run(spec)
         self._ready: dict[str, _One] = {}
         self._said: str | None = None
+        self._next_alive = 0.0
 
     def prepare(
         self,
@@ -97,7 +106,12 @@ class ShimStandbys:
         return None, why
 
     def news(self) -> list[str]:
-        """Standbys that could not import TensorFlow or were refused for memory, each said once."""
+        """Standbys that could not import TensorFlow or were refused for memory, each said once.
+        Asked every supervisor iteration: each standby's shim is told the coordinator is there."""
+        if time.monotonic() >= self._next_alive:
+            self._next_alive = time.monotonic() + ALIVE_EVERY_S
+            for one in self._ready.values():
+                one.handle.transport.send(b"ALIVE\n")
         out = []
         for name, one in list(self._ready.items()):
             events = one.handle.events

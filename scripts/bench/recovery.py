@@ -1,9 +1,14 @@
 """P4/P5: detection latency per detector against its configured value, recovery time (kill ->
-first step after resume) next to the bare TensorFlow import time, and steps lost per failure
-against checkpoint_every. Each figure is the median of several runs.
+first step after resume) as a ratio to the bare TensorFlow import time measured in the same run,
+and steps lost per failure against checkpoint_every. Each figure is the median of several runs,
+with warm standbys (restart.standby: on, the default's choice here) and without (off), the two
+interleaved; with them, the standbys have imported TensorFlow before the failure.
 
 Detectors: process exit (kill -9 of a worker), heartbeat timeout (SIGSTOP of a worker), stall (a
-worker alive but stuck in Python). Latency = signal sent -> the run's STOPPING event.
+worker alive but stuck in Python). Latency = signal sent -> the run's STOPPING event. Recovery
+after a SIGSTOP or a stall is also given from the failure noticed (detection excluded), with the
+restart's timeline (the `recovery` event's phases). Also: attempt 0's steps/s with its standbys
+importing and then waiting, against none (P3's question), and a standby's RSS.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ job:
   env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
 train: {{steps: 100000, global_batch_size: 64, checkpoint_every: {every}}}
 health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: {hb}, stall_timeout_s: {stall}}}
-restart: {{max_restarts: 1, backoff_s: 0}}
+restart: {{max_restarts: 1, backoff_s: 0, standby: {standby}}}
 """
 
 STUCK_MODULE = """
@@ -72,7 +77,7 @@ def _wait(pred, timeout_s: float) -> None:
     raise TimeoutError("benchmark run did not reach the expected state")
 
 
-def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> dict:
+def one_run(kind: str, standby: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> dict:
     folder = tmpdir()
     flag = folder / "stick-now"
     module = folder / "train.py"
@@ -81,7 +86,8 @@ def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> 
         module.write_text(STUCK_MODULE.format(digits=str(digits), flag=str(flag)))
     else:
         module = digits
-    spec = write_spec(folder, LOOP_SPEC.format(module=module, every=every, hb=hb, stall=stall))
+    text = LOOP_SPEC.format(module=module, every=every, hb=hb, stall=stall, standby=standby)
+    spec = write_spec(folder, text)
     run = folder / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run), "--plain"],
@@ -89,8 +95,12 @@ def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> 
         stderr=subprocess.DEVNULL,
         cwd=folder,
     )
+    rss = 0
     try:
         _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
+        if standby == "on":  # a failure mid-training meets standbys that have imported TensorFlow
+            _wait(lambda: [s["state"] for s in _status(run).get("standbys", [])] == ["ready", "ready"], 120)
+            rss = max(s["rss_bytes"] or 0 for s in _status(run)["standbys"])
         victim = _status(run)["tasks"][1]["pid"]
         t0 = time.time()
         if kind == "exit":
@@ -100,17 +110,34 @@ def one_run(kind: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> 
         else:
             flag.write_text("now")
         _wait(lambda: any(e.get("new") == "STOPPING" for e in _events(run)), 120)
-        detected = next(iso_to_s(e["time"]) for e in _events(run) if e.get("new") == "STOPPING") - t0
+        noticed = next(iso_to_s(e["time"]) for e in _events(run) if e.get("new") == "STOPPING")
         _wait(lambda: _first_step_of_attempt(run, 1) is not None, 180)
-        recovered = _first_step_of_attempt(run, 1)[0] - t0
-        resumed_step = _first_step_of_attempt(run, 1)[1] - 1
+        first, resumed = _first_step_of_attempt(run, 1)
+        _wait(lambda: any(e["kind"] == "recovery" for e in _events(run)), 30)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         proc.kill()
+    points = _points(run)
     # trained before the failure (the last step attempt 0 reported) and not in the checkpoint resumed
-    trained = max(p["step"] for p in _points(run) if p["attempt"] == 0)
-    return {"detected_s": detected, "recovery_s": recovered, "steps_lost": max(0, trained - resumed_step)}
+    trained = max(p["step"] for p in points if p["attempt"] == 0)
+    recovery = next(e for e in _events(run) if e["kind"] == "recovery")
+    return {
+        "detected_s": noticed - t0,
+        "recovery_s": first - t0,
+        "from_noticed_s": first - noticed,
+        "steps_lost": max(0, trained - (resumed - 1)),
+        "steps_per_s": _rate(points, 20, 120),
+        "standby_rss_mib": rss / 2**20,
+        "phases_s": recovery["phases_s"],
+        "line": recovery["reason"],
+    }
+
+
+def _rate(points: list[dict], lo: int, hi: int) -> float:
+    """Attempt 0's steps per second between steps lo and hi (the chief's points)."""
+    times = {p["step"]: iso_to_s(p["time"]) for p in points if p["attempt"] == 0 and p["task"] == "worker-0"}
+    return (hi - lo) / (times[hi] - times[lo])
 
 
 def _points(run: Path) -> list[dict]:
@@ -141,12 +168,30 @@ def tf_import_s() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--kinds", default="exit,heartbeat,stall")
     ns = parser.parse_args()
     out: dict = {"configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50}}
-    for kind in ("exit", "heartbeat", "stall"):
-        runs = [one_run(kind) for _ in range(ns.runs)]
-        out[kind] = {k: round(median([r[k] for r in runs]), 2) for k in runs[0]} | {"runs": runs}
-    out["tf_import_s"] = round(median([tf_import_s() for _ in range(ns.runs)]), 2)
+    imports = []
+    for kind in ns.kinds.split(","):
+        runs: dict[str, list[dict]] = {"on": [], "off": []}
+        for _ in range(ns.runs):  # interleaved: the machine's drift falls on both alike
+            imports.append(tf_import_s())
+            for standby in ("on", "off"):
+                runs[standby].append(one_run(kind, standby))
+        out[kind] = {}
+        for standby, done in runs.items():
+            numbers = [k for k, v in done[0].items() if isinstance(v, (int, float))]
+            summary = {k: round(median([r[k] for r in done]), 3) for k in numbers}
+            phases = {
+                p: round(median([r["phases_s"][p] or 0.0 for r in done]), 3) for p in done[0]["phases_s"]
+            }
+            out[kind][standby] = summary | {"phases_s": phases, "runs": done}
+    out["tf_import_s"] = round(median(imports), 3)
+    for kind in ns.kinds.split(","):
+        for standby in ("on", "off"):
+            r = out[kind][standby]
+            r["ratio_to_import"] = round(r["recovery_s"] / out["tf_import_s"], 2)
+            r["noticed_ratio_to_import"] = round(r["from_noticed_s"] / out["tf_import_s"], 2)
     print(json.dumps(out, indent=2))
 
 

@@ -113,15 +113,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             "stall": f"stall {cfg['stall_timeout_s']:g} s",
         }
         for kind, label in names.items():
-            r = p45[kind]
+            r = p45[kind]["on"]
             out.append(f"| P4 detection, {label} | {r['detected_s']:.2f} s | configured {limits[kind]} |")
         for kind, label in names.items():
-            r = p45[kind]
-            out.append(
-                f"| P5 recovery after {label} | first step after resume {r['recovery_s']:.2f} s, "
-                f"{r['steps_lost']:.0f} steps lost | `import tensorflow` {p45['tf_import_s']:.2f} s; "
-                f"checkpoint_every {cfg['checkpoint_every']} |"
-            )
+            for standby in ("on", "off"):
+                r = p45[kind][standby]
+                said = "warm standbys" if standby == "on" else "no standbys"
+                out.append(
+                    f"| P5 recovery after {label}, {said} | first step after resume {r['recovery_s']:.2f} s "
+                    f"(×{r['ratio_to_import']:.2f} of an import; from the failure noticed "
+                    f"{r['from_noticed_s']:.2f} s, ×{r['noticed_ratio_to_import']:.2f}), "
+                    f"{r['steps_lost']:.0f} steps lost | `import tensorflow` {p45['tf_import_s']:.2f} s; "
+                    f"goal ≤ ×1.0 on local |"
+                )
     p6 = results.get("P6", {})
     for r in p6.get("results", []):
         if r["coordinator"] == "one host's relay":

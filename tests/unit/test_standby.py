@@ -313,3 +313,20 @@ def test_a_shim_refuses_a_standby_the_hosts_memory_cannot_keep(tmp_path: Path, f
     refused = until(said, "standby_refused")
     assert refused["available"] > 0 and refused["total"] >= refused["available"]
     assert proc.wait(timeout=10) == 0 and not any(e["event"] == "standby" for e in said)
+
+
+def test_a_shim_whose_coordinator_falls_silent_stops_its_standby(tmp_path: Path, fake_tf: Path) -> None:
+    """A cut host's sshd may never see its connection end: the coordinator's word is awaited."""
+    proc, said = shim_standby(tmp_path, fake_tf, alive_s=1.5)
+    waiting = until(said, "standby")
+    assert proc.stdin is not None
+    for _ in range(4):  # told it is there: it waits on
+        proc.stdin.write(b"ALIVE\n")
+        proc.stdin.flush()
+        time.sleep(0.5)
+    assert proc.poll() is None
+    began = time.monotonic()
+    assert until(said, "exit", timeout_s=10)["code"] == 0  # then silence: it stops
+    assert proc.wait(timeout=10) == 0 and time.monotonic() - began < 5
+    with pytest.raises(ProcessLookupError):
+        os.killpg(waiting["pgid"], 0)
