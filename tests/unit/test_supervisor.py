@@ -1053,3 +1053,51 @@ def test_what_the_backend_runs_in_taken_away_from_outside_ends_the_run_interrupt
         sup.step()
     assert sup.state is ClusterState.INTERRUPTED
     assert sup.reason == launcher.why and sup.restarts == 0
+
+
+class StandbyBackend(FakeBackend):
+    """Records when the supervisor asks for standbys; has news to tell once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[int] = []  # the tasks started when asked
+        self.news = ["the standby of worker-1 on hosts[1] could not import TensorFlow: no libcudart"]
+
+    def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
+        self.prepared.append(len(self.started))
+        return ["warm standbys started for worker-0, worker-1"]
+
+    def standby_news(self) -> list[str]:
+        news, self.news = self.news, []
+        return news
+
+
+def test_standbys_are_asked_for_once_the_attempt_is_up_and_their_news_is_said(tmp_path):
+    launcher = StandbyBackend()
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)
+    assert sup.step()[1] is ClusterState.LAUNCHING
+    assert launcher.prepared == []  # never while the attempt starts: it would slow the start
+    for name in sup.tasks:
+        beat(store, name, ready=True)
+    sup.step()
+    assert sup.state is ClusterState.RUNNING and len(launcher.prepared) == 1
+    said = [e["reason"] for e in sink.events if e["kind"] == "standby"]
+    assert said == [
+        "the standby of worker-1 on hosts[1] could not import TensorFlow: no libcudart",
+        "warm standbys started for worker-0, worker-1",
+    ]
+    sup.step()
+    assert len(launcher.prepared) == 1  # once per attempt
+
+
+def test_a_backend_whose_standbys_fail_to_start_does_not_stop_the_run(tmp_path):
+    class Broken(FakeBackend):
+        def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
+            raise OSError("fork: Cannot allocate memory")
+
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=Broken())
+    start_running(sup, launcher, store, clock)
+    assert sup.state is ClusterState.RUNNING
+    assert [e["reason"] for e in sink.events if e["kind"] == "standby"] == [
+        "warm standbys: OSError: fork: Cannot allocate memory"
+    ]
