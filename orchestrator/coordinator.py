@@ -9,12 +9,14 @@ control.py; `StopRequest` and `RunResult` are named here too, where callers have
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import resource
+import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import SupervisorResult
+from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
 from orchestrator.view import LiveView, PlainView, View
 
@@ -98,7 +101,10 @@ def up(
         # who supervises the run, before its page is served: a resumed run's page never takes the
         # coordinator that wrote the run before for this one, gone (its `stale` rule)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
-        urls = _serve_page(cleanup, run_dir, o.web, view)
+        # the page (its modules cost ~0.4 s to import) is served once the tasks are started; a
+        # `--web` address that cannot be had is said before anything starts
+        _check_web_address(o.web)
+        page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         planner = _Planner(spec, run_id, placements, record, credentials, backend)
@@ -109,7 +115,7 @@ def up(
         tailer = _tail_logs(plan, record, view, console)
         cleanup.callback(tailer.stop)
         config = SupervisorConfig.from_spec(spec, **(o.config_overrides or {}))
-        on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), urls)
+        on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), page)
         supervisor = Supervisor(
             plan,
             backend,
@@ -151,6 +157,20 @@ def _serve_page(
     page = cleanup.enter_context(_web_server(run_dir, web))
     view.notice(f"the run's page: {page.page_url}   (Prometheus: {page.metrics_url})")
     return {"page": page.page_url, "metrics": page.metrics_url}
+
+
+def _check_web_address(web: tuple[str, int] | None) -> None:
+    """LaunchError, as the page's server says it, when `--web`'s address cannot be bound now."""
+    if web is None:
+        return
+    host, port = web
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot serve the run's page on {host}:{port} (--web): {exc.strerror or exc}"
+        ) from None
 
 
 def _console_view(live: bool | None, progress_every_s: float) -> View:
@@ -226,13 +246,22 @@ class _StatusWriter:
     largest cost."""
 
     def __init__(
-        self, record: RunRecord, view: View, tailer: LogTailer, every_s: float, urls: Mapping[str, str]
+        self,
+        record: RunRecord,
+        view: View,
+        tailer: LogTailer,
+        every_s: float,
+        page: Callable[[], Mapping[str, str]],
     ):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
-        self._urls = dict(urls)
+        self._page: Callable[[], Mapping[str, str]] | None = page  # served after the first launch
+        self._urls: dict[str, str] = {}
         self._transitions, self._written_at, self._state = -1, 0.0, ""
 
     def __call__(self, sup: Supervisor) -> None:
+        if self._page is not None and sup.state is not ClusterState.PENDING:
+            page, self._page = self._page, None  # the tasks are started: they need not wait for it
+            self._urls = dict(page())
         now = time.monotonic()
         if sup.transitions == self._transitions and now - self._written_at < self._every_s:
             return

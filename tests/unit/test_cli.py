@@ -680,3 +680,20 @@ def test_status_of_a_run_whose_coordinator_died_stops_its_clock_at_the_last_reco
     os.utime(run_dir / "status.json", (record_time, record_time))  # written 5 min in, then it died
     code, out, _ = run(capsys, "status", str(run_dir))
     assert code == 0 and "5:00" in out and "its coordinator is gone" in out
+
+
+def test_a_page_address_already_taken_is_exit_3_before_any_task_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The page is served once the tasks are started (its import is not in their way); an address
+    it cannot have is still said before anything starts."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run_dir = tmp_path / "run"
+        spec = str(spec_file(tmp_path, LOCAL_SPEC))
+        code, _, err = run(capsys, "up", spec, "--run-dir", str(run_dir), "--web", f"127.0.0.1:{port}")
+    assert code == 3
+    assert f"cannot serve the run's page on 127.0.0.1:{port} (--web): Address already in use" in err
+    assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())  # nothing started
