@@ -101,9 +101,7 @@ def up(
         # who supervises the run, before its page is served: a resumed run's page never takes the
         # coordinator that wrote the run before for this one, gone (its `stale` rule)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
-        # the page (its modules cost ~0.4 s to import) is served once the tasks are started; a
-        # `--web` address that cannot be had is said before anything starts
-        _check_web_address(o.web)
+        _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the tasks are started
         page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))

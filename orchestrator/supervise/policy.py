@@ -120,6 +120,7 @@ class Snapshot:
     learned_folders: bool = False
     progressed: bool = False  # a training task of this attempt reported a step past its first one
     idle_in_a_row: int = 0  # the failed attempts just before this one that advanced no step
+    in_doubt: bool = False  # the stop could not confirm every task's exit (a host cut off)
 
 
 def decide(failures: Sequence[Failure], snap: Snapshot) -> list[Decision]:
@@ -273,9 +274,11 @@ class JobRestart:
 
 def job_restart(decision: Decision, snap: Snapshot, base_backoff_s: float) -> JobRestart:
     """What restarting the job costs: no wait after an attempt that advanced (a failure after
-    progress is not a failure in a loop), else the backoff for the attempts in a row that did not;
-    and whether it counts against the budget."""
-    wait_s = 0.0 if snap.progressed else backoff_s(base_backoff_s, snap.idle_in_a_row)
+    progress is not a failure in a loop), unless the stop left a task's exit in doubt (its host
+    cut off: the next attempt would meet it at once; the backoff gives it time to come back); else
+    the backoff for the attempts in a row that did not advance; and whether it counts."""
+    at_once = snap.progressed and not snap.in_doubt
+    wait_s = 0.0 if at_once else backoff_s(base_backoff_s, snap.idle_in_a_row)
     return JobRestart(wait_s, not decision.failure.is_preemption)
 
 

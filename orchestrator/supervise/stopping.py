@@ -6,6 +6,7 @@ waits and what a restart costs are the policy's (policy.py).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -110,9 +111,8 @@ class Stopping:
             rec.restart_at, rec.stopping = None, None
         # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
         quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
-        self._unconfirmed(
-            stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
-        )
+        left = stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
+        self._unconfirmed(left)
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
             rec.health = health.get(rec.plan.name, rec.health)
@@ -128,7 +128,7 @@ class Stopping:
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
             if stop.decision.action is Action.RESTART_JOB:
-                snap = self._snapshot()
+                snap = dataclasses.replace(self._snapshot(), in_doubt=bool(left))
                 restart = policy.job_restart(stop.decision, snap, self.config.backoff_s)
                 self.restarts += 1 if restart.counted else 0
                 self.idle_in_a_row = 0 if snap.progressed else snap.idle_in_a_row + 1

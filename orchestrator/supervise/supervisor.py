@@ -151,6 +151,8 @@ class Supervisor(Stopping):
         elif self.state is ClusterState.STOPPING:
             self._teardown()
         if self.state is ClusterState.RESTARTING and self._clock() >= self._restart_at:
+            if before is not ClusterState.RESTARTING and self._on_change is not None:
+                self._on_change(self)  # said before the launch, which may wait on its hosts
             self.attempt += 1  # at once after the stop when there is no backoff: no idle poll
             self._launch_all()
         if self._on_change is not None:

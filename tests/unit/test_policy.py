@@ -450,6 +450,8 @@ def test_a_restart_after_progress_waits_nothing_and_the_backoff_doubles_only_wit
     again = dataclasses.replace(snap, progressed=False, idle_in_a_row=2)
     assert policy.job_restart(killed, again, 1.5) == policy.JobRestart(wait_s=6.0, counted=True)
     assert policy.job_restart(preempted, again, 1.5) == policy.JobRestart(wait_s=6.0, counted=False)
+    cut = dataclasses.replace(snap, progressed=True, in_doubt=True)  # a host cut off: give it time
+    assert policy.job_restart(killed, cut, 1.5) == policy.JobRestart(wait_s=1.5, counted=True)
 
 
 def test_the_end_of_training_waits_once_and_bounded_for_the_tasks_that_end_by_themselves():

@@ -1101,3 +1101,14 @@ def test_a_backend_whose_standbys_fail_to_start_does_not_stop_the_run(tmp_path):
     assert [e["reason"] for e in sink.events if e["kind"] == "standby"] == [
         "warm standbys: OSError: fork: Cannot allocate memory"
     ]
+
+
+def test_a_restart_after_a_host_was_cut_off_waits_its_backoff_even_after_progress(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, backoff_s=2)
+    start_running(sup, launcher, store, clock)
+    beat(store, "worker-0", step=3), beat(store, "worker-0", step=9)  # it trained
+    launcher.handles["worker-1"].cut_off = True  # its host is gone: its exit cannot be confirmed
+    launcher.handles["worker-0"].code = -9
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.RESTARTING and sup.reason.endswith(", in 2 s"), sup.reason
+    assert sup.unconfirmed == ["worker-1"]
