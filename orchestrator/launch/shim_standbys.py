@@ -102,7 +102,7 @@ class ShimStandbys:
             one.handle.attempt = int(go["attempt"])
             one.handle.transport.send(f"GO {json.dumps(go)}\n".encode())
             return one.handle, ""
-        _stop([one])
+        _stop([one], wait_s=0.0)
         return None, why
 
     def news(self) -> list[str]:
@@ -152,10 +152,11 @@ class ShimStandbys:
 
 def _stop(ones: list[_One], wait_s: float = 5.0) -> None:
     """End of file to each standby's shim, which stops it and says so; its transport let go once
-    it did (or after `wait_s`: then as a task whose end is unknown)."""
+    it did (or after `wait_s`). A standby is no task: its end needs no confirming (its shim stops
+    it at end of file, or after `alive_s` without word), so its host is never taken for lost."""
     for one in ones:
         one.handle.transport.end_input()
     deadline = time.monotonic() + wait_s
     for one in ones:
         one.handle.events.ended.wait(max(0.0, deadline - time.monotonic()))
-        one.handle.release()
+        one.handle.transport.close(True, one.handle.events)
