@@ -157,7 +157,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         table.add_column(column)
     for row in report.rows:
         table.add_row(*row.values())
-    console = Console(highlight=False, soft_wrap=True)
+    # piped or logged: one line per host, however many columns (a terminal's width otherwise)
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     console.print(table)
     for warning in report.warnings:
         console.print(f"warning: {warning}")

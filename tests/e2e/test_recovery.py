@@ -311,3 +311,29 @@ def test_workers_that_start_from_different_states_never_train_on(job_factory):
     assert f"worker-0 {said}" in res.stdout and f"worker-1 {said}" in res.stdout
     assert all((t["last_step"] or 0) == 0 for t in st["tasks"]), st["tasks"]  # not one step trained
     assert run_processes(job.run_id) == []
+
+
+def test_the_coordinators_sigkill_leaves_no_standby_and_no_task_behind(job_factory):
+    """A standby waits on a pipe from its coordinator: its end (even by SIGKILL) ends the standby
+    at once, mid-import or not; the tasks stop themselves once the coordinator is out of reach."""
+    job = job_factory(
+        plain(
+            """
+            for step in range(1, 100000):
+                worker.report(step=step)
+                time.sleep(0.05)
+            """
+        ),
+        "health: {heartbeat_timeout_s: 3}\n",
+    )
+    proc = job.start()
+    try:
+        assert wait_until(lambda: len(status(job).get("standbys") or []) == 2, 60), status(job)
+        standbys = {s["pid"] for s in status(job)["standbys"]}
+        proc.kill()  # no teardown at all
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not standbys & {p.pid for p in run_processes(job.run_id)}, 5)
+        assert wait_until(lambda: run_processes(job.run_id) == [], 30), run_processes(job.run_id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
