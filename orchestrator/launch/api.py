@@ -292,7 +292,7 @@ class Backend(abc.ABC):
         return cast(list[TaskHandle | LaunchError], group.values())  # every other exception raised above
 
     def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
-        """The attempt is up: a warm standby for every task that has none (launch/standby.py),
+        """The attempt trains: a warm standby for every task that has none (launch/standby.py),
         where the backend has them; lines for the record. Never slows the attempt."""
         return []
 

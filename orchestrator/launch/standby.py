@@ -3,7 +3,7 @@ run has them (`restart.standby`, the memory they cost, a job that sets an import
 itself), a standby's command, the handover that makes it its task, and the rule that it is used
 only where its task's attempt has exactly the environment it was started with.
 
-A standby (worker/standby.py) is started once an attempt is up, imports TensorFlow at the
+A standby (worker/standby.py) is started once an attempt trains, imports TensorFlow at the
 lowest CPU priority and waits; the next attempt's `start` hands the task to it (or starts cold,
 saying why), and the backend prepares the next one once that attempt is up.
 """

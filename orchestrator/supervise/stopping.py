@@ -7,6 +7,7 @@ waits and what a restart costs are the policy's (policy.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,8 @@ from orchestrator.supervise.records import EventSink, TaskRecord
 from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.timeline import Recovery, Timeline
 
+log = logging.getLogger("orchestrator.supervise")
+
 
 @dataclass
 class Stop:
@@ -37,6 +40,7 @@ class Stop:
 class Stopping:
     """The supervisor's stops (mixed into Supervisor, which sets what is declared here)."""
 
+    plan: LaunchPlan
     tasks: dict[str, TaskRecord]
     config: SupervisorConfig
     attempt: int
@@ -77,6 +81,18 @@ class Stopping:
         """A failure that stops the job (a launch, a start-up deadline): the policy says how."""
         decision = next(d for d in policy.decide([failure], self._snapshot()) if d.stops_job)
         self._begin_stop(Stop(ClusterState.FAILED, failure.describe(), decision))
+
+    def _diagnosed(self, failure: Failure) -> Failure:
+        """A start-up deadline with the backend's finding on why the cluster never connected (hosts
+        that cannot reach each other), when it has one."""
+        if failure.kind is not FailureKind.STARTUP_TIMEOUT:
+            return failure
+        try:
+            finding = self._backend.diagnose_startup(self.plan, failure.tasks)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis that fails never hides the failure
+            log.warning("diagnosing the start-up deadline: %s", exc)
+            return failure
+        return dataclasses.replace(failure, detail=f"{failure.detail}; {finding}") if finding else failure
 
     def _begin_stop(self, stop: Stop) -> None:
         self._stop = stop

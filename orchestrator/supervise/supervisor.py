@@ -10,7 +10,6 @@ injected so tests can step it deterministically.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +40,10 @@ from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
 
 log = logging.getLogger("orchestrator.supervise")
+
+#: Standbys for the next attempt are prepared once every deciding task has trained a step (they
+#: would compete with the attempt's start-up and its first step), or this long after it came up.
+STANDBYS_AFTER_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Supervisor(Stopping):
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
         self.idle_in_a_row = 0
+        self._standbys_at: float | None = None  # when to prepare standbys at the latest (running)
         self.timeline = Timeline()
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
@@ -305,7 +309,7 @@ class Supervisor(Stopping):
                     why = f"every task is up or done; {alone} exited without a distribution strategy"
                 self._move(ClusterState.RUNNING, why)
                 self.timeline.up(now)
-                self._standbys(self._backend.prepare_standbys)
+                self._standbys_at = now + STANDBYS_AFTER_S
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
@@ -313,6 +317,10 @@ class Supervisor(Stopping):
             self._finish_training(now, deciders)
         if self.state is ClusterState.RUNNING:
             self._said(self.timeline.observe(r.health for r in deciders))
+            trained = all(r.health is not None and r.health.first_step_at is not None for r in deciders)
+            if self._standbys_at is not None and (trained or now >= self._standbys_at):
+                self._standbys_at = None  # the next attempt's standbys: once this one trains
+                self._standbys(self._backend.prepare_standbys)
 
     def _apply(self, verdicts: list[detect.Verdict]) -> list[Failure]:
         """Move the tasks as the detectors saw them; their failures."""
@@ -325,18 +333,6 @@ class Supervisor(Stopping):
             if v.failure is not None:
                 out.append(v.failure)
         return out
-
-    def _diagnosed(self, failure: Failure) -> Failure:
-        """A start-up deadline with the backend's finding on why the cluster never connected (hosts
-        that cannot reach each other), when it has one."""
-        if failure.kind is not FailureKind.STARTUP_TIMEOUT:
-            return failure
-        try:
-            finding = self._backend.diagnose_startup(self.plan, failure.tasks)
-        except Exception as exc:  # noqa: BLE001 - a diagnosis that fails never hides the failure
-            log.warning("diagnosing the start-up deadline: %s", exc)
-            return failure
-        return dataclasses.replace(failure, detail=f"{failure.detail}; {finding}") if finding else failure
 
     def _standbys(self, ask: Callable[[LaunchPlan], list[str]]) -> None:
         """Warm standbys prepared (the attempt is up) or found broken: said, never fatal."""

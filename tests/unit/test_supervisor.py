@@ -1072,15 +1072,18 @@ class StandbyBackend(FakeBackend):
         return news
 
 
-def test_standbys_are_asked_for_once_the_attempt_is_up_and_their_news_is_said(tmp_path):
+def test_standbys_are_asked_for_once_the_attempt_trains_and_their_news_is_said(tmp_path):
     launcher = StandbyBackend()
     sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)
     assert sup.step()[1] is ClusterState.LAUNCHING
-    assert launcher.prepared == []  # never while the attempt starts: it would slow the start
     for name in sup.tasks:
         beat(store, name, ready=True)
     sup.step()
-    assert sup.state is ClusterState.RUNNING and len(launcher.prepared) == 1
+    assert sup.state is ClusterState.RUNNING
+    assert launcher.prepared == []  # not while the attempt starts and traces its first step
+    beat(store, "worker-0", step=1), beat(store, "worker-1", step=1)
+    sup.step()
+    assert len(launcher.prepared) == 1
     said = [e["reason"] for e in sink.events if e["kind"] == "standby"]
     assert said == [
         "the standby of worker-1 on hosts[1] could not import TensorFlow: no libcudart",
@@ -1090,6 +1093,18 @@ def test_standbys_are_asked_for_once_the_attempt_is_up_and_their_news_is_said(tm
     assert len(launcher.prepared) == 1  # once per attempt
 
 
+def test_standbys_of_a_job_that_reports_no_step_come_a_while_after_it_is_up(tmp_path):
+    launcher = StandbyBackend()
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)
+    start_running(sup, launcher, store, clock)
+    for seconds in (5.0, 4.0, 1.5):
+        clock.advance(seconds)
+        beat(store, "worker-0"), beat(store, "worker-1")  # alive, no step
+        sup.step()
+        assert sup.state is ClusterState.RUNNING
+        assert launcher.prepared == ([] if seconds != 1.5 else [2])
+
+
 def test_a_backend_whose_standbys_fail_to_start_does_not_stop_the_run(tmp_path):
     class Broken(FakeBackend):
         def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
@@ -1097,6 +1112,8 @@ def test_a_backend_whose_standbys_fail_to_start_does_not_stop_the_run(tmp_path):
 
     sup, launcher, store, clock, sink = make(tmp_path, launcher=Broken())
     start_running(sup, launcher, store, clock)
+    beat(store, "worker-0", step=1), beat(store, "worker-1", step=1)
+    sup.step()
     assert sup.state is ClusterState.RUNNING
     assert [e["reason"] for e in sink.events if e["kind"] == "standby"] == [
         "warm standbys: OSError: fork: Cannot allocate memory"
