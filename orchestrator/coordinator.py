@@ -101,7 +101,7 @@ def up(
         # who supervises the run, before its page is served: a resumed run's page never takes the
         # coordinator that wrote the run before for this one, gone (its `stale` rule)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
-        _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the tasks are started
+        _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the job trains
         page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
@@ -252,15 +252,16 @@ class _StatusWriter:
         page: Callable[[], Mapping[str, str]],
     ):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
-        self._page: Callable[[], Mapping[str, str]] | None = page  # served after the first launch
+        self._page: Callable[[], Mapping[str, str]] | None = page  # served once the job trains
+        self._page_by = time.monotonic() + PAGE_AT_THE_LATEST_S
         self._urls: dict[str, str] = {}
         self._transitions, self._written_at, self._state = -1, 0.0, ""
 
     def __call__(self, sup: Supervisor) -> None:
-        if self._page is not None and sup.state is not ClusterState.PENDING:
-            page, self._page = self._page, None  # the tasks are started: they need not wait for it
-            self._urls = dict(page())
         now = time.monotonic()
+        if self._page is not None and not sup.state.is_terminal and (now >= self._page_by or _trains(sup)):
+            page, self._page = self._page, None
+            self._urls = dict(page())
         if sup.transitions == self._transitions and now - self._written_at < self._every_s:
             return
         self._transitions, self._written_at = sup.transitions, now
@@ -275,6 +276,21 @@ class _StatusWriter:
         self._record.write_status(status)
         self._record.flush()
         self._view.update(status)
+
+
+#: The run's page is served once the job has trained a step (importing its modules takes
+#: ~0.4 s of a core that the tasks' own TensorFlow imports and first step need: P1), at the latest
+#: this long after the coordinator began supervising.
+PAGE_AT_THE_LATEST_S = 20.0
+
+
+def _trains(sup: Supervisor) -> bool:
+    """A task of the job reported a step, or its attempt is over (stopping, restarting)."""
+    if sup.state in (ClusterState.PENDING, ClusterState.LAUNCHING) or sup.state.is_terminal:
+        return False
+    return sup.state is not ClusterState.RUNNING or any(
+        r.health is not None and r.health.first_step_at is not None for r in sup.tasks.values()
+    )
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ only where its task's attempt has exactly the environment it was started with.
 
 A standby (worker/standby.py) is started once an attempt trains, imports TensorFlow at the
 lowest CPU priority and waits; the next attempt's `start` hands the task to it (or starts cold,
-saying why), and the backend prepares the next one once that attempt is up.
+saying why), and the backend prepares the next one once that attempt trains.
 """
 
 from __future__ import annotations
