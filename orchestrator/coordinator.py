@@ -261,7 +261,10 @@ class _StatusWriter:
         now = time.monotonic()
         if self._page is not None and not sup.state.is_terminal and (now >= self._page_by or _trains(sup)):
             page, self._page = self._page, None
-            self._urls = dict(page())
+            try:
+                self._urls = dict(page())
+            except LaunchError as exc:  # its address taken meanwhile: the run goes on without it
+                log.warning("%s; the run goes on without its page", exc)
         if sup.transitions == self._transitions and now - self._written_at < self._every_s:
             return
         self._transitions, self._written_at = sup.transitions, now

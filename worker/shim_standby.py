@@ -21,7 +21,6 @@ import json
 import os
 import select
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -40,8 +39,9 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
         return 0
     try:
         shim._materialize(job["cache"], job["folder"], job["files"])
-        os.makedirs(os.path.dirname(job["standby"]["log"]), exist_ok=True)
-        with open(job["standby"]["log"], "ab") as out:
+        os.makedirs(os.path.dirname(job["standby"]["log"]), mode=0o700, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(job["standby"]["log"], flags, 0o600), "ab") as out:
             out.write(
                 f"===== orchestrate: standby of {job['task']} ({time.strftime('%H:%M:%S')}) =====\n".encode()
             )
@@ -76,12 +76,18 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
 
 def _next_line(alive_s: float | None) -> bytes:
     """The coordinator's next line other than "ALIVE" (it says so every few seconds); b"" at end
-    of file, or when it said nothing for `alive_s` (its host cut off: sshd may never notice)."""
-    stdin = sys.stdin.buffer
+    of file, or when it said nothing for `alive_s` (its host cut off: sshd may never notice).
+    Read a byte at a time from fd 0: nothing past the line is taken from the shim's stdin, whose
+    later lines (TERM, KILL) are the task's."""
     while True:
-        if alive_s is not None and not select.select([stdin], [], [], alive_s)[0]:
-            return b""
-        line = stdin.readline()
+        line = b""
+        while not line.endswith(b"\n"):
+            if alive_s is not None and not select.select([0], [], [], alive_s)[0]:
+                return b""
+            byte = os.read(0, 1)
+            if not byte:
+                return b""  # end of file (a line cut short is no GO)
+            line += byte
         if line.strip() != b"ALIVE":
             return line
 

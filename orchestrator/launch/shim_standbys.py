@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,9 @@ class ShimStandbys:
         self._run = standby.for_run(spec)
         self._ready: dict[str, _One] = {}
         self._said: str | None = None
-        self._next_alive = 0.0
+        self._lock = threading.Lock()  # the standbys, between the supervisor and the ALIVE thread
+        self._closed = threading.Event()
+        self._alive: threading.Thread | None = None
 
     def prepare(
         self,
@@ -75,8 +78,12 @@ class ShimStandbys:
             except Exception as exc:  # noqa: BLE001 - a standby is an optimisation: said, never fatal
                 failed.append(f"the standby of {task.name} could not be started: {exc}")
                 continue
-            self._ready[task.name] = _One(handle, env, place)
+            with self._lock:
+                self._ready[task.name] = _One(handle, env, place)
             started.append(task.name)
+        if self._alive is None and started:
+            self._alive = threading.Thread(target=self._say_alive, name="standbys-alive", daemon=True)
+            self._alive.start()
         out = failed
         if started:
             out.append(f"warm standbys started for {', '.join(started)} (at the lowest CPU priority)")
@@ -87,13 +94,16 @@ class ShimStandbys:
     ) -> tuple[ShimHandle | None, str]:
         """The task's standby handed its attempt (`go`: the attempt's part of the shim's job), or
         None and why it starts cold."""
-        one = self._ready.pop(task.name, None)
+        with self._lock:
+            one = self._ready.pop(task.name, None)
         if one is None:
             return None, "no standby"
         events = one.handle.events
         why = (
             "its standby failed"
             if events.standby_failed is not None or events.ended.is_set()
+            else "its standby was still importing TensorFlow (it does so at the lowest priority)"
+            if not events.standby_ready
             else f"its standby waits on {one.place}, not {place}"
             if one.place != place
             else standby.differs(one.env, env)
@@ -106,12 +116,7 @@ class ShimStandbys:
         return None, why
 
     def news(self) -> list[str]:
-        """Standbys that could not import TensorFlow or were refused for memory, each said once.
-        Asked every supervisor iteration: each standby's shim is told the coordinator is there."""
-        if time.monotonic() >= self._next_alive:
-            self._next_alive = time.monotonic() + ALIVE_EVERY_S
-            for one in self._ready.values():
-                one.handle.transport.send(b"ALIVE\n")
+        """Standbys that could not import TensorFlow or were refused for memory, each said once."""
         out = []
         for name, one in list(self._ready.items()):
             events = one.handle.events
@@ -146,8 +151,19 @@ class ShimStandbys:
         return rows
 
     def close(self) -> None:
-        _stop(list(self._ready.values()))
-        self._ready.clear()
+        self._closed.set()
+        with self._lock:
+            ones = list(self._ready.values())
+            self._ready.clear()
+        _stop(ones)
+
+    def _say_alive(self) -> None:
+        """Every ALIVE_EVERY_S, to each standby's shim: the coordinator is there (whatever the
+        supervisor is doing meanwhile: a long stop, a backoff, a checkpoint copy)."""
+        while not self._closed.wait(ALIVE_EVERY_S):
+            with self._lock:
+                for one in self._ready.values():
+                    one.handle.transport.send(b"ALIVE\n")
 
 
 def _stop(ones: list[_One], wait_s: float = 5.0) -> None:

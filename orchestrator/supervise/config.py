@@ -7,6 +7,11 @@ from typing import Any
 
 from orchestrator.spec.model import ClusterSpec, Role
 
+#: Standbys for the next attempt are prepared once every deciding task has trained a step (they
+#: would compete with the attempt's start-up and its first step), or this long after it came up
+#: (or after a task restarted alone).
+STANDBYS_AFTER_S = 10.0
+
 
 @dataclass(frozen=True)
 class SupervisorConfig:

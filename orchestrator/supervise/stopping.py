@@ -21,7 +21,7 @@ from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import AtEnd
 from orchestrator.supervise import policy
-from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, TaskRecord
 from orchestrator.supervise.states import ClusterState, TaskState
@@ -50,6 +50,8 @@ class Stopping:
     root_cause: Failure | None
     unconfirmed: list[str]
     idle_in_a_row: int  # failed attempts in a row that advanced no step (the backoff doubles)
+    _standbys_at: float | None  # when to prepare the next standbys at the latest
+    _standbys_on_step: bool  # or as soon as every deciding task has stepped
     timeline: Timeline  # each restart's phases
     never_up: list[str]
     _end_deadline: float | None
@@ -242,7 +244,8 @@ class Stopping:
             f"restarted alone (restart {rec.restarts} of {self.config.max_restarts}), "
             f"pid {rec.handle.process.pid}",
         )
-        self._standbys(self._backend.prepare_standbys)  # the next one, for this task
+        # the next one, once it is going: not while it starts (the others have stepped long ago)
+        self._standbys_at, self._standbys_on_step = self._clock() + STANDBYS_AFTER_S, False
         return None
 
     def _note_unconfirmed(self, stopping: Future[Any] | None) -> None:

@@ -25,7 +25,7 @@ from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.supervise import detect, policy, restores
-from orchestrator.supervise.config import SupervisorConfig
+from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.policy import Action, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
@@ -40,10 +40,6 @@ from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
 
 log = logging.getLogger("orchestrator.supervise")
-
-#: Standbys for the next attempt are prepared once every deciding task has trained a step (they
-#: would compete with the attempt's start-up and its first step), or this long after it came up.
-STANDBYS_AFTER_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +101,7 @@ class Supervisor(Stopping):
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
         self.idle_in_a_row = 0
         self._standbys_at: float | None = None  # when to prepare standbys at the latest (running)
+        self._standbys_on_step = False  # or once every deciding task has stepped
         self.timeline = Timeline()
         self.hurry = threading.Event()
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
@@ -309,7 +306,7 @@ class Supervisor(Stopping):
                     why = f"every task is up or done; {alone} exited without a distribution strategy"
                 self._move(ClusterState.RUNNING, why)
                 self.timeline.up(now)
-                self._standbys_at = now + STANDBYS_AFTER_S
+                self._standbys_at, self._standbys_on_step = now + STANDBYS_AFTER_S, True
             elif now - self._launched_at() > self.config.startup_timeout_s:
                 late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
@@ -318,7 +315,9 @@ class Supervisor(Stopping):
         if self.state is ClusterState.RUNNING:
             self._said(self.timeline.observe(r.health for r in deciders))
             trained = all(r.health is not None and r.health.first_step_at is not None for r in deciders)
-            if self._standbys_at is not None and (trained or now >= self._standbys_at):
+            if self._standbys_at is not None and (
+                (trained and self._standbys_on_step) or now >= self._standbys_at
+            ):
                 self._standbys_at = None  # the next attempt's standbys: once this one trains
                 self._standbys(self._backend.prepare_standbys)
 

@@ -139,8 +139,9 @@ class Timeline:
         return ended
 
     def stopped(self, now: float, restarting: bool) -> None:
-        """The old attempt is stopped; no restart follows (failed, interrupted): nothing to time."""
-        if self.current is None:
+        """The old attempt is stopped. When no restart follows (failed for good, interrupted), the
+        restart this stop would have begun is dropped; one under way before it is kept (run_ends)."""
+        if self.current is None or self.current.stopped is not None:
             return
         if restarting:
             self.current.stopped = now

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reas
 # Deterministic: seeded weights, data in a fixed order; Adam, so optimizer state matters too.
 # Each batch sleeps a little, so a test can kill a task mid-run.
 LOOP = """
+    import os
     import time
     import numpy as np
     import tensorflow as tf
@@ -48,7 +49,8 @@ LOOP = """
         return lambda labels, predictions: tf.reduce_mean(tf.square(labels - predictions), axis=-1)
 
     def _slow(x, y):
-        tf.numpy_function(lambda: time.sleep(0.03) or np.float32(0), [], tf.float32)
+        pause = float(os.environ.get("STEP_PAUSE_S", "0.03"))
+        tf.numpy_function(lambda: time.sleep(pause) or np.float32(0), [], tf.float32)
         return x, y
 
     def make_dataset(ctx, global_batch_size):
@@ -105,11 +107,14 @@ def final_weights(run_dir: Path) -> list[np.ndarray]:
 def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(lab, tmp_path, jobs):
     needs_separate_disks(lab)
     job = loop_job(lab, tmp_path / "killed", jobs, restart={"max_restarts": 2, "backoff_s": 3})
+    data = yaml.safe_load(job.spec.read_text())
+    data["job"]["env"]["STEP_PAUSE_S"] = "0.25"  # long enough for its standbys to be ready
+    job.spec.write_text(yaml.safe_dump(data))
     proc = job.start()
     try:
         assert wait_until(lambda: (job.task("worker-1").get("last_step") or 0) >= 35, 120), job.status()
         # each task's warm standby waits on its host (its pid said by its shim)
-        assert wait_until(lambda: len([s for s in job.status()["standbys"] if s["pid"]]) == 2, 60)
+        assert wait_until(lambda: [s["state"] for s in job.status()["standbys"]] == ["ready"] * 2, 90)
         standbys = {s["task"]: (s["host"], s["pid"]) for s in job.status()["standbys"]}
         # the chief's host has a half-written checkpoint (as a save cut short leaves)
         host0 = lab.hosts[0]

@@ -203,26 +203,56 @@ def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
             train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
         ),
     )
-    standbys: dict[str, tuple[str, int]] = {}
-
-    def kill_once_the_standbys_wait() -> None:
-        assert wait_until(lambda: len([s for s in run.status()["standbys"] if s["pid"]]) == 2, 60)
-        standbys.update({s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]})
-        kill_task(run, "worker-1")
-
-    out = run.through("worker-1", 30, kill_once_the_standbys_wait)
+    out = run.through("worker-1", 30, lambda: kill_task(run, "worker-1"))
     assert run.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["attempt"] == 1
-    # attempt 1's steps were the standbys' (steps that waited on the nodes), the timeline said
     events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
-    attempt_1 = {e["task"]: e["reason"] for e in events if e.get("new") == "STARTING" and e["attempt"] == 1}
-    assert attempt_1 == {t: f"pid {pid} on {node}" for t, (node, pid) in standbys.items()}, attempt_1
-    assert any(e["kind"] == "recovery" and e["reason"] in out for e in events)
+    assert any(e["kind"] == "recovery" and e["reason"] in out for e in events)  # the timeline, said
     assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0")), run.log("worker-0")[
         -2000:
     ]
     assert (run.run_dir / "model").is_dir()
+    assert nothing_left(lab, run)
+
+
+def test_a_killed_task_restarts_from_the_standby_steps_waiting_on_the_nodes(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec(
+            "standby",
+            {"nodes": 2, "tasks_per_node": {"worker": 1}},
+            loop_job(),
+            train={"steps": 100000, "checkpoint_every": 20, "global_batch_size": 32},
+        ),
+    )
+
+    def events() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+
+    proc = run.start()
+    try:
+
+        def ready() -> bool:
+            return [s["state"] for s in run.status().get("standbys") or []] == ["ready", "ready"]
+
+        assert wait_until(ready, 120), run.status()
+        standbys = {s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]}
+        kill_task(run, "worker-1")
+        assert wait_until(lambda: any(e["kind"] == "recovery" for e in events()), 90), events()[-5:]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    # attempt 1's steps were the standbys' (steps that waited on the nodes), the timeline said
+    attempt_1 = {e["task"]: e["reason"] for e in events() if e.get("new") == "STARTING" and e["attempt"] == 1}
+    assert attempt_1 == {t: f"pid {pid} on {node}" for t, (node, pid) in standbys.items()}, attempt_1
+    [recovery] = [e for e in events() if e["kind"] == "recovery"]
+    assert recovery["reason"].startswith("attempt 1 training again") and recovery["reason"] in out
     assert nothing_left(lab, run)
 
 

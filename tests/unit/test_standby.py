@@ -161,10 +161,13 @@ def test_the_local_backend_says_a_broken_standby_once_and_then_starts_that_task_
 
 
 def test_a_standby_started_with_another_environment_is_not_used(tmp_path: Path, fake_tf: Path) -> None:
-    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "FAKE_TF_SLEEP_S": "60"}
+    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}"}
     standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby")
     task = task_plan(tmp_path)
     standbys.prepare([task], base)
+    deadline = time.monotonic() + 20
+    while standbys.status()[0]["state"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.05)
     pid = standbys.status()[0]["pid"]
     changed = {**base, "TF_CPP_MIN_LOG_LEVEL": "3", **task.launch_env(attempt=1, token="t")}
     popen, why = standbys.take(task, changed, tmp_path / "w.log")
@@ -172,6 +175,18 @@ def test_a_standby_started_with_another_environment_is_not_used(tmp_path: Path, 
     assert why == "its task's environment is not the one it was started with (TF_CPP_MIN_LOG_LEVEL)"
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed, and reaped
+    standbys.close()
+
+
+def test_a_standby_still_importing_is_not_waited_for(tmp_path: Path, fake_tf: Path) -> None:
+    """Its import runs at the lowest priority, which a task must not inherit: it starts cold."""
+    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "FAKE_TF_SLEEP_S": "60"}
+    standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby")
+    task = task_plan(tmp_path)
+    standbys.prepare([task], base)
+    assert standbys.status()[0]["state"] == "importing"
+    popen, why = standbys.take(task, {**base, **task.launch_env(attempt=1, token="t")}, tmp_path / "w.log")
+    assert popen is None and why.startswith("its standby was still importing TensorFlow")
     standbys.close()
 
 

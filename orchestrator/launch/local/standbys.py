@@ -123,7 +123,13 @@ class LocalStandbys:
             return None, "no standby"
         args = standby.command(task.argv)
         state = one.state()
-        why = f"its standby {state}" if state in ("failed", "gone") else standby.differs(one.env, env)
+        why = (
+            f"its standby {state}"
+            if state in ("failed", "gone")
+            else "its standby was still importing TensorFlow (it does so at the lowest priority)"
+            if state == "importing"
+            else standby.differs(one.env, env)
+        )
         if why is None and args is not None and one.popen.stdin is not None:
             try:
                 one.popen.stdin.write(standby.handover(args[1], env, str(log_path)))
