@@ -1129,3 +1129,19 @@ def test_a_restart_after_a_host_was_cut_off_waits_its_backoff_even_after_progres
     sup.step(), sup.step()
     assert sup.state is ClusterState.RESTARTING and sup.reason.endswith(", in 2 s"), sup.reason
     assert sup.unconfirmed == ["worker-1"]
+
+
+def test_a_restart_whose_attempt_ends_before_any_step_is_said_when_the_run_ends(tmp_path):
+    """A job that reports no step: its restart's timeline ends with the run, with what it saw."""
+    sup, launcher, store, clock, sink = make(tmp_path, backoff_s=0)
+    start_running(sup, launcher, store, clock)
+    launcher.handles["worker-0"].code = -9
+    sup.step(), sup.step()
+    start_running(sup, launcher, store, clock, attempt=1)
+    launcher.handles["worker-0"].code = launcher.handles["worker-1"].code = 0
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.SUCCEEDED
+    [said] = [e["reason"] for e in sink.events if e["kind"] == "recovery"]
+    assert said.startswith("attempt 1 up 0.1 s after worker-0 died (no step reported): stop 0.0")
+    assert said.endswith("restore —, first step —")
+    assert sup.status()["recoveries"][0]["complete"] is True
