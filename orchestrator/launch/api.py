@@ -180,13 +180,23 @@ def stop_all(
     quick: Collection[TaskHandle] = (),
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    on_exit: Callable[[TaskHandle], None] | None = None,
 ) -> list[TaskHandle]:
     """SIGTERM every handle's group, wait up to `grace_s` (QUICK_GRACE_S at most for the `quick`
     ones, which save nothing; less once `hurry` is set), SIGKILL what is left, wait for the exits to
-    be confirmed. Returns the handles whose exit could not be."""
+    be confirmed. Returns the handles whose exit could not be. `on_exit` is told of each handle once
+    its exit is confirmed (one already gone included), while the others still stop."""
+    told: set[int] = set()
 
     def settled(hs: Sequence[TaskHandle]) -> bool:
+        if on_exit is not None:
+            for h in handles:
+                if id(h) not in told and h.exited:
+                    told.add(id(h))
+                    on_exit(h)
         return all(h.exited or not h.reachable for h in hs)
+
+    settled(handles)
 
     live = [h for h in handles if not h.exited and h.reachable]
     for h in live:
@@ -196,6 +206,7 @@ def stop_all(
     until = {id(h): start + (min(grace_s, QUICK_GRACE_S) if id(h) in quick_ids else grace_s) for h in live}
     killed: list[TaskHandle] = []
     while True:
+        settled(handles)
         pending = [h for h in live if h not in killed and not h.exited and h.reachable]
         hurried = hurry is not None and hurry.is_set()
         now = clock()
@@ -209,6 +220,7 @@ def stop_all(
     deadline = clock() + max((h.kill_wait_s for h in killed), default=0.0)
     while not settled(killed) and clock() < deadline:
         sleep(0.02)
+    settled(handles)
     for h in handles:
         h.release()
     return [h for h in handles if not h.exited]
@@ -264,6 +276,12 @@ class Backend(abc.ABC):
         """Give every task what the attempt needs of the earlier ones (where hosts share no disk,
         the owner's latest checkpoint, plan.state); LaunchError if it cannot."""
         return Prepared()
+
+    def state_known(self, plan: LaunchPlan) -> None:
+        """The job will restart and the owner of plan.state has exited: its last checkpoint is
+        known. Where hosts share no disk, bringing it home may begin now, on a thread of its own,
+        while the other tasks still stop (`before_attempt` then uses it). Never blocks or raises."""
+        return None
 
     @abc.abstractmethod
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:

@@ -19,6 +19,7 @@ import logging
 import posixpath
 import secrets
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -71,25 +72,61 @@ class StateExchange:
         self._owner_lacks = False  # the owner's folder was gone: home's copy goes back to it too
         self._job_home: dict[str, Path] = {}  # the job's own folders brought home: where
         self._shared: dict[str, bool] = {}  # a job's folder: every reader's host sees the owner's
+        self._early: Future[list[str]] | None = None  # the owner's state, brought home during the stop
 
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
-        """Attempts after the first restore the owner's latest checkpoint: home, then to every
-        reader's folder that differs; then the evaluators are followed."""
+        """Attempts after the first restore the owner's latest checkpoint: home (unless it came
+        during the stop: `bring_early`), then to every reader's folder that differs; then the
+        evaluators are followed."""
+        early = self.early_copy()
         self.stop_following()
         if plan.state is None:
             return []
         notes = []
-        if attempt > 0 and not plan.state.shared:
-            notes += [*self.fetch(plan), *self.hand_out(plan)]
         if attempt > 0:
-            notes += self.job_folders(plan)
+            got = early if early is not None else [*self.fetch(plan), *self.fetch_job(plan)]
+            notes += [*got, *self.hand_out(plan), *self.hand_out_job(plan)]
         self.follow(plan)
         return notes
 
-    def job_folders(self, plan: LaunchPlan) -> list[str]:
-        """The folders the job writes its own checkpoints to (plan.state.job_folders, as the owner
-        told them), made the same on every reader's host: `fetch_job` then `hand_out_job`."""
-        return [*self.fetch_job(plan), *self.hand_out_job(plan)]
+    def bring_early(self, plan: LaunchPlan) -> None:
+        """The job restarts and its owner has exited: its last checkpoint (and the job's own
+        folders) come home now, on a thread of its own, while the other tasks still stop; the next
+        `before_attempt` (or `early_copy`) waits for it and uses it."""
+        state = plan.state
+        if state is None or self._early is not None or (state.shared and not state.job_folders):
+            return
+        early: Future[list[str]] = Future()
+
+        def run() -> None:
+            try:
+                self.stop_following()  # the evaluators' follower writes home too
+                got = [*self.fetch(plan), *self.fetch_job(plan)]
+                early.set_result([f"{line} (as soon as the owner had exited)" for line in got])
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                early.set_exception(exc)
+
+        self._early = early
+        threading.Thread(target=run, daemon=True, name="bring-early").start()
+
+    def early_copy(self) -> list[str] | None:
+        """Wait for the copy `bring_early` began (each pull gives up after the backend's I/O
+        timeout): its lines; None when there was none, or it failed (copied again then)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        try:
+            return early.result()
+        except Exception as exc:  # noqa: BLE001 - copied again, where a lasting error shows
+            log.info("the checkpoints brought home during the stop: %s; copied again", exc)
+            return None
+
+    def fetched(self, plan: LaunchPlan, *, reachable: bool = True) -> list[str]:
+        """The owner's state at home: the early copy, or `fetch` and `fetch_job` now."""
+        early = self.early_copy()
+        if early is not None:
+            return early
+        return [*self.fetch(plan, reachable=reachable), *(self.fetch_job(plan) if reachable else [])]
 
     def fetch_job(self, plan: LaunchPlan) -> list[str]:
         """The owner's copy of each of the job's own folders brought home (only what differs)."""
@@ -257,14 +294,15 @@ class StateExchange:
                 log.debug("checkpoints to the evaluators, tried again in %g s: %s", self._every_s, exc)
 
     def stop_following(self, timeout_s: float | None = None) -> None:
-        if self._follower is not None:
+        follower, self._follower = self._follower, None
+        if follower is not None:
             self._follow_stop.set()
-            self._follower.join(timeout=self._stop_wait_s if timeout_s is None else timeout_s)
-            self._follower = None
+            follower.join(timeout=self._stop_wait_s if timeout_s is None else timeout_s)
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
         """The owner's model/, tensorboard/ and latest checkpoint, the evaluators' tensorboard/,
         into the run directory. A host that cannot be reached is said, not raised."""
+        self.early_copy()  # a copy begun for a restart that did not come: done first
         self.stop_following()
         if plan.state is None:
             return []

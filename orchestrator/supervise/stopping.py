@@ -129,7 +129,15 @@ class Stopping:
             rec.restart_at, rec.stopping = None, None
         # the roles stopped at the end (servers) save nothing: a short grace, not the whole period
         quick = [h for h in handles if self.tasks[h.task.name].policy.at_end is AtEnd.STOP]
-        left = stop_all(handles, grace_s, self.hurry, quick=quick, clock=self._clock, sleep=self._sleep)
+        left = stop_all(
+            handles,
+            grace_s,
+            self.hurry,
+            quick=quick,
+            clock=self._clock,
+            sleep=self._sleep,
+            on_exit=self._state_known if self._restarts_after(self._stop) else None,
+        )
         self._unconfirmed(left)
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
@@ -157,6 +165,26 @@ class Stopping:
             self._finish(ClusterState.FAILED, stop.decision.reason)
             return
         self._finish(stop.outcome, stop.reason)
+
+    def _restarts_after(self, stop: Stop) -> bool:
+        """Whether the job restarts once this stop is done (as far as is known now)."""
+        decision = stop.decision
+        return (
+            stop.outcome is ClusterState.FAILED
+            and decision is not None
+            and decision.action is Action.RESTART_JOB
+            and self._abort is None
+            and self._interrupt is None
+        )
+
+    def _state_known(self, handle: TaskHandle) -> None:
+        """A task of a stop before a restart has exited: the owner's last checkpoint is known once
+        it has, and the backend may bring it home while the others still stop."""
+        if self.plan.state is not None and handle.task.name == self.plan.state.owner:
+            try:
+                self._backend.state_known(self.plan)
+            except Exception as exc:  # noqa: BLE001 - a head start that fails costs only its time
+                log.warning("bringing the checkpoints home early: %s", exc)
 
     def _finish_training(self, now: float, deciders: list[TaskRecord]) -> None:
         """The deciders are done: wait (bounded) for the tasks whose role ends by itself, then stop."""

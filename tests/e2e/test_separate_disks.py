@@ -151,6 +151,8 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(la
     # ... which host 1's own disk got only from the chief's, through the coordinator
     shipped = [e["reason"] for e in job.events() if e.get("kind") == "state"]
     assert any(host1.address in line and "file(s)" in line for line in shipped), shipped
+    # the chief's checkpoints came home while worker-1's stop was still under way, not after
+    assert any(line.endswith("(as soon as the owner had exited)") for line in shipped), shipped
     remote_ckpt = host1.path(Path(starts[1]["source"]).parent)
     assert (remote_ckpt / "checkpoint").exists()
     assert not lab.hosts[0].path(Path(starts[1]["source"]).parent / ".worker-1").exists()

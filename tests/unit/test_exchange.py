@@ -133,6 +133,39 @@ def test_the_owners_checkpoint_goes_home_and_to_every_reader_only_what_differs(t
     assert files(disks.at(1, CKPT)) == files(disks.at(0, CKPT))
 
 
+def test_the_owners_state_brought_home_during_the_stop_is_what_the_next_attempt_hands_out(
+    tmp_path: Path,
+) -> None:
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=60)
+    checkpoint(disks, 0, 20)
+    exchange.bring_early(plan)  # the owner has exited: its folder will not change again
+    exchange.bring_early(plan)  # told twice: one copy
+    assert wait_until(lambda: files(home / "checkpoints") == files(disks.at(0, CKPT)), 10)
+    pulls = [c for c in disks.calls if c[0] == "pull"]
+    assert len(pulls) == 1
+    notes = exchange.before_attempt(plan, 1)
+    assert [c for c in disks.calls if c[0] == "pull"] == pulls  # not pulled again
+    assert (
+        notes[0].startswith("checkpoints of worker-0 copied from h0") and "(as soon as the owner" in notes[0]
+    )
+    assert files(disks.at(1, CKPT)) == files(disks.at(0, CKPT))
+    # an early copy that failed (its host away a moment) is made again before the attempt
+    checkpoint(disks, 0, 40)
+    disks.down.add(0)
+    exchange.bring_early(plan)
+    assert exchange.early_copy() is None and disks.lost_hosts == [0]
+    disks.down.clear()
+    exchange.before_attempt(plan, 2)
+    assert "ckpt-40.index" in files(disks.at(1, CKPT))
+    # a copy begun for a restart that does not come: the results wait for it, never race it
+    checkpoint(disks, 0, 60)
+    exchange.bring_early(plan)
+    exchange.bring_home(plan)
+    assert files(home / "checkpoints") == files(disks.at(0, CKPT)) and exchange.early_copy() is None
+
+
 def test_an_owner_that_lost_its_folder_gets_homes_copy_back(tmp_path: Path) -> None:
     plan = plan_of(tmp_path, TWO_HOSTS)
     disks, home = Disks(tmp_path / "disks"), tmp_path / "home"

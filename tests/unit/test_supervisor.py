@@ -100,6 +100,7 @@ class FakeBackend(Backend):
         self.released: list[str] = []
         self.fail_start = fail_start or set()
         self._pid = 100
+        self.known: list[list[str]] = []
 
     def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
         raise AssertionError("the supervisor never opens its backend")
@@ -118,6 +119,10 @@ class FakeBackend(Backend):
 
     def termed(self) -> list[str]:
         return [name for name, sig in self.signals if sig is Sig.TERM]
+
+    def state_known(self, plan: LaunchPlan) -> None:
+        # which tasks still ran when the backend was told (it may bring the state home meanwhile)
+        self.known.append(sorted(n for n, h in self.handles.items() if not h.exited))
 
 
 def at_once(handles: list[TaskHandle], grace_s: float, hurry: threading.Event) -> Future[Any]:
@@ -318,6 +323,26 @@ def test_a_dead_peers_survivor_is_killed_at_once_and_a_job_that_trained_restarts
         waits.append(sup.reason.rsplit(", in ", 1)[1])
         clock.advance(10)
     assert waits == ["2 s", "4 s"]
+
+
+def test_the_owners_state_is_known_to_the_backend_as_soon_as_it_exits_while_the_others_still_stop(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path, workers=3, max_restarts=1)
+    start_running(sup, launcher, store, clock)
+    assert sup.plan.state is not None and sup.plan.state.owner == "worker-0"
+    # a lost peer: the survivors keep their grace; the owner saves and exits, worker-2 holds on
+    launcher.handles["worker-2"].ignores_term = True
+    clock.advance(20)
+    sup.step()  # every heartbeat late: lost
+    assert sup.state is ClusterState.STOPPING
+    sup.step()
+    assert sup.state is ClusterState.RESTARTING
+    assert launcher.known == [["worker-2"]]  # told once, while worker-2 still ran
+    clock.advance(1.01)
+    start_running(sup, launcher, store, clock, attempt=1)
+    launcher.handles["worker-0"].code = -9  # the owner itself dies, with no restart left
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.FAILED
+    assert launcher.known == [["worker-2"]]  # no restart follows: nothing to bring early
 
 
 def test_a_restarts_timeline_is_measured_phase_by_phase_and_said_once(tmp_path):

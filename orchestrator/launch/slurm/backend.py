@@ -263,6 +263,10 @@ class SlurmBackend(SlurmTasks, Backend):
 
     # --- per attempt ---
 
+    def state_known(self, plan: LaunchPlan) -> None:
+        if self._shipping and self._alloc is not None:
+            self._exchange.bring_early(plan)
+
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
         """From the second attempt: leave out the nodes whose tasks' end could not be confirmed
         and those that no longer answer; a new allocation when ours ended (its time limit) or is
@@ -286,8 +290,7 @@ class SlurmBackend(SlurmTasks, Backend):
             owner = before.get(plan.state.owner)
             try:
                 reachable = owner is not None and owner not in self._excluded
-                notes += self._exchange.fetch(plan, reachable=reachable)
-                notes += self._exchange.fetch_job(plan) if reachable else []
+                notes += self._exchange.fetched(plan, reachable=reachable)
             except LaunchError as exc:
                 notes.append(f"{exc}; the last checkpoints brought home are used")
         renewed = self._alloc.owned and self._renew_allocation(notes)

@@ -176,6 +176,9 @@ class SshBackend(Backend):
                 result.unchanged,
             )
 
+    def state_known(self, plan: LaunchPlan) -> None:
+        self._states.bring_early(plan)
+
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
         return Prepared(notes=self._states.before_attempt(plan, attempt))
 
