@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.launch import standby
+from orchestrator.launch.api import on_all
 from orchestrator.launch.shim import ShimHandle
 from orchestrator.plan import TaskPlan
 from orchestrator.spec.model import ClusterSpec, Standby
@@ -56,14 +57,23 @@ class ShimStandbys:
         self._lock = threading.Lock()  # the standbys, between the supervisor and the ALIVE thread
         self._closed = threading.Event()
         self._alive: threading.Thread | None = None
+        self._opening: set[str] = set()  # tasks whose standby is being started
+        self._notes: list[str] = []  # what the starts came to: said with the next news
 
     def prepare(
         self,
         tasks: Sequence[TaskPlan],
         open_one: Callable[[TaskPlan], tuple[ShimHandle, dict[str, str], str]],
     ) -> list[str]:
-        """A standby for each task that has none (`open_one` starts its shim); lines for the record."""
-        missing = [t for t in tasks if t.name not in self._ready and standby.command(t.argv)]
+        """A standby for each task that has none (`open_one` starts its shim), hosts in parallel on
+        a thread of its own: a host slow to answer (its connection renewed) never holds up the
+        supervisor. What came of it is said with the next `news`."""
+        with self._lock:
+            missing = [
+                t
+                for t in tasks
+                if t.name not in self._ready and t.name not in self._opening and standby.command(t.argv)
+            ]
         if not missing:
             return []
         if not self._run.on:
@@ -71,23 +81,38 @@ class ShimStandbys:
                 return []
             self._said = self._run.why
             return [f"no warm standbys: {self._run.why}"]
-        started, failed = [], []
-        for task in missing:
-            try:
-                handle, env, place = open_one(task)
-            except Exception as exc:  # noqa: BLE001 - a standby is an optimisation: said, never fatal
-                failed.append(f"the standby of {task.name} could not be started: {exc}")
+        with self._lock:
+            self._opening.update(t.name for t in missing)
+        threading.Thread(
+            target=self._open_all, args=(missing, open_one), name="standbys-open", daemon=True
+        ).start()
+        return []
+
+    def _open_all(
+        self,
+        tasks: Sequence[TaskPlan],
+        open_one: Callable[[TaskPlan], tuple[ShimHandle, dict[str, str], str]],
+    ) -> None:
+        started, notes, late = [], [], []
+        for task, got in on_all(tasks, open_one):
+            if isinstance(got, Exception):
+                notes.append(f"the standby of {task.name} could not be started: {got}")
                 continue
             with self._lock:
-                self._ready[task.name] = _One(handle, env, place)
-            started.append(task.name)
-        if self._alive is None and started:
-            self._alive = threading.Thread(target=self._say_alive, name="standbys-alive", daemon=True)
-            self._alive.start()
-        out = failed
+                if self._closed.is_set():  # the run ended meanwhile: it is stopped at once
+                    late.append(_One(*got))
+                else:
+                    self._ready[task.name] = _One(*got)
+                    started.append(task.name)
+        _stop(late, wait_s=0.0)
         if started:
-            out.append(f"warm standbys started for {', '.join(started)} (at the lowest CPU priority)")
-        return out
+            notes.append(f"warm standbys started for {', '.join(started)} (at the lowest CPU priority)")
+        with self._lock:
+            self._opening.difference_update(t.name for t in tasks)
+            self._notes += notes
+            if self._alive is None and started:
+                self._alive = threading.Thread(target=self._say_alive, name="standbys-alive", daemon=True)
+                self._alive.start()
 
     def take(
         self, task: TaskPlan, env: Mapping[str, str], place: str, go: dict[str, Any]
@@ -116,8 +141,10 @@ class ShimStandbys:
         return None, why
 
     def news(self) -> list[str]:
-        """Standbys that could not import TensorFlow or were refused for memory, each said once."""
-        out = []
+        """Standbys started (or not) since last asked, and those that could not import TensorFlow
+        or were refused for memory, each said once."""
+        with self._lock:
+            out, self._notes = self._notes, []
         for name, one in list(self._ready.items()):
             events = one.handle.events
             if one.said:
@@ -135,7 +162,7 @@ class ShimStandbys:
 
     def status(self) -> list[dict[str, Any]]:
         rows = []
-        for name, one in self._ready.items():
+        for name, one in list(self._ready.items()):
             events = one.handle.events
             state = (
                 "failed"

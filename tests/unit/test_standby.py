@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from orchestrator.launch import standby
 from orchestrator.launch.local.standbys import LocalStandbys
+from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.plan import TaskPlan
 from orchestrator.spec import parse_spec
 from orchestrator.spec.model import Role, Standby
@@ -345,3 +347,79 @@ def test_a_shim_whose_coordinator_falls_silent_stops_its_standby(tmp_path: Path,
     assert proc.wait(timeout=10) == 0 and time.monotonic() - began < 5
     with pytest.raises(ProcessLookupError):
         os.killpg(waiting["pgid"], 0)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.ended = self.closed = False
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def end_input(self) -> None:
+        self.ended = True
+
+    def close(self, *args: Any) -> None:
+        self.closed = True
+
+
+def _shim_handle() -> Any:
+    """What ShimStandbys reads of a shim's handle (the real ones are tests/e2e's): a ready standby."""
+    events = SimpleNamespace(
+        ended=threading.Event(), standby_failed=None, standby_refused=None, standby_ready=True, standby=None
+    )
+    return SimpleNamespace(transport=_Transport(), events=events, attempt=0)
+
+
+def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path: Path) -> None:
+    """A host slow to answer (its connection renewed) never holds up the supervisor that asked;
+    one that fails is said; one started after the run ended is stopped at once."""
+    (tmp_path / "train.py").write_text("import tensorflow\n")
+    text = "name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 3}}]\njob: {script: train.py}\n"
+    spec = parse_spec(text + "restart: {max_restarts: 1, standby: on}\n", file="s.yaml", base_dir=tmp_path)
+    tasks = [task_plan(tmp_path, f"worker-{i}") for i in range(3)]
+    slow, handles = threading.Event(), {}
+
+    def open_one(task: TaskPlan) -> Any:
+        if task.name == "worker-2":
+            raise OSError("No route to host")
+        if task.name == "worker-1":
+            assert slow.wait(20)
+        handles[task.name] = _shim_handle()
+        return handles[task.name], dict(task.env), "h0"
+
+    standbys = ShimStandbys(spec)
+    began = time.monotonic()
+    assert standbys.prepare(tasks, open_one) == []  # said later, with the news
+    assert time.monotonic() - began < 1.0 and standbys.status() == []
+    assert standbys.prepare(tasks, open_one) == []  # asked again meanwhile: nothing started twice
+    slow.set()
+    news: list[str] = []
+    deadline = time.monotonic() + 20
+    while len(news) < 2 and time.monotonic() < deadline:
+        news += standbys.news()
+        time.sleep(0.02)
+    assert news == [
+        "the standby of worker-2 could not be started: No route to host",
+        "warm standbys started for worker-0, worker-1 (at the lowest CPU priority)",
+    ]
+    assert [s["task"] for s in standbys.status()] == ["worker-0", "worker-1"]
+    # a standby handed its attempt is the task's: the run's end leaves it to the task's stop
+    assert standbys.take(tasks[0], dict(tasks[0].env), "h0", {"attempt": 1})[0] is handles["worker-0"]
+    assert handles["worker-0"].transport.sent == [b'GO {"attempt": 1}\n']
+    standbys.take(tasks[1], {"OTHER": "1"}, "h0", {"attempt": 1})  # not used: stopped
+    assert handles["worker-1"].transport.ended and standbys.status() == []
+    # the run ends while a standby is still being started: it is stopped once it is there
+    slow.clear()
+    standbys.prepare(tasks[1:2], open_one)
+    first = handles["worker-1"]
+    standbys.close()
+    slow.set()
+    deadline = time.monotonic() + 20
+    while handles["worker-1"] is first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    while not handles["worker-1"].transport.closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert handles["worker-1"].transport.ended and standbys.status() == []
+    assert not handles["worker-0"].transport.ended
