@@ -9,6 +9,11 @@ worker alive but stuck in Python). Latency = signal sent -> the run's STOPPING e
 after a SIGSTOP or a stall is also given from the failure noticed (detection excluded), with the
 restart's timeline (the `recovery` event's phases). Also: attempt 0's steps/s with its standbys
 importing and then waiting, against none (P3's question), and a standby's RSS.
+
+`--backend ssh`: the same on two hosts of a network-namespace lab (tests/lab.py: each host its
+own network, hostname and disk; needs root and openssh-server), a worker on each; the digits
+model is widened so that its checkpoint (weights and Adam's slots) is ~1 MB, copied from the
+chief's host to the other's on the way to the next attempt.
 """
 
 from __future__ import annotations
@@ -16,35 +21,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import yaml
 from common import REPO, iso_to_s, median, tmpdir, write_spec
+
+sys.path.insert(0, str(REPO))
+from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
 
 LOOP_SPEC = """\
 name: bench-recovery
-hosts: [{{address: 127.0.0.1, tasks: {{worker: 2}}}}]
 job:
-  loop: {module}
+  loop: job/train.py
   env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
 train: {{steps: 100000, global_batch_size: 64, checkpoint_every: {every}}}
 health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: {hb}, stall_timeout_s: {stall}}}
 restart: {{max_restarts: 1, backoff_s: 0, standby: {standby}}}
 """
+LOCAL_HOSTS = "hosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\n"
 
-STUCK_MODULE = """
+# The loop module: examples/digits_loop.py (copied beside it, with its data), widened on ssh (a ~1
+# MB checkpoint), and for a stall one whose worker-1 sticks in Python once the flag file exists.
+MODULE = """
 import os, time
+from pathlib import Path
 import tensorflow as tf
 import worker
-__file__ = {digits!r}  # the digits module finds its data beside itself
+__file__ = str(Path(__file__).with_name("digits_loop.py"))  # it finds its data beside itself
 exec(open(__file__).read())
+if {hidden}:
+    def build_model():
+        return tf.keras.Sequential([
+            tf.keras.layers.Input(shape=(64,)),
+            tf.keras.layers.Dense({hidden}, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ])
 _make = make_dataset
 def make_dataset(ctx, gbs):
     ds = _make(ctx, gbs).repeat()
-    if os.environ["ORCHESTRATE_TASK"] == "worker-1" and os.environ["ORCHESTRATE_ATTEMPT"] == "0":
+    if {stuck} and os.environ["ORCHESTRATE_TASK"] == "worker-1" and os.environ["ORCHESTRATE_ATTEMPT"] == "0":
         def stick(x, y):
             def wait(v):
                 if os.path.exists({flag!r}):
@@ -55,6 +76,15 @@ def make_dataset(ctx, gbs):
         ds = ds.map(stick)
     return ds
 """
+HIDDEN_SSH = 1200  # (64·1200 + 1200 + 1200·10 + 10) parameters × 3 (Adam) × 4 bytes ≈ 1.1 MB
+
+
+def _job_folder(folder: Path, kind: str, flag: Path, hidden: int) -> None:
+    job = folder / "job"
+    (job / "data").mkdir(parents=True)
+    shutil.copy(REPO / "examples" / "digits_loop.py", job / "digits_loop.py")
+    shutil.copy(REPO / "examples" / "data" / "digits.npz", job / "data" / "digits.npz")
+    (job / "train.py").write_text(MODULE.format(hidden=hidden, stuck=kind == "stall", flag=str(flag)))
 
 
 def _status(run: Path) -> dict:
@@ -77,16 +107,19 @@ def _wait(pred, timeout_s: float) -> None:
     raise TimeoutError("benchmark run did not reach the expected state")
 
 
-def one_run(kind: str, standby: str, every: int = 50, hb: float = 3.0, stall: float = 5.0) -> dict:
+def one_run(
+    kind: str, standby: str, lab: NetnsLab | None = None, every: int = 50, hb: float = 3.0, stall: float = 5.0
+) -> dict:
     folder = tmpdir()
-    flag = folder / "stick-now"
-    module = folder / "train.py"
-    digits = REPO / "examples" / "digits_loop.py"
-    if kind == "stall":
-        module.write_text(STUCK_MODULE.format(digits=str(digits), flag=str(flag)))
+    # the flag file: where worker-1 looks, on its own host (the lab's shared folder is seen by all)
+    flag = (lab.shared if lab is not None else folder) / f"stick-now-{secrets.token_hex(4)}"
+    _job_folder(folder, kind, flag, HIDDEN_SSH if lab is not None else 0)
+    text = LOOP_SPEC.format(every=every, hb=hb, stall=stall, standby=standby)
+    if lab is None:
+        text += LOCAL_HOSTS
     else:
-        module = digits
-    text = LOOP_SPEC.format(module=module, every=every, hb=hb, stall=stall, standby=standby)
+        where = {"backend": "ssh", "hosts": [lab.host_spec(0), lab.host_spec(1)], "ssh": lab.ssh_spec()}
+        text += yaml.safe_dump(where)
     spec = write_spec(folder, text)
     run = folder / "run"
     proc = subprocess.Popen(
@@ -165,27 +198,43 @@ def tf_import_s() -> float:
     return time.perf_counter() - t0
 
 
+def _kind(kind: str, runs_each: int, lab: NetnsLab | None, imports: list[float]) -> dict:
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for _ in range(runs_each):  # interleaved: the machine's drift falls on both alike
+        imports.append(tf_import_s())
+        for standby in ("on", "off"):
+            runs[standby].append(one_run(kind, standby, lab))
+    out = {}
+    for standby, done in runs.items():
+        numbers = [k for k, v in done[0].items() if isinstance(v, (int, float))]
+        summary = {k: round(median([r[k] for r in done]), 3) for k in numbers}
+        phases = {p: round(median([r["phases_s"][p] or 0.0 for r in done]), 3) for p in done[0]["phases_s"]}
+        out[standby] = summary | {"phases_s": phases, "runs": done}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kinds", default="exit,heartbeat,stall")
+    parser.add_argument("--backend", choices=("local", "ssh"), default="local")
     ns = parser.parse_args()
-    out: dict = {"configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50}}
+    lab = None
+    if ns.backend == "ssh":
+        if why_no_lab() or not can_netns():
+            sys.exit(f"--backend ssh needs root and sshd: {why_no_lab() or 'not root'}")
+        lab = NetnsLab(tmpdir() / "lab", 2)
+    out: dict = {
+        "backend": ns.backend,
+        "configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50},
+    }
     imports = []
-    for kind in ns.kinds.split(","):
-        runs: dict[str, list[dict]] = {"on": [], "off": []}
-        for _ in range(ns.runs):  # interleaved: the machine's drift falls on both alike
-            imports.append(tf_import_s())
-            for standby in ("on", "off"):
-                runs[standby].append(one_run(kind, standby))
-        out[kind] = {}
-        for standby, done in runs.items():
-            numbers = [k for k, v in done[0].items() if isinstance(v, (int, float))]
-            summary = {k: round(median([r[k] for r in done]), 3) for k in numbers}
-            phases = {
-                p: round(median([r["phases_s"][p] or 0.0 for r in done]), 3) for p in done[0]["phases_s"]
-            }
-            out[kind][standby] = summary | {"phases_s": phases, "runs": done}
+    try:
+        for kind in ns.kinds.split(","):
+            out[kind] = _kind(kind, ns.runs, lab, imports)
+    finally:
+        if lab is not None:
+            lab.close()
     out["tf_import_s"] = round(median(imports), 3)
     for kind in ns.kinds.split(","):
         for standby in ("on", "off"):
