@@ -122,6 +122,7 @@ class Stopping:
         failed = self._stop.outcome is ClusterState.FAILED
         failure = self._stop.decision.failure if self._stop.decision is not None else None
         grace_s = policy.stop_grace_s(failed, failure, self.config.stop_grace_s, self.config.failure_grace_s)
+        confirmed = len(self.unconfirmed)  # exits this stop cannot confirm come after
         for rec in self.tasks.values():  # a task stopping alone is part of the stop, too
             if rec.stopping is not None:
                 rec.stopping.exception()  # done within its own grace
@@ -138,7 +139,8 @@ class Stopping:
             sleep=self._sleep,
             on_exit=self._state_known if self._restarts_after(self._stop) else None,
         )
-        self._unconfirmed(left)
+        noted = set(self.unconfirmed[confirmed:])  # by a stop of its own, just above
+        self._unconfirmed([h for h in left if h.task.name not in noted])
         health = self._store.snapshot()  # the tasks' last words (final step, error) before they went
         for rec in self.tasks.values():
             rec.health = health.get(rec.plan.name, rec.health)
@@ -154,7 +156,8 @@ class Stopping:
                 self._finish(ClusterState.INTERRUPTED, self._interrupt)
                 return
             if stop.decision.action is Action.RESTART_JOB:
-                snap = dataclasses.replace(self._snapshot(), in_doubt=bool(left))
+                # a task of it (or one stopping alone) may still run: the next attempt would meet it
+                snap = dataclasses.replace(self._snapshot(), in_doubt=len(self.unconfirmed) > confirmed)
                 restart = policy.job_restart(stop.decision, snap, self.config.backoff_s)
                 self.restarts += 1 if restart.counted else 0
                 self.idle_in_a_row = 0 if snap.progressed else snap.idle_in_a_row + 1

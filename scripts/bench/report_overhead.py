@@ -8,6 +8,11 @@ hides a 2% effect; so each run also reports the CPU time its worker processes sp
 run (start-up included). Both still drift with the machine; what does not is the cost measured
 in-process: one worker.report() call and one heartbeat, which at the job's step rate bound what
 reporting takes from a task (`api_cost.share_of_task_time`).
+
+`--standbys`: P3 with warm standbys (issue 25): `orchestrate up` with `restart.standby: on` vs
+`off`, back to back, reporting on in both. The standbys start once the job steps and import
+TensorFlow at the lowest CPU priority while it trains, then wait; the run is long enough for
+both (`--steps 2000` by default here). Goal: steps/s and CPU per step unchanged (the same 2%).
 """
 
 from __future__ import annotations
@@ -67,11 +72,70 @@ def api_cost(calls: int = 20000, heartbeats: int = 300) -> dict[str, float]:
     return {"report_call_us": round(report_us, 2), "heartbeat_ms": round(heartbeat_ms, 3)}
 
 
+def up_steps(steps: int, standby: str) -> tuple[float, float, float]:
+    """One `orchestrate up` of the steps job, reporting on: (steps/s, workers' CPU ms per step,
+    the coordinator's share of a core)."""
+    folder = tmpdir()
+    spec = write_spec(
+        folder,
+        f"""\
+        name: bench-steps
+        hosts: [{{address: 127.0.0.1, tasks: {{worker: 2}}}}]
+        job:
+          script: {BENCH / "steps_job.py"}
+          args: ["--report", "--steps", "{steps}"]
+          env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
+        restart: {{max_restarts: 1, standby: {standby}}}
+        """,
+    )
+    before, t0 = children_cpu_s(), time.monotonic()
+    out = orchestrate_up(spec, folder / "run")
+    wall, whole_cpu = time.monotonic() - t0, children_cpu_s() - before  # coordinator + its tasks
+    if out.returncode != 0:
+        raise SystemExit(out.stdout[-3000:])
+    if standby == "on" and "warm standbys started" not in (folder / "run" / "events.jsonl").read_text():
+        raise SystemExit("standby: on, but no standby was started:\n" + out.stdout[-3000:])
+    tasks_cpu = sum(values(out.stdout, "cpu_total_s"))
+    return (
+        value(out.stdout, "steps_per_s"),
+        sum(values(out.stdout, "cpu_ms_per_step")),
+        (whole_cpu - tasks_cpu) / wall,
+    )
+
+
+def with_standbys(runs: int, steps: int) -> dict:
+    """P3's pair ratios, standbys on / off (each pair back to back, the order alternated)."""
+    got: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
+    for i in range(runs):
+        for standby in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            got[standby].append(up_steps(steps, standby))
+    on, off = got["on"], got["off"]
+    return {
+        "metric": "P3 steps/s, warm standbys on vs off (reporting on in both)",
+        "steps": steps,
+        "on_steps_per_s": [r[0] for r in on],
+        "off_steps_per_s": [r[0] for r in off],
+        "pair_ratio_median": round(median([a[0] / b[0] for a, b in zip(on, off, strict=True)]), 3),
+        "cpu_ms_per_step_on": [r[1] for r in on],
+        "cpu_ms_per_step_off": [r[1] for r in off],
+        "cpu_ratio_median": round(median([a[1] / b[1] for a, b in zip(on, off, strict=True)]), 3),
+        "coordinator_cpu_share_on_off": [
+            round(median([r[2] for r in on]), 4),
+            round(median([r[2] for r in off]), 4),
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--standbys", action="store_true")
     ns = parser.parse_args()
+    if ns.standbys:
+        print(json.dumps(with_standbys(ns.runs, ns.steps or 2000), indent=2))
+        return
+    ns.steps = ns.steps or 600
     job = BENCH / "steps_job.py"
     on, off, cpu_on, cpu_off, coordinator_share = [], [], [], [], []
     for _ in range(ns.runs):

@@ -1156,6 +1156,23 @@ def test_a_restart_after_a_host_was_cut_off_waits_its_backoff_even_after_progres
     assert sup.unconfirmed == ["worker-1"]
 
 
+def test_a_task_stopping_alone_whose_exit_is_in_doubt_makes_the_job_restart_wait_too(tmp_path):
+    sup, launcher, store, clock, sink = make_ps(tmp_path, backoff_s=2, heartbeat_timeout_s=3)
+    ps_running(sup, store, clock)
+    launcher.handles["worker-1"].cut_off = True  # its host is gone
+    clock.advance(4)
+    for name in PS_TASKS:
+        if name != "worker-1":
+            beat(store, name, step=5)
+    sup.step()  # worker-1 lost: restarted alone, its exit never confirmed
+    assert sup.tasks["worker-1"].restart_at is not None
+    beat(store, "chief-0", step=9)  # the job trained
+    launcher.handles["chief-0"].code = -9
+    sup.step(), sup.step()
+    assert sup.state is ClusterState.RESTARTING and sup.reason.endswith(", in 2 s"), sup.reason
+    assert sup.unconfirmed == ["worker-1"]
+
+
 def test_a_restart_whose_attempt_ends_before_any_step_is_said_when_the_run_ends(tmp_path):
     """A job that reports no step: its restart's timeline ends with the run, with what it saw."""
     sup, launcher, store, clock, sink = make(tmp_path, backoff_s=0)
