@@ -19,6 +19,7 @@ chief's host to the other's on the way to the next attempt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -34,6 +36,7 @@ from common import REPO, iso_to_s, median, tmpdir, write_spec
 
 sys.path.insert(0, str(REPO))
 from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
+from tests.slurm_lab import SlurmLab, why_no_slurm  # noqa: E402
 
 LOOP_SPEC = """\
 name: bench-recovery
@@ -107,19 +110,37 @@ def _wait(pred, timeout_s: float) -> None:
     raise TimeoutError("benchmark run did not reach the expected state")
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where the job runs: the spec's lines for it, the environment `orchestrate up` needs, a
+    folder every task sees at the same path (for the stall's flag), and the model's width."""
+
+    spec: str = LOCAL_HOSTS
+    env: dict[str, str] | None = None
+    seen: Path | None = None  # None: this machine's own folders
+    hidden: int = 0
+
+
+def ssh_lab(lab: NetnsLab) -> Where:
+    hosts = {"backend": "ssh", "hosts": [lab.host_spec(0), lab.host_spec(1)], "ssh": lab.ssh_spec()}
+    return Where(yaml.safe_dump(hosts), None, lab.shared, HIDDEN_SSH)
+
+
+def slurm_lab(lab: SlurmLab) -> Where:
+    """Two nodes of the Slurm lab, a worker on each; the nodes share this machine's disk (a
+    cluster's usual shared file system): nothing is copied between them."""
+    slurm = {"nodes": 2, "tasks_per_node": {"worker": 1}, "queue_timeout_s": 60, "connect_timeout_s": 10}
+    return Where(yaml.safe_dump({"backend": "slurm", "slurm": slurm}), lab.env(), None, HIDDEN_SSH)
+
+
 def one_run(
-    kind: str, standby: str, lab: NetnsLab | None = None, every: int = 50, hb: float = 3.0, stall: float = 5.0
+    kind: str, standby: str, where: Where, every: int = 50, hb: float = 3.0, stall: float = 5.0
 ) -> dict:
     folder = tmpdir()
-    # the flag file: where worker-1 looks, on its own host (the lab's shared folder is seen by all)
-    flag = (lab.shared if lab is not None else folder) / f"stick-now-{secrets.token_hex(4)}"
-    _job_folder(folder, kind, flag, HIDDEN_SSH if lab is not None else 0)
-    text = LOOP_SPEC.format(every=every, hb=hb, stall=stall, standby=standby)
-    if lab is None:
-        text += LOCAL_HOSTS
-    else:
-        where = {"backend": "ssh", "hosts": [lab.host_spec(0), lab.host_spec(1)], "ssh": lab.ssh_spec()}
-        text += yaml.safe_dump(where)
+    # the flag file: where worker-1 looks, on its own host
+    flag = (where.seen or folder) / f"stick-now-{secrets.token_hex(4)}"
+    _job_folder(folder, kind, flag, where.hidden)
+    text = LOOP_SPEC.format(every=every, hb=hb, stall=stall, standby=standby) + where.spec
     spec = write_spec(folder, text)
     run = folder / "run"
     proc = subprocess.Popen(
@@ -127,6 +148,7 @@ def one_run(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=folder,
+        env=where.env,
     )
     rss = 0
     try:
@@ -198,12 +220,12 @@ def tf_import_s() -> float:
     return time.perf_counter() - t0
 
 
-def _kind(kind: str, runs_each: int, lab: NetnsLab | None, imports: list[float]) -> dict:
+def _kind(kind: str, runs_each: int, where: Where, imports: list[float]) -> dict:
     runs: dict[str, list[dict]] = {"on": [], "off": []}
     for _ in range(runs_each):  # interleaved: the machine's drift falls on both alike
         imports.append(tf_import_s())
         for standby in ("on", "off"):
-            runs[standby].append(one_run(kind, standby, lab))
+            runs[standby].append(one_run(kind, standby, where))
     out = {}
     for standby, done in runs.items():
         numbers = [k for k, v in done[0].items() if isinstance(v, (int, float))]
@@ -217,24 +239,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kinds", default="exit,heartbeat,stall")
-    parser.add_argument("--backend", choices=("local", "ssh"), default="local")
+    parser.add_argument("--backend", choices=("local", "ssh", "slurm"), default="local")
     ns = parser.parse_args()
-    lab = None
-    if ns.backend == "ssh":
-        if why_no_lab() or not can_netns():
-            sys.exit(f"--backend ssh needs root and sshd: {why_no_lab() or 'not root'}")
-        lab = NetnsLab(tmpdir() / "lab", 2)
     out: dict = {
         "backend": ns.backend,
         "configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50},
     }
-    imports = []
-    try:
+    imports: list[float] = []
+    with contextlib.ExitStack() as labs:
+        where = Where()
+        if ns.backend == "ssh":
+            if why_no_lab() or not can_netns():
+                sys.exit(f"--backend ssh needs root and sshd: {why_no_lab() or 'not root'}")
+            lab = NetnsLab(tmpdir() / "lab", 2)
+            labs.callback(lab.close)
+            where = ssh_lab(lab)
+        elif ns.backend == "slurm":
+            if why_no_slurm():
+                sys.exit(f"--backend slurm: {why_no_slurm()}")
+            cluster = labs.enter_context(SlurmLab(nodes=2))
+            cluster.wait_ready(timeout_s=30)
+            where = slurm_lab(cluster)
         for kind in ns.kinds.split(","):
-            out[kind] = _kind(kind, ns.runs, lab, imports)
-    finally:
-        if lab is not None:
-            lab.close()
+            out[kind] = _kind(kind, ns.runs, where, imports)
     out["tf_import_s"] = round(median(imports), 3)
     for kind in ns.kinds.split(","):
         for standby in ("on", "off"):
