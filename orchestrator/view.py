@@ -20,13 +20,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from rich.console import Console, Group
-from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich is imported where it is drawn: a plain run's start never waits for it
+    from rich.console import Console, Group
+    from rich.table import Table
 
 from orchestrator.progress import (
     EVENTS_SHOWN,
@@ -143,6 +141,9 @@ def task_table(
     status: Mapping[str, Any], width: int, now: float | None = None, max_rows: int | None = MAX_ROWS
 ) -> tuple[Table, str]:
     """The tasks' table at `width` columns, and a line counting the tasks it leaves out."""
+    from rich.table import Table
+    from rich.text import Text
+
     now = time.time() if now is None else now
     tasks = list(status.get("tasks", []))
     rows = tasks[:max_rows] if max_rows is not None else tasks
@@ -172,6 +173,9 @@ def render_status(
     max_rows: int | None = MAX_ROWS,
 ) -> Group:
     """The whole view of a run: head, progress, tasks, recent events, reason."""
+    from rich.console import Group
+    from rich.text import Text
+
     now = time.time() if now is None else now
     took = elapsed_s(status, now)
     head = Text.assemble(
@@ -304,6 +308,9 @@ class LiveView:
     """The live view on a terminal (rich), refreshed 4 times a second and on every change."""
 
     def __init__(self, console: Console | None = None):
+        from rich.console import Console
+        from rich.live import Live
+
         self._console = console or Console()
         self._events: collections.deque[str] = collections.deque(maxlen=EVENTS_SHOWN)
         self._status: Mapping[str, Any] | None = None
@@ -314,6 +321,8 @@ class LiveView:
         self._live.start()
 
     def log_line(self, task: str, line: str) -> None:
+        from rich.markup import escape
+
         self._console.print(f"[dim]\\[{escape(task)}][/dim] {escape(line)}", highlight=False, soft_wrap=True)
 
     def event(self, event: Mapping[str, Any]) -> None:
@@ -322,6 +331,8 @@ class LiveView:
                 self._events.append(event_text(event))
 
     def notice(self, text: str) -> None:
+        from rich.markup import escape
+
         self._console.print(escape(text), highlight=False, soft_wrap=True)
 
     def update(self, status: Mapping[str, Any]) -> None:
@@ -336,5 +347,7 @@ class LiveView:
         with self._lock:
             status, events = self._status, list(self._events)
         if status is None:
+            from rich.text import Text
+
             return Text("starting…")
         return render_status(status, events, width=self._console.width)
