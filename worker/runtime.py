@@ -39,6 +39,7 @@ def start_reporting() -> Reporter:
     def connecting(extended: object) -> None:
         tf_tuning.configure_coordination(extended)
         rep.mark_connecting()
+        tf_tuning.wait_for_leader(extended)  # its first attempt then never meets a closed port
 
     def up(_strategy: object) -> None:
         rep.mark_ready()

@@ -6,6 +6,11 @@ This configures exactly what MWMS would configure itself (TF 2.21, collective_al
 `_initialize_multi_worker`), plus two timeouts: the heartbeat timeout (health.heartbeat_timeout_s)
 and the cluster registration timeout (health.startup_timeout_s). Called from the strategy hook,
 when TensorFlow is already imported; it never raises (tuning is optional).
+
+Also: a task that is not the coordination service's leader waits until the leader's TF port
+accepts connections before it connects. TensorFlow's first attempt to register with a leader not
+yet listening fails, and its retry comes ~1 s later (gRPC's reconnect backoff): measured, the
+strategy came up 0.4–0.9 s after the last task's import without this, 0.1 s with it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 from worker import wire
@@ -62,3 +70,48 @@ def configure_coordination(extended: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - TF internals moved: run untuned rather than not at all
         log.warning("could not tune TF's coordination service (%s); using its defaults", exc)
         return False
+
+
+#: How often a task looks whether its leader listens yet, and how long one look may take.
+LEADER_POLL_S = 0.01
+LEADER_CONNECT_S = 0.5
+
+
+def leader_address(tf_config: dict[str, Any]) -> tuple[str, int] | None:
+    """(host, port) of the coordination service's leader (as TF's `coordination_leader`: the
+    chief, else worker 0), None when this task is the leader or the cluster has none."""
+    cluster = tf_config.get("cluster") or {}
+    task = tf_config.get("task") or {}
+    job = "chief" if cluster.get("chief") else "worker"
+    if not cluster.get(job) or (task.get("type") == job and int(task.get("index") or 0) == 0):
+        return None
+    host, _, port = str(cluster[job][0]).rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def wait_for_leader(
+    extended: Any, *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+) -> float | None:
+    """For an MWMS about to connect: wait until the leader's TF port accepts a connection (at most
+    the registration timeout, as TF itself would); the seconds waited, None where nothing was to
+    wait for. Never raises: the strategy then connects as it would have."""
+    if type(extended).__name__ != "CollectiveAllReduceExtended":
+        return None
+    try:
+        leader = leader_address(json.loads(os.environ.get("TF_CONFIG") or "{}"))
+        if leader is None:
+            return None
+        limit_s = float(os.environ.get(wire.ENV_TF_REGISTER_TIMEOUT_S) or 120.0)
+        start = clock()
+        while clock() - start < limit_s:
+            try:
+                socket.create_connection(leader, timeout=LEADER_CONNECT_S).close()
+                return clock() - start
+            except OSError:
+                sleep(LEADER_POLL_S)
+        return clock() - start
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the strategy connects as it would have
+        log.debug("waiting for the leader: %s", exc)
+        return None

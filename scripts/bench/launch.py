@@ -105,6 +105,13 @@ def main() -> None:
                 "launcher": name,
                 "first_step_s": round(first, 2),
                 "first_step_ratio": round(first / floor_first, 3),
+                # each launcher's run against the floor's run just before it: resists the drift
+                "first_step_pair_ratio": round(
+                    median(
+                        [a / b for (a, _), (b, _) in zip(values, runs["floor (bare Popen)"], strict=True)]
+                    ),
+                    3,
+                ),
                 "total_s": round(total, 2),
                 "total_ratio": round(total / floor_total, 3),
             }
