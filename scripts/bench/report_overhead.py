@@ -140,27 +140,11 @@ def main() -> None:
     job = BENCH / "steps_job.py"
     on, off, cpu_on, cpu_off, coordinator_share = [], [], [], [], []
     for _ in range(ns.runs):
-        folder = tmpdir()
-        spec = write_spec(
-            folder,
-            f"""\
-            name: bench-steps
-            hosts: [{{address: 127.0.0.1, tasks: {{worker: 2}}}}]
-            job:
-              script: {job}
-              args: ["--report", "--steps", "{ns.steps}"]
-              env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
-            """,
-        )
-        before, t0 = children_cpu_s(), time.monotonic()
-        out = orchestrate_up(spec, folder / "run")
-        wall, whole_cpu = time.monotonic() - t0, children_cpu_s() - before  # coordinator + its tasks
-        if out.returncode != 0:
-            raise SystemExit(out.stdout[-3000:])
-        on.append(value(out.stdout, "steps_per_s"))
-        cpu_on.append(sum(values(out.stdout, "cpu_ms_per_step")))
-        tasks_cpu = sum(values(out.stdout, "cpu_total_s"))
-        coordinator_share.append((whole_cpu - tasks_cpu) / wall)
+        # standbys off: their imports would count as the coordinator's CPU (`--standbys` measures them)
+        steps_per_s, cpu_ms, share = up_steps(ns.steps, "off")
+        on.append(steps_per_s)
+        cpu_on.append(cpu_ms)
+        coordinator_share.append(share)
         bare = bare_launch(job, ["--steps", str(ns.steps)])
         off.append(value(bare[0], "steps_per_s"))
         cpu_off.append(sum(value(text, "cpu_ms_per_step") for text in bare))
