@@ -8,6 +8,9 @@ Left out of the console:
   all): its first line and the exception's lines stay;
 - Keras' progress bar redrawn with backspaces or carriage returns: its last state stays.
 
+The summary's traceback starts at the job's own code (`job_traceback`): the frames of our runtime
+that call it (`python -m worker`, runpy) are left to the log.
+
 And whatever a job prints or reports, the console writes (`console_writes_anything`).
 """
 
@@ -16,7 +19,10 @@ from __future__ import annotations
 import io
 import re
 import sys
+from pathlib import Path
 from typing import Any
+
+import worker
 
 #: TensorFlow's C++ log prefix: absl (`I0000 00:00:1796150547.581546   29018 file.cc:31] `) or the
 #: older one (`2026-12-01 12:00:00.123456: I tensorflow/core/….cc:153] `).
@@ -89,3 +95,39 @@ def console_writes_anything(*streams: Any) -> None:
 
 #: Error handlers with which a stream writes any str (what else it may have: strict, surrogateescape).
 _WRITES_ANYTHING = frozenset({"backslashreplace", "replace", "xmlcharrefreplace", "namereplace", "ignore"})
+
+
+#: A frame of the worker runtime (any of its modules, wherever a host keeps them) or of runpy,
+#: which runs the job: `  File "/…/worker/runtime.py", line 78, in run_reported`.
+_OURS = re.compile(
+    r'^  File "(?:<frozen runpy>|.*[/\\]runpy\.py|.*[/\\]worker[/\\](?:'
+    + "|".join(sorted(re.escape(p.stem) for p in Path(worker.__file__).parent.glob("*.py")))
+    + r')\.py)", line \d+'
+)
+
+
+def job_traceback(text: str, limit: int = 15) -> list[str]:
+    """A task's traceback as the summary shows it: each traceback of the chain starting at the
+    job's own first frame (the runtime's frames before it left off, unless no frame is the job's);
+    past `limit` lines, its beginning and its end, with how many lines the log has between."""
+    out: list[str] = []
+    block: list[list[str]] = []  # the frames of the traceback being read, each with its lines
+
+    def flush() -> None:
+        first = next((i for i, frame in enumerate(block) if not _OURS.match(frame[0])), 0)
+        out.extend(line for frame in block[first:] for line in frame)
+        block.clear()
+
+    for line in text.rstrip().splitlines():
+        if line.startswith('  File "'):
+            block.append([line])
+        elif block and line.startswith("    "):
+            block[-1].append(line)  # its source line, its carets
+        else:
+            flush()
+            out.append(line)
+    flush()
+    if len(out) <= limit:
+        return out
+    head, tail = 4, limit - 5
+    return [*out[:head], f"  … ({len(out) - head - tail} lines: the log has them all)", *out[-tail:]]

@@ -10,7 +10,7 @@ from orchestrator.control import RunResult
 from orchestrator.hints import hints
 from orchestrator.logtail import tail_lines
 from orchestrator.progress import duration_text, elapsed_s, progress_of
-from orchestrator.quiet import collapse_redraws
+from orchestrator.quiet import collapse_redraws, job_traceback, noise
 from orchestrator.rundir import diverged, resume_command, spec_path
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState
@@ -75,7 +75,7 @@ def _first_failure(outcome: RunResult, cause: Failure) -> None:
         print(f"  exit code: {cause.exit_code}")
     if cause.error is not None and cause.error.traceback:
         print("  traceback:")
-        for line in cause.error.traceback.rstrip().splitlines()[-15:]:
+        for line in job_traceback(cause.error.traceback):
             print(f"    {line}")
     for hint in hints(r.failures, outcome.plan, outcome.run_dir, spec_path(outcome.run_dir) or "spec.yaml"):
         print(f"  {hint}")
@@ -85,7 +85,8 @@ def _first_failure(outcome: RunResult, cause: Failure) -> None:
 
 
 def _log_tail(log_path: Path, before_traceback: bool) -> None:
-    lines = [collapse_redraws(line) for line in tail_lines(log_path, 100)]
+    # filtered as the console is: TensorFlow's start-up chatter never hides the job's last words
+    lines = [collapse_redraws(line) for line in tail_lines(log_path, 100) if not noise(line)]
     if before_traceback:  # the traceback is above: the lines that led to it
         tb = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
         lines = lines[: tb[-1]] if tb else lines

@@ -86,7 +86,14 @@ def test_exception_in_script_fails_with_root_cause(job_factory):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "first failure: worker-1 raised ValueError: bad learning rate: -3" in out.stdout
     assert "not restarted" in out.stdout  # an error in user code is not retried
-    assert "last lines of" in out.stdout and "ValueError: bad learning rate: -3" in out.stdout
+    # the traceback starts at the job's own code; the log tail is the job's, not TF's start-up
+    summary = out.stdout.split("first failure:", 1)[1]
+    tb = summary.split("  traceback:\n", 1)[1].splitlines()
+    assert tb[0] == "    Traceback (most recent call last):" and "job.py" in tb[1], tb
+    assert "    ValueError: bad learning rate: -3" in tb, tb
+    assert "run_reported" not in summary and "runpy" not in summary, summary
+    # the job printed nothing of its own before it raised: no log tail of TensorFlow's chatter
+    assert "last lines of" not in summary and "cudart_stub" not in summary, summary
     assert "attempts 1 · restarts 0" in out.stdout
     assert time.monotonic() - t0 < 60
     assert run_processes(job.run_id) == []

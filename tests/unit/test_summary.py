@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 
 from orchestrator.control import RunResult
 from orchestrator.plan import LaunchPlan
+from orchestrator.quiet import job_traceback
 from orchestrator.spec.model import Strategy
 from orchestrator.summary import summarize
 from orchestrator.supervise.policy import Failure, FailureKind
@@ -100,6 +102,80 @@ def test_summary_shows_the_traceback_of_an_exception(
     assert "    ValueError: bad batch\n" in out
     assert "line 29" in out and "line 15\n" not in out  # the last 15 lines only
     assert "last lines of" not in out  # that task wrote no log
+
+
+JOB_TRACEBACK = """Traceback (most recent call last):
+  File "/home/u/.orchestrate/runs/r1/lib/worker/__main__.py", line 78, in <module>
+    runtime.flush_and_exit(main(sys.argv[1:]))
+  File "/home/u/.orchestrate/runs/r1/lib/worker/runtime.py", line 78, in run_reported
+    main()
+  File "<frozen runpy>", line 291, in run_path
+  File "<frozen runpy>", line 98, in _run_module_code
+  File "/home/u/job/train.py", line 12, in <module>
+    data = load("digits.npz")
+  File "/home/u/job/train.py", line 5, in load
+    return np.load(path)
+           ^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/numpy/lib/npyio.py", line 427, in load
+    fid = stack.enter_context(open(os_fspath(file), "rb"))
+FileNotFoundError: [Errno 2] No such file or directory: 'digits.npz'
+"""
+
+
+def test_a_new_users_failure_shows_the_jobs_own_frames_and_its_own_last_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job that cannot find its data file, as a new user meets it (issue 26.5): the traceback
+    starts at the job's code, and TensorFlow's start-up chatter is not taken for its last lines."""
+    log = write_log(
+        tmp_path,
+        "worker-0",
+        "===== orchestrate: worker-0 attempt 0 started =====",
+        "I0000 00:00:1796150547.581546   29018 cudart_stub.cc:31] Could not find cuda drivers",
+        "I0000 00:00:1796150547.581546   29018 port.cc:153] oneDNN custom operations are on.",
+        "reading the data",
+        "I0000 00:00:1796150547.6   29018 cpu_feature_guard.cc:227] This TensorFlow binary is optimized",
+        *JOB_TRACEBACK.splitlines(),
+    )
+    err = TaskError("FileNotFoundError", "No such file", JOB_TRACEBACK)
+    cause = Failure(("worker-0",), FailureKind.EXCEPTION, 0, "raised FileNotFoundError", error=err)
+    summarize(outcome(tmp_path, ClusterState.FAILED, cause))
+    out = capsys.readouterr().out
+    after = out.split("  traceback:\n", 1)[1].splitlines()
+    shown = list(itertools.takewhile(lambda line: line.startswith("    "), after))
+    assert shown == [
+        "    Traceback (most recent call last):",
+        '      File "/home/u/job/train.py", line 12, in <module>',
+        '        data = load("digits.npz")',
+        '      File "/home/u/job/train.py", line 5, in load',
+        "        return np.load(path)",
+        "               ^^^^^^^^^^^^^",
+        '      File "/venv/lib/python3.11/site-packages/numpy/lib/npyio.py", line 427, in load',
+        '        fid = stack.enter_context(open(os_fspath(file), "rb"))',
+        "    FileNotFoundError: [Errno 2] No such file or directory: 'digits.npz'",
+    ]
+    assert f"  last lines of {log} before the traceback:\n    | reading the data\n" in out
+    assert "cudart_stub" not in out and "oneDNN" not in out and "cpu_feature_guard" not in out
+
+
+def test_a_traceback_with_no_frame_of_the_job_is_shown_whole() -> None:
+    """An error inside our runtime itself: nothing is left off (no frame is the job's)."""
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/worker/runtime.py", line 78, in run_reported\n'
+        "    main()\n"
+        '  File "/x/worker/loop.py", line 89, in run\n'
+        "    trainer = _Trainer(config)\n"
+        "KeyError: 'steps'\n"
+    )
+    assert job_traceback(text) == text.rstrip().splitlines()
+    # a chain: each of its tracebacks starts at the job's own code
+    chained = (
+        JOB_TRACEBACK + "\nThe above exception was the direct cause of the following exception:\n\n" + text
+    )
+    lines = job_traceback(chained, limit=100)
+    assert sum("runtime.py" in line for line in lines) == 1  # the second traceback's, kept whole
+    assert lines[1] == '  File "/home/u/job/train.py", line 12, in <module>'
 
 
 def test_summary_lists_tasks_restarted_alone_and_ignored(
