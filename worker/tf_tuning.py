@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 from worker import wire
@@ -91,9 +90,7 @@ def leader_address(tf_config: dict[str, Any]) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def wait_for_leader(
-    extended: Any, *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
-) -> float | None:
+def wait_for_leader(extended: Any) -> float | None:
     """For an MWMS about to connect: wait until the leader's TF port accepts a connection (at most
     the registration timeout, as TF itself would); the seconds waited, None where nothing was to
     wait for. Never raises: the strategy then connects as it would have."""
@@ -104,14 +101,14 @@ def wait_for_leader(
         if leader is None:
             return None
         limit_s = float(os.environ.get(wire.ENV_TF_REGISTER_TIMEOUT_S) or 120.0)
-        start = clock()
-        while clock() - start < limit_s:
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s:
             try:
                 socket.create_connection(leader, timeout=LEADER_CONNECT_S).close()
-                return clock() - start
+                return time.monotonic() - start
             except OSError:
-                sleep(LEADER_POLL_S)
-        return clock() - start
+                time.sleep(LEADER_POLL_S)
+        return time.monotonic() - start
     except Exception as exc:  # noqa: BLE001 - an optimisation: the strategy connects as it would have
         log.debug("waiting for the leader: %s", exc)
         return None

@@ -78,14 +78,12 @@ class StateExchange:
         """Attempts after the first restore the owner's latest checkpoint: home (unless it came
         during the stop: `bring_early`), then to every reader's folder that differs; then the
         evaluators are followed."""
-        early = self.early_copy()
         self.stop_following()
         if plan.state is None:
             return []
         notes = []
         if attempt > 0:
-            got = early if early is not None else [*self.fetch(plan), *self.fetch_job(plan)]
-            notes += [*got, *self.hand_out(plan), *self.hand_out_job(plan)]
+            notes += [*self.fetched(plan), *self.hand_out(plan), *self.hand_out_job(plan)]
         self.follow(plan)
         return notes
 
