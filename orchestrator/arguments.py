@@ -122,6 +122,8 @@ def _run_commands(sub: Any, handlers: Handlers) -> None:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=handlers["logs"])
 
+    _stacks_command(sub, handlers)
+
     show = sub.add_parser("show", help="serve a run's page (default: the latest run) until Ctrl-C")
     show.add_argument("run_dir", nargs="?")
     show.add_argument("--web", metavar="HOST:PORT", default="127.0.0.1:0", help="where (default: loopback)")
@@ -142,3 +144,19 @@ def _run_commands(sub: Any, handlers: Handlers) -> None:
         help="spec (default) · status: status.json · event, metrics: a line of events.jsonl, metrics.jsonl",
     )
     schema.set_defaults(func=handlers["schema"])
+
+
+def _stacks_command(sub: Any, handlers: Handlers) -> None:
+    stacks = sub.add_parser(
+        "stacks",
+        help="every task's stacks: read now on a live run, the last read (before a stop) on an ended one",
+    )
+    stacks.add_argument("run_dir", nargs="?", help="a run directory (default: the latest run under runs/)")
+    stacks.add_argument("task", nargs="?", help="e.g. worker-1 (default: all)")
+    stacks.add_argument(
+        "--native",
+        action="store_true",
+        help="a live run's C++ frames too (py-spy pauses each task while it reads them: a second or more)",
+    )
+    stacks.add_argument("--json", action="store_true", help="the documents as JSON")
+    stacks.set_defaults(func=handlers["stacks"])

@@ -309,6 +309,34 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return follow_logs(run_dir, tasks, args.follow)
 
 
+def cmd_stacks(args: argparse.Namespace) -> int:
+    from orchestrator.rundir import coordinator_alive, has_ended, read_status, resolve_run_dir
+    from orchestrator.stacks import live, record
+
+    run_arg, task = args.run_dir, args.task
+    if run_arg is not None and task is None and _TASK_NAME.match(run_arg) and not Path(run_arg).is_dir():
+        run_arg, task = None, run_arg  # `orchestrate stacks worker-1`: that task of the latest run
+    run_dir = resolve_run_dir(run_arg)
+    if not has_ended(read_status(run_dir)) and coordinator_alive(run_dir) is not None:
+        answer = live.request(run_dir, task, args.native, timeout_s=30.0)
+        if isinstance(answer, str) or answer.get("error"):
+            print(f"orchestrate: {answer if isinstance(answer, str) else answer['error']}", file=sys.stderr)
+            return 1
+        docs = answer.get("docs") or {}
+    else:
+        docs = {name: doc for name, doc in record.latest(run_dir).items() if task is None or name == task}
+        if not docs:
+            what = f"of {task} " if task else ""
+            print(f"orchestrate: no stacks {what}were read in {run_dir} (a hung job's are, before its stop)")
+            return 1
+    if args.json:
+        print(json.dumps(docs, indent=1))
+        return 0
+    for doc in docs.values():
+        print("\n".join(record.text(doc)))
+    return 0
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     from orchestrator.rundir import down, resolve_run_dir
 
@@ -342,6 +370,7 @@ def _handlers() -> arguments.Handlers:
         "wait": cmd_wait,
         "logs": cmd_logs,
         "show": cmd_show,
+        "stacks": cmd_stacks,
         "down": cmd_down,
         "schema": cmd_schema,
     }

@@ -44,6 +44,8 @@ from orchestrator.rundir import known_folders, resume_point
 from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
+from orchestrator.stacks import live as stacks_live
+from orchestrator.stacks import record as stacks
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
@@ -126,12 +128,26 @@ def up(
             restarts=restarts,
             replan=planner,
             job_folders=known_folders(o.run_dir) if o.resume else (),
+            keep_stacks=functools.partial(stacks.keep, run_dir),
         )
-        cleanup.callback(_leave_nothing_running, supervisor)
+        _answer_stacks(cleanup, run_dir, supervisor)
         result = _supervise(supervisor, o)
         home = _bring_home(backend, supervisor.plan, record)
         tailer.stop()  # the last lines, before the count of those held back
         return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
+
+
+def _answer_stacks(cleanup: contextlib.ExitStack, run_dir: Path, supervisor: Supervisor) -> None:
+    """`orchestrate stacks` on this run, answered while it lives (until `cleanup`, which stops
+    whatever still runs first)."""
+    cleanup.callback(_leave_nothing_running, supervisor)
+    records = list(supervisor.tasks.values())
+    asked = stacks_live.Answerer(
+        run_dir,
+        lambda: [r.handle for r in records if r.handle is not None and not r.state.is_terminal],
+        supervisor.config.stacks_timeout_s or 5.0,
+    )
+    cleanup.callback(asked.start().close)
 
 
 def _supervise(supervisor: Supervisor, o: UpOptions) -> SupervisorResult:

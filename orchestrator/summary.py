@@ -12,6 +12,7 @@ from orchestrator.logtail import tail_lines
 from orchestrator.progress import duration_text, elapsed_s, progress_of
 from orchestrator.quiet import collapse_redraws, job_traceback, noise
 from orchestrator.rundir import diverged, resume_command, spec_path
+from orchestrator.stacks import record as stacks
 from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.states import ClusterState
 
@@ -28,6 +29,7 @@ def summarize(outcome: RunResult) -> int:
     for f in r.failures:  # each restart's cause (one alone is the first failure, below)...
         if listed:
             print(f"  attempt {f.attempt} ended: {f.describe()}")
+            _places(outcome.run_dir, f.attempt)
         if f.attempt + 1 in recoveries:  # ...and its timeline
             print(f"  {recoveries[f.attempt + 1]}")
     for f in r.task_restarts:
@@ -71,6 +73,8 @@ def _first_failure(outcome: RunResult, cause: Failure) -> None:
     """The run's first failure: why, its traceback, the hints, the last lines of its tasks' logs."""
     r = outcome.result
     print(f"  first failure: {cause.describe()}")
+    if len(r.failures) <= 1:  # else said with its attempt, above
+        _places(outcome.run_dir, cause.attempt)
     if cause.exit_code is not None:
         print(f"  exit code: {cause.exit_code}")
     if cause.error is not None and cause.error.traceback:
@@ -82,6 +86,15 @@ def _first_failure(outcome: RunResult, cause: Failure) -> None:
     shown_tb = cause.error is not None and bool(cause.error.traceback)
     for name in r.failed_tasks:
         _log_tail(outcome.run_dir / "logs" / f"{name}.log", before_traceback=shown_tb)
+
+
+def _places(run_dir: Path, attempt: int) -> None:
+    """Where each task was when the attempt was stopped, from the stacks read before (a hang)."""
+    lines = stacks.places(run_dir, attempt)
+    if lines:
+        print(f"  where each task was (its stacks: `orchestrate stacks {run_dir}`):")
+        for line in lines:
+            print(f"    {line}")
 
 
 def _log_tail(log_path: Path, before_traceback: bool) -> None:

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from worker import checkpoints, failure, strategy_hook, tf_tuning, wire
+from worker import checkpoints, failure, stacks, strategy_hook, tf_tuning, wire
 from worker.reporter import Reporter, ReporterConfig
 from worker.task import keeps_points
 
@@ -72,6 +72,7 @@ def run_script(script: str, args: list[str]) -> int:
 def run_reported(main: Callable[[], object]) -> int:
     """Run `main` with heartbeats; report how it ended (done, or the exception) and return the exit code."""
     rep = start_reporting()
+    dump_stacks_on_signal()
     # TF's own C++ SIGTERM watcher would swallow the coordinator's stop; end the task instead (a
     # PreemptionCheckpointHandler installed later replaces this with its save-then-exit).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -101,6 +102,14 @@ def record_failure(error: wire.TaskError, step: int | None) -> None:
     target = failure.path(run_dir, task, int(attempt))
     if not failure.write(target, error, step):
         print(f"orchestrate: could not write the error file {target}", file=sys.stderr)
+
+
+def dump_stacks_on_signal() -> None:
+    """Where the task runs under a coordinator: its stacks dumped on stacks.SIGNAL (worker/stacks.py),
+    for a coordinator without py-spy on this host."""
+    run_dir, task, attempt = (os.environ.get(k) for k in (wire.ENV_RUN_DIR, wire.ENV_TASK, wire.ENV_ATTEMPT))
+    if run_dir and task and attempt and attempt.isdigit():
+        stacks.register(stacks.path(run_dir, task, int(attempt)))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -159,6 +159,11 @@ class TaskHandle(abc.ABC):
         """Let go of what watching it holds (a channel); called once it is stopped or given up."""
         return None
 
+    def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
+        """Every thread's stacks of its process, read on its host by `deadline` (time.monotonic()
+        here): worker/stacks.py's document; one that cannot be read says why. Never raises."""
+        return {"pid": self.process.pid, "state": "unknown", "threads": [], "notes": ["not readable here"]}
+
     def written_error(self) -> Written | None:
         """Once it has exited: the exception it wrote to its error file as it died
         (worker/failure.py), None where it wrote none or the file cannot be had. Read by the

@@ -193,6 +193,13 @@ class HealthSpec(Strict):
         ge=0,
         description="when training is done, how long tasks that end by themselves (the evaluator) may take",
     )
+    stacks_timeout_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=60,
+        description="before stopping a hung job (stalled, lost, not up in time): at most this long to read "
+        "every task's stacks, kept in the run record (0: never)",
+    )
 
     @model_validator(mode="after")
     def _timeout_above_interval(self) -> HealthSpec:

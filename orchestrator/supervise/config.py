@@ -25,6 +25,7 @@ class SupervisorConfig:
     final_wait_s: float = 120.0  # training done: time for tasks that end by themselves (evaluator)
     failure_grace_s: float = 3.0  # a failure: the job's collectives are broken, no checkpoint can be agreed
     poll_interval_s: float = 0.1
+    stacks_timeout_s: float = 5.0  # before a hung job's stop: its stacks read within this (0: never)
 
     @classmethod
     def from_spec(cls, spec: ClusterSpec, **overrides: Any) -> SupervisorConfig:
@@ -38,6 +39,7 @@ class SupervisorConfig:
             backoff_s=spec.restart.backoff_s,
             stop_grace_s=spec.health.stop_grace_s,
             final_wait_s=spec.health.final_wait_s,
+            stacks_timeout_s=spec.health.stacks_timeout_s,
             poll_interval_s=poll_interval_s(tasks),
             **overrides,
         )

@@ -9,12 +9,14 @@ restart the whole job or fail it (Ray Train v2's `make_decision(poll_status)` is
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.launch.api import QUICK_GRACE_S
 from orchestrator.spec.model import AtEnd, OnFailure
+from orchestrator.stacks.where import Where
 from worker import wire
 from worker.wire import TaskError
 
@@ -244,6 +246,29 @@ def blame_frozen_peer(decision: Decision, frozen: Failure | None, snap: Snapshot
     if not decision.failure.is_peer_loss or frozen is None:
         return decision
     return job_decision(frozen, snap)
+
+
+def blame_by_stacks(decision: Decision, wheres: Sequence[Where]) -> Decision:
+    """A hung job's stacks, read before its stop, say whom the others wait for: a task in its own
+    code or stopped. Named by the decision already: its place is added; waiting in TensorFlow while
+    another is the one: that one is named instead, the others said as waiting for it. The action
+    stands (the stop is the same); only who and why change."""
+    failure = decision.failure
+    by_task = {w.task: w for w in wheres}
+    named = [by_task[t] for t in failure.tasks if t in by_task]
+    culprits = [w for w in wheres if w.culprit]
+    if culprits and not any(w.culprit for w in named):
+        one = culprits[0]
+        detail = f"{one.line} (its stacks): {', '.join(failure.tasks)} waited for it ({failure.detail})"
+        new = dataclasses.replace(failure, tasks=(one.task,), detail=detail, where=one.line, step=None)
+    elif failure.where is not None and all(w.kind == "own" for w in named):
+        return decision  # its heartbeat said as much already
+    elif named:
+        places = "; ".join(w.line if len(named) == 1 else f"{w.task} {w.line}" for w in named)
+        new = dataclasses.replace(failure, detail=f"{failure.detail}; its stacks: {places}")
+    else:
+        return decision
+    return Decision(decision.action, new, decision.reason.replace(failure.describe(), new.describe(), 1))
 
 
 def stop_grace_s(failed: bool, failure: Failure | None, stop_grace_s: float, failure_grace_s: float) -> float:

@@ -27,7 +27,13 @@ from orchestrator.supervise.records import EventSink, TaskRecord
 from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.timeline import Recovery, Timeline
 
+if TYPE_CHECKING:
+    from orchestrator.stacks.record import Capture
+
 log = logging.getLogger("orchestrator.supervise")
+
+#: The failures of a job that may hang rather than end: its stacks are read before it is stopped.
+HUNG = (FailureKind.STALLED, FailureKind.LOST, FailureKind.STARTUP_TIMEOUT, FailureKind.NO_STRATEGY)
 
 
 @dataclass
@@ -64,6 +70,8 @@ class Stopping:
     _clock: Callable[[], float]
     _sleep: Callable[[float], None]
     _in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]]
+    _capture: Callable[[list[TaskHandle], float, str], Capture]  # stacks: record.capture_all
+    _keep_stacks: Callable[[Capture, int], None]
     _stop: Stop | None
     _restart_at: float
     _abort: str | None
@@ -98,6 +106,7 @@ class Stopping:
 
     def _begin_stop(self, stop: Stop) -> None:
         self._stop = stop
+        self._looked_at(stop)
         if stop.decision is not None:
             self.failures.append(stop.decision.failure)
             if self.root_cause is None:
@@ -105,6 +114,25 @@ class Stopping:
             failure, wall = stop.decision.failure, now_iso()
             self._said(self.timeline.failure_stops(self.attempt + 1, failure, self._clock(), wall))
         self._move(ClusterState.STOPPING, stop.reason)
+
+    def _looked_at(self, stop: Stop) -> None:
+        """A hung job (stalled, lost, not up in time): every live task's stacks, read before the stop
+        (health.stacks_timeout_s at most), kept, said, and let name whom the others wait for."""
+        decision = stop.decision
+        timeout_s = self.config.stacks_timeout_s
+        if decision is None or decision.failure.kind not in HUNG or timeout_s <= 0 or self.hurry.is_set():
+            return
+        handles = [r.handle for r in self.tasks.values() if r.handle is not None and r.handle.poll() is None]
+        if not handles:
+            return
+        capture = self._capture(handles, timeout_s, f"before the stop: {decision.failure.describe()}")
+        try:
+            self._keep_stacks(capture, self.attempt)
+        except OSError as exc:  # a full disk: the stop goes on, the event still says where they were
+            log.warning("keeping the stacks: %s", exc)
+        self._sink.event(kind="stacks", attempt=self.attempt, reason=capture.line(), seconds=capture.seconds)
+        stop.decision = policy.blame_by_stacks(decision, capture.wheres())
+        stop.reason = stop.decision.failure.describe()
 
     def _said(self, recovery: Recovery | None) -> None:
         """A restart's timeline, complete: an event (`recovery`) with its line and phases."""

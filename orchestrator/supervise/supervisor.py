@@ -24,6 +24,7 @@ from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
+from orchestrator.stacks.record import Capture, capture_all
 from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.detect import TaskView
@@ -68,6 +69,8 @@ class Supervisor(Stopping):
         replan: Callable[[Mapping[str, Placement]], LaunchPlan] | None = None,
         in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]] = stop_in_background,
         job_folders: Sequence[str] = (),
+        capture: Callable[[list[TaskHandle], float, str], Capture] = capture_all,
+        keep_stacks: Callable[[Capture, int], None] = lambda _capture, _attempt: None,
     ):
         self.job_folders = restores.JobFolders(job_folders)  # the job's own checkpoint folders
         self.plan = self.job_folders.plan(plan)
@@ -98,6 +101,7 @@ class Supervisor(Stopping):
         self._abort: str | None = None
         self._replan = replan  # between attempts: a new plan when the backend moved a task
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
+        self._capture, self._keep_stacks = capture, keep_stacks  # a hung job's stacks, and where they go
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
         self.idle_in_a_row = 0
         self._standbys_at: float | None = None  # when to prepare standbys at the latest (running)

@@ -40,7 +40,7 @@ from orchestrator.launch.placement import Placement
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec, Role
-from worker import failure, wire
+from worker import failure, stacks, wire
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -76,6 +76,11 @@ class LocalTaskHandle(TaskHandle):
     def exited(self) -> bool:
         # its own exit code collected (so it can be reported), and its group empty
         return self.popen.poll() is not None and not group_alive(self._process.pgid)
+
+    def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
+        dumps = stacks.path(self.task.env[wire.ENV_RUN_DIR], self.task.name, self.attempt)
+        py_spy = stacks.find_py_spy()
+        return stacks.capture(self._process.pid, deadline, stacks_file=dumps, py_spy=py_spy, native=native)
 
     def written_error(self) -> failure.Written | None:
         if self.popen.poll() is None:

@@ -1,0 +1,138 @@
+"""Stacks layer: every task's stacks captured at once (each on its host, through its backend's
+handle, in parallel, by one deadline), kept in the run record, found again and printed.
+
+The record: `stacks/attempt-N/<task>.json` for the capture before attempt N's stop (the last one
+of that attempt), `stacks/live/<task>.json` for the latest one asked of a live run
+(`orchestrate stacks`, the page). Each is worker/stacks.py's document with the task, its attempt,
+where it ran, when and why it was captured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.launch.api import TaskHandle, on_all
+from orchestrator.record import make_private_dir, now_iso, read_json, write_json_atomic
+from orchestrator.stacks.where import Where, where
+
+FOLDER = "stacks"
+LIVE = "live"
+#: Given past the deadline to a host that captures on its own (a shim) to send its answer.
+TRANSPORT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One capture of a set of tasks: per task its document, and how long it took."""
+
+    docs: dict[str, dict[str, Any]]
+    seconds: float
+    why: str
+
+    def wheres(self) -> list[Where]:
+        return [where(task, doc) for task, doc in self.docs.items()]
+
+    def line(self) -> str:
+        """The event's reason: how many, how long, and the place of each."""
+        places = "; ".join(w.said() for w in self.wheres())
+        return f"stacks of {len(self.docs)} tasks captured in {self.seconds:.1f} s ({self.why}): {places}"
+
+
+def capture_all(handles: Sequence[TaskHandle], timeout_s: float, why: str, native: bool = True) -> Capture:
+    """Every handle's stacks, all at once, by `timeout_s` from now; a task that cannot be read
+    says why in its document."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+
+    def one(handle: TaskHandle) -> dict[str, Any]:
+        return handle.stacks(deadline, native)
+
+    docs: dict[str, dict[str, Any]] = {}
+    for handle, doc in on_all(list(handles), one):
+        if isinstance(doc, Exception):  # a bug of a backend's: said, never raised
+            doc = {"state": "unknown", "threads": [], "notes": [f"capture failed: {doc}"]}
+        docs[handle.task.name] = {
+            **doc,
+            "task": handle.task.name,
+            "attempt": handle.attempt,
+            "host": handle.where or "this machine",
+            "captured_at": now_iso(),
+            "why": why,
+        }
+    return Capture(docs, time.monotonic() - start, why)
+
+
+def keep(run_dir: Path, capture: Capture, attempt: int | None) -> None:
+    """Into the record: the attempt's folder (None: the live one)."""
+    folder = run_dir / FOLDER / (LIVE if attempt is None else f"attempt-{attempt}")
+    make_private_dir(folder)
+    for task, doc in capture.docs.items():
+        write_json_atomic(folder / f"{_safe(task)}.json", doc)
+
+
+def places(run_dir: Path, attempt: int) -> list[str]:
+    """One line per task of the capture before attempt N's stop (none if there was none)."""
+    docs = [_read(p) for p in sorted((run_dir / FOLDER / f"attempt-{attempt}").glob("*.json"))]
+    return [
+        where(d["task"], d).said() for d in docs if isinstance(d, dict) and isinstance(d.get("task"), str)
+    ]
+
+
+def latest(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per task, its last captured document (live or before a stop), by capture time."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted((run_dir / FOLDER).glob("*/*.json")):
+        doc = _read(path)
+        if not isinstance(doc.get("task"), str):
+            continue
+        have = out.get(doc["task"])
+        if have is None or str(doc.get("captured_at")) >= str(have.get("captured_at")):
+            out[doc["task"]] = doc
+    return out
+
+
+def text(doc: Mapping[str, Any]) -> list[str]:
+    """A document as people read it: a heading, the place, then each thread innermost first."""
+    head = f"{doc.get('task')} (attempt {doc.get('attempt')}, pid {doc.get('pid')}, {doc.get('host')})"
+    how = doc.get("method") or "not read"
+    if doc.get("method") and not doc.get("native"):
+        how += ", Python frames only"
+    when = f"captured {doc.get('captured_at')} ({doc.get('why')}) by {how} in {doc.get('seconds')} s"
+    lines = [f"== {head}: {when}"]
+    lines.append(f"   {where(str(doc.get('task')), doc).said()}")
+    lines += [f"   note: {note}" for note in doc.get("notes") or []]
+    for thread in doc.get("threads") or []:
+        flags = " (main)" if thread.get("main") else ""
+        flags += " (active)" if thread.get("active") else ""
+        running = f", executing {thread['executing']}" if thread.get("executing") else ""
+        lines.append(f"   Thread {thread.get('id') or ''} {thread.get('name')!s}{flags}{running}")
+        frames = thread.get("frames") or []
+        cut = len(frames) - 20 if thread.get("frames_left_out") else None
+        for i, frame in enumerate(frames):
+            if i == cut:
+                lines.append(f"       … {thread['frames_left_out']} frames left out …")
+            native = bool(frame.get("native"))
+            file = str(frame.get("file"))
+            place = Path(file).name if native else f"{file}:{frame.get('line')}"
+            lines.append(f"     {'~' if native else ' '} {frame.get('function')} ({place})")
+    if doc.get("threads_left_out"):
+        lines.append(f"   … {doc['threads_left_out']} more threads left out")
+    return lines
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """A kept document; {} for one that cannot be read (torn, or not ours)."""
+    try:
+        doc = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _safe(task: str) -> str:
+    """A task's name as a file name (they are role-index: nothing to escape, but never a path)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in task).lstrip(".") or "task"
