@@ -6,23 +6,23 @@ only, and it imports nothing of this package: it is what puts the package in pla
 
 Protocol (one SSH channel per task attempt):
 - stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
-  attempt, grace_s, and optionally error_file, follow, forward_signals, port_lock and standby}.
-  The shim fills the run's folder from the cache (`files`: [relpath, sha256, mode]), then starts
-  the task (with `standby`, its warm standby first: worker/shim_standby.py). The environment
-  travels here, not on a command line: no shell parses a value, and no credential shows in `ps`.
-- stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group) or "KILL". End of
-  file (the coordinator closed the channel, died, or lost the connection) means TERM, then
-  SIGKILL after grace_s: a task never outlives its SSH connection.
+  attempt, grace_s, and optionally error_file, stacks_file, stacks_module, follow,
+  forward_signals, port_lock and standby}. The shim fills the run's folder from the cache
+  (`files`: [relpath, sha256, mode]), then starts the task (with `standby`, its warm standby
+  first: worker/shim_standby.py). The environment travels here, never on a command line.
+- stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group), "KILL", or
+  "STACKS ID {timeout_s, native}" (the task's stacks read: worker/stacks.py). End of file (the
+  coordinator closed the channel, died, or lost the connection) means TERM, then SIGKILL after
+  grace_s: a task never outlives its SSH connection.
 - stdout: the task's output, followed live from its log file on the host (the task writes to the
   file itself, so a slow or dead connection never blocks it and the host keeps the full log).
-- Slurm runs the same shim as a job step (`srun … python -S worker/shim.py`) with `follow: false`
-  (the log is on a filesystem the coordinator shares), `forward_signals: false` (Slurm signals
-  the task itself: a time limit's SIGTERM must reach it once) and `port_lock`: a node-local file
-  held locked while the task lives, so that another run's probe avoids its port.
+- Slurm runs the same shim as a job step with `follow: false` (the log is on a filesystem the
+  coordinator shares), `forward_signals: false` (Slurm signals the task itself) and `port_lock`:
+  a node-local file held locked while the task lives (another run's probe avoids its port).
 - stderr: one JSON line per event: {"event": "started", pid, pgid, create_time, node, step}, then,
   for a task that failed and wrote its error file (worker/failure.py), {"event": "failure",
-  "document": {…}}, then {"event": "exit", "code": N} (negative N: killed by signal -N). Any other
-  text comes from a failed start (e.g. the shell's "python3: not found").
+  "document": {…}}, then {"event": "exit", "code": N} (negative N: killed by signal -N); and
+  {"event": "stacks", "id", "document"} when asked. Other text comes from a failed start.
 
 Before starting, the shim stops a previous attempt of the same task still alive on this host
 (recorded in the pidfile and checked by its run id), so a task is never running twice.
@@ -60,12 +60,7 @@ def main(argv: list[str]) -> int:
     job: dict[str, Any] = json.loads(line)
     standby = None
     if job.get("standby") is not None:  # a warm standby first; the attempt comes on "GO {…}"
-        path = job["standby"]["module"]  # the cache's copy, named by its checksum: the shim runs alone
-        loader = importlib.machinery.SourceFileLoader("shim_standby", path)
-        spec = importlib.util.spec_from_file_location("shim_standby", path, loader=loader)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
+        module = _load(job, "shim_standby", job["standby"]["module"])
         if isinstance(standby := module.standby(job, sys.modules[__name__]), int):
             return standby
         job.update(standby[1])
@@ -77,6 +72,18 @@ def main(argv: list[str]) -> int:
     if isinstance(started, int):
         return started
     return _watch(job, *started)
+
+
+def _load(job: dict[str, Any], name: str, path: str | None = None) -> Any:
+    """A module of the runtime: the cache's copy the job names (`NAME_module`, named by its
+    checksum: the shim runs alone, without the package), else the one beside this file."""
+    path = path or job.get(f"{name}_module") or os.path.join(os.path.dirname(__file__), f"{name}.py")
+    loader = importlib.machinery.SourceFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def _stop_only(run_id: str, grace_s: float, pidfiles: list[str]) -> int:
@@ -171,10 +178,10 @@ def _watch(job: dict[str, Any], child: subprocess.Popen[bytes], offset: int) -> 
     """Until the task ends: its log followed, TERM/KILL from stdin passed on; then its error file
     (if it failed and wrote one) and its exit said."""
     pgid = child.pid
-    follower = _Follower(job["log"], offset) if job.get("follow", True) else None
+    follower = _load(job, "follow").Follower(job["log"], offset) if job.get("follow", True) else None
     if follower is not None:
         follower.start()
-    control = threading.Thread(target=_control, args=(pgid, float(job["grace_s"])), daemon=True)
+    control = threading.Thread(target=_control, args=(job, pgid), daemon=True)
     control.start()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if job.get("forward_signals", True):
@@ -249,7 +256,7 @@ def _materialize(cache: str, folder: str, files: list[list[Any]]) -> None:
         os.replace(tmp, target)
 
 
-def _control(pgid: int, grace_s: float) -> None:
+def _control(job: dict[str, Any], pgid: int) -> None:
     for raw in sys.stdin.buffer:
         command = raw.strip().decode(errors="replace")
         if command == "TERM":
@@ -257,8 +264,14 @@ def _control(pgid: int, grace_s: float) -> None:
             _signal_group(pgid, signal.SIGCONT)
         elif command == "KILL":
             _signal_group(pgid, signal.SIGKILL)
+        elif command.startswith("STACKS "):  # "STACKS ID {…}": read on a thread (worker/stacks.py)
+            ident, _, asked = command[7:].partition(" ")
+            try:
+                _load(job, "stacks").answer(job, pgid, ident, asked, _emit)
+            except Exception as exc:  # noqa: BLE001 - said; the control thread goes on
+                _emit({"event": "stacks", "id": ident, "document": {"notes": [f"cannot read them: {exc}"]}})
     # End of file: the coordinator or its connection is gone. Stop the task; never orphan it.
-    _terminate_group(pgid, grace_s)
+    _terminate_group(pgid, float(job["grace_s"]))
 
 
 def _terminate_groups(pgids: list[int], grace_s: float) -> None:
@@ -351,39 +364,14 @@ def _create_time(pid: int) -> float:
         return 0.0
 
 
-class _Follower(threading.Thread):
-    """Copies what the task appends to its log file to stdout (the SSH channel), live."""
-
-    def __init__(self, path: str, offset: int):
-        super().__init__(daemon=True)
-        self._path, self._offset = path, offset
-        self._done = threading.Event()
-        self._broken = False
-
-    def run(self) -> None:
-        with open(self._path, "rb") as f:
-            f.seek(self._offset)
-            while True:
-                finishing = self._done.is_set()
-                data = f.read(65536)
-                if data and not self._broken:
-                    try:
-                        os.write(1, data)
-                    except OSError:
-                        self._broken = True  # the connection is gone; the log file still has it all
-                elif not data:
-                    if finishing:
-                        return
-                    time.sleep(0.1)
-
-    def finish(self) -> None:
-        self._done.set()
-        self.join(timeout=10.0)
+_EMITTING = threading.Lock()  # a long event (stacks) is written in pieces: never two at once
 
 
 def _emit(event: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        os.write(2, (json.dumps(event) + "\n").encode())
+    data = (json.dumps(event) + "\n").encode()
+    with _EMITTING, contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(2, data) :]
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: The runtime's dump signal: a real-time one, which no library we know of uses.
@@ -34,6 +34,7 @@ FOLDER = "stacks"
 MAX_THREADS = 48
 MAX_INNER, MAX_OUTER = 80, 20  # frames kept per thread: the innermost, and the outermost
 MAX_TEXT = 300  # characters of a function's or a file's name
+MAX_DOC_BYTES = 512 * 1024  # a document, as JSON, at most
 MAX_OUTPUT = 32 * 1024 * 1024  # of py-spy's JSON, or of a dump, read at most
 ENV_PY_SPY = "ORCHESTRATE_PY_SPY"  # py-spy's path, or "none": the runtime's own dump only
 _HEADER = "orchestrate stacks of pid {pid}\n"
@@ -88,9 +89,34 @@ def _chaining(original: Callable[..., Any]) -> Callable[..., Any]:
 # --- outside, on the task's host -------------------------------------------------------------
 
 
-def find_py_spy() -> str | None:
+def answer(
+    job: dict[str, Any], pid: int, ident: str, asked: str, emit: Callable[[dict[str, Any]], None]
+) -> None:
+    """The shim's side: the task's stacks, read on a thread of their own and said as an event."""
+
+    def run() -> None:
+        try:
+            ask = json.loads(asked)
+            until = time.monotonic() + float(ask["timeout_s"])
+            py_spy = find_py_spy({**os.environ, **job["env"]})
+            doc = capture(
+                pid, until, stacks_file=job.get("stacks_file"), py_spy=py_spy, native=ask.get("native")
+            )
+        except Exception as exc:  # noqa: BLE001 - said to the coordinator, never the shim's end
+            doc = {
+                "pid": pid,
+                "state": "unknown",
+                "threads": [],
+                "notes": [f"the shim could not read them: {exc}"],
+            }
+        emit({"event": "stacks", "id": ident, "document": doc})
+
+    threading.Thread(target=run, daemon=True, name="stacks").start()
+
+
+def find_py_spy(env: Mapping[str, str] = os.environ) -> str | None:
     """py-spy beside this Python (its environment's), else on PATH; ORCHESTRATE_PY_SPY overrides."""
-    given = os.environ.get(ENV_PY_SPY)
+    given = env.get(ENV_PY_SPY)
     if given is not None:
         return None if given in ("", "none") else given
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
@@ -230,8 +256,8 @@ def _threads(raw: list[Any], ops: dict[int, str]) -> list[dict[str, Any]]:
         tid = thread.get("os_thread_id")
         frames = [
             {
-                "function": _text(f.get("name")),
-                "file": _text(f.get("filename")),
+                "function": text(f.get("name")),
+                "file": text(f.get("filename")),
                 "line": f.get("line") if isinstance(f.get("line"), int) else 0,
                 "native": f.get("module") is not None or not _python_file(str(f.get("filename"))),
             }
@@ -239,7 +265,7 @@ def _threads(raw: list[Any], ops: dict[int, str]) -> list[dict[str, Any]]:
             if isinstance(f, dict)
         ]
         entry = {
-            "name": _text(thread.get("thread_name") or f"thread {tid}"),
+            "name": text(thread.get("thread_name") or f"thread {tid}"),
             "id": tid,
             "main": tid == thread.get("pid"),
             "active": thread.get("active"),
@@ -311,11 +337,11 @@ def _read_from(file: str, offset: int) -> str:
     return ""
 
 
-def parse_dump(text: str) -> list[dict[str, Any]]:
+def parse_dump(dump: str) -> list[dict[str, Any]]:
     """faulthandler's dump: `Thread 0x… (most recent call first):` (or `Current thread …`), then
     `  File "…", line N in FUNCTION` per frame, innermost first."""
     threads: list[dict[str, Any]] = []
-    for line in text.splitlines():
+    for line in dump.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")):
             tid = line.split("0x", 1)[1].split()[0]
             threads.append({"name": f"thread 0x{tid}", "id": None, "main": False, "active": None})
@@ -325,8 +351,8 @@ def parse_dump(text: str) -> list[dict[str, Any]]:
             number, _, function = rest.partition(" in ")
             threads[-1]["frames"].append(
                 {
-                    "function": _text(function),
-                    "file": _text(file),
+                    "function": text(function),
+                    "file": text(file),
                     "line": int(number) if number.isdigit() else 0,
                     "native": False,
                 }
@@ -338,22 +364,25 @@ def parse_dump(text: str) -> list[dict[str, Any]]:
     return threads
 
 
-def _text(value: object) -> str:
+def text(value: object) -> str:
     text = str(value) if value is not None else ""
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
 
 
-def bounded(doc: dict[str, Any]) -> dict[str, Any]:
-    """At most MAX_THREADS threads (the main one first) of at most MAX_INNER + MAX_OUTER frames
-    each; what is left out is counted."""
-    threads = sorted(doc["threads"], key=lambda t: not t.get("main"))
-    if len(threads) > MAX_THREADS:
-        doc["threads_left_out"] = len(threads) - MAX_THREADS
-        threads = threads[:MAX_THREADS]
-    for thread in threads:
+def bounded(doc: dict[str, Any], threads: int = MAX_THREADS, inner: int = MAX_INNER) -> dict[str, Any]:
+    """At most `threads` threads (the main one first) of at most `inner` + MAX_OUTER frames each,
+    what is left out counted; fewer where the document would pass MAX_DOC_BYTES (one line of the
+    shim's: a megabyte at most)."""
+    kept = sorted(doc["threads"], key=lambda t: not t.get("main"))
+    if len(kept) > threads:
+        doc["threads_left_out"] = doc.get("threads_left_out", 0) + len(kept) - threads
+        kept = kept[:threads]
+    for thread in kept:
         frames = thread["frames"]
-        if len(frames) > MAX_INNER + MAX_OUTER:
-            thread["frames_left_out"] = len(frames) - MAX_INNER - MAX_OUTER
-            thread["frames"] = frames[:MAX_INNER] + frames[-MAX_OUTER:]
-    doc["threads"] = threads
+        if len(frames) > inner + MAX_OUTER:
+            thread["frames_left_out"] = thread.get("frames_left_out", 0) + len(frames) - inner - MAX_OUTER
+            thread["frames"] = frames[:inner] + frames[-MAX_OUTER:]
+    doc["threads"] = kept
+    if inner > 10 and len(json.dumps(doc)) > MAX_DOC_BYTES:
+        return bounded(doc, max(4, threads // 2), inner // 2)
     return doc

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import json
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -24,7 +25,8 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle
 from orchestrator.plan import TaskPlan
 from orchestrator.record import private_open
-from worker import failure, wire
+from orchestrator.stacks import record as stacks_doc
+from worker import failure, stacks, wire
 
 _KEPT_LINES = 20
 _KEPT_CHARS = 500
@@ -58,6 +60,7 @@ def shim_job(
         "log": log,
         "pidfile": pidfile,
         "error_file": failure.path(env[wire.ENV_RUN_DIR], task.name, attempt),
+        "stacks_file": stacks.path(env[wire.ENV_RUN_DIR], task.name, attempt),
         "run_id": run_id,
         "task": task.name,
         "attempt": attempt,
@@ -81,6 +84,8 @@ class ShimEvents:
         self.standby_ready = False  # it has imported TensorFlow
         self.standby_failed: str | None = None  # it exited before its attempt: its log's last lines
         self.standby_refused: tuple[int, int] | None = None  # (available, total): too little memory
+        self.stacks: dict[str, Any] = {}  # the answers to STACKS, by their id (until taken)
+        self.stacks_came = threading.Condition()
 
     def feed(self, line: str) -> None:
         try:
@@ -103,6 +108,12 @@ class ShimEvents:
             self.standby_failed = str(event.get("tail", ""))[-_KEPT_CHARS:]
         elif event["event"] == "standby_refused":
             self.standby_refused = (int(event["available"]), int(event["total"]))
+        elif event["event"] == "stacks":
+            with self.stacks_came:
+                self.stacks[str(event.get("id"))] = event.get("document")
+                for late in list(self.stacks)[:-8]:  # answers that came after their asker gave up
+                    del self.stacks[late]
+                self.stacks_came.notify_all()
         elif event["event"] == "failure":
             self.failure = event.get("document")
         elif event["event"] == "exit":
@@ -219,6 +230,29 @@ class ShimHandle(TaskHandle):
             return
         self.release()
         raise LaunchError(f"cannot start {self.task.name} on {self.where}: {said}")
+
+    def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
+        """Read by the shim on the task's host (worker/stacks.py), brought back as an event; a
+        host that does not answer by the deadline (and a little more for the way back) is said."""
+        gone = {"pid": self.process.pid, "state": "gone", "threads": [], "notes": ["it had exited"]}
+        if self._events.ended.is_set() or self.poll() is not None:
+            return gone
+        ident = secrets.token_hex(6)
+        asked = {"timeout_s": round(max(0.1, deadline - time.monotonic()), 3), "native": native}
+        self.transport.send(f"STACKS {ident} {json.dumps(asked)}\n".encode())
+        until = deadline + stacks_doc.TRANSPORT_S
+        with self._events.stacks_came:
+            while ident not in self._events.stacks and not self._events.ended.is_set():
+                if not self._events.stacks_came.wait(timeout=max(0.0, until - time.monotonic())):
+                    break
+            doc = self._events.stacks.pop(ident, None)
+        if doc is None:
+            if self._events.ended.is_set():
+                return gone
+            waited = asked["timeout_s"] + stacks_doc.TRANSPORT_S
+            note = f"no answer from {self.where or 'its shim'} within {waited:.1f} s (cut off?)"
+            return {"pid": self.process.pid, "state": "unknown", "threads": [], "notes": [note]}
+        return stacks_doc.checked(doc)
 
     def written_error(self) -> failure.Written | None:
         return failure.parse(self._events.failure) if self._events.failure is not None else None

@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator.launch.api import TaskHandle, on_all
 from orchestrator.record import make_private_dir, now_iso, read_json, write_json_atomic
 from orchestrator.stacks.where import Where, where
+from worker import stacks
 
 FOLDER = "stacks"
 LIVE = "live"
@@ -49,7 +50,10 @@ def capture_all(handles: Sequence[TaskHandle], timeout_s: float, why: str, nativ
     deadline = start + timeout_s
 
     def one(handle: TaskHandle) -> dict[str, Any]:
-        return handle.stacks(deadline, native)
+        doc = handle.stacks(deadline, native)
+        if not isinstance(doc.get("seconds"), (int, float)):  # the host said none: as seen from here
+            doc["seconds"] = round(time.monotonic() - start, 3)
+        return doc
 
     docs: dict[str, dict[str, Any]] = {}
     for handle, doc in on_all(list(handles), one):
@@ -64,6 +68,46 @@ def capture_all(handles: Sequence[TaskHandle], timeout_s: float, why: str, nativ
             "why": why,
         }
     return Capture(docs, time.monotonic() - start, why)
+
+
+def checked(doc: object) -> dict[str, Any]:
+    """A document as it came from elsewhere (a host's shim): the fields of one, their types
+    checked, bounded again; anything else is said as such."""
+    if not isinstance(doc, dict):
+        return {"state": "unknown", "threads": [], "notes": ["its host answered with no document"]}
+    out: dict[str, Any] = {
+        "pid": doc.get("pid") if isinstance(doc.get("pid"), int) else None,
+        "state": stacks.text(doc.get("state") or "unknown"),
+        "method": stacks.text(doc["method"]) if isinstance(doc.get("method"), str) else None,
+        "native": doc.get("native") is True,
+        "seconds": doc.get("seconds") if isinstance(doc.get("seconds"), (int, float)) else None,
+        "notes": [stacks.text(n) for n in doc.get("notes") or [] if isinstance(n, str)][:8],
+        "threads": [],
+    }
+    threads = doc.get("threads")
+    for thread in threads if isinstance(threads, list) else []:
+        if not isinstance(thread, dict) or not isinstance(thread.get("frames"), list):
+            continue
+        frames = [
+            {
+                "function": stacks.text(f.get("function")),
+                "file": stacks.text(f.get("file")),
+                "line": f.get("line") if isinstance(f.get("line"), int) else 0,
+                "native": f.get("native") is True,
+            }
+            for f in thread["frames"]
+            if isinstance(f, dict)
+        ]
+        entry = {
+            key: thread.get(key)
+            for key in ("id", "main", "active")
+            if isinstance(thread.get(key), (int, bool))
+        }
+        entry.update(name=stacks.text(thread.get("name")), frames=frames)
+        if isinstance(thread.get("executing"), str):
+            entry["executing"] = stacks.text(thread["executing"])
+        out["threads"].append(entry)
+    return stacks.bounded(out)
 
 
 def keep(run_dir: Path, capture: Capture, attempt: int | None) -> None:

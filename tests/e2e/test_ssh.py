@@ -525,3 +525,94 @@ def test_check_prints_one_table_and_fails_on_a_busy_port(ssh_job, lab):
     assert "peers" in res.stdout and "1 ok" in rows[0]  # host 0 reached the one port that listened
     res = subprocess.run(check, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "all hosts ready" in res.stdout
+
+
+DEADLOCK = """
+    import os, threading
+    import tensorflow as tf
+    import worker
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        v = tf.Variable(0.0)
+    step = tf.function(lambda: strategy.run(lambda: v.assign_add(1.0)))
+    lock = threading.Lock()
+    def wait_for_lock():
+        lock.acquire()
+        lock.acquire()  # the planted deadlock
+    for i in range(1, 1000):
+        if os.environ["ORCHESTRATE_TASK"] == "worker-1" and i == 10:
+            wait_for_lock()
+        step()
+        worker.report(step=i)
+"""
+
+
+def stacks_of(job, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "orchestrator", "stacks", str(job.run_dir), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=job.root)
+
+
+def test_a_live_runs_stacks_are_read_on_its_hosts_and_the_run_goes_on(ssh_job):
+    job = ssh_job(PLAIN)
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 3, 60), job.status()
+        res = stacks_of(job, "--json")
+        assert res.returncode == 0, res.stdout + res.stderr
+        docs = json.loads(res.stdout)
+        assert sorted(docs) == ["worker-0", "worker-1"]
+        for doc in docs.values():
+            assert doc["method"] == "py-spy" and doc["host"] != "this machine", doc
+            main = next(t for t in doc["threads"] if t["main"])
+            assert any(f["file"].endswith("job.py") and f["function"] == "<module>" for f in main["frames"])
+        steps = job.steps()
+        assert wait_until(lambda: job.steps() > steps, 10)  # it went on
+        assert job.status()["state"] == "RUNNING"
+    finally:
+        subprocess.run([sys.executable, "-m", "orchestrator", "down", str(job.run_dir)], timeout=60)
+        proc.communicate(timeout=60)
+    assert job.hosts_empty(), job.host_pids()
+
+
+def test_a_hung_jobs_stacks_come_home_by_the_runtimes_own_dump_without_py_spy(ssh_job):
+    job = ssh_job(
+        DEADLOCK,
+        spec={
+            "job": {
+                "script": "job/job.py",
+                "env": {"ORCHESTRATE_PY_SPY": "none", "TF_CPP_MIN_LOG_LEVEL": "2"},
+            },
+            "health": {"stall_timeout_s": 4, "heartbeat_timeout_s": 60},
+            "restart": {"max_restarts": 0},
+        },
+    )
+    res = job.up(timeout_s=180)
+    assert res.returncode == 1, res.stdout
+    assert "first failure: worker-1" in res.stdout
+    line = next(x for x in res.stdout.splitlines() if x.strip().startswith("worker-1:"))
+    assert "in wait_for_lock (job.py:12)" in line and "the one the others wait for" in line, res.stdout
+    doc = json.loads((job.run_dir / "stacks" / "attempt-0" / "worker-1.json").read_text())
+    assert doc["method"] == "faulthandler" and doc["host"] != "this machine", doc
+    assert job.hosts_empty(), job.host_pids()
+
+
+def test_a_host_cut_off_during_the_capture_is_said_and_the_stop_goes_on(ssh_job, lab):
+    if not isinstance(lab, NetnsLab):
+        pytest.skip("cutting a host off needs network namespaces (root)")
+    job = ssh_job(PLAIN, spec={"ssh": {"coordinator_address": lab.gateway}, "restart": {"max_restarts": 0}})
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 3, 60), job.status()
+        lab.cut(1)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        lab.restore(1)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    doc = json.loads((job.run_dir / "stacks" / "attempt-0" / "worker-1.json").read_text())
+    assert doc["state"] == "unknown" and "no answer from" in doc["notes"][0], doc
+    assert doc["seconds"] < 5 + 2 + 1  # health.stacks_timeout_s, the way back, a little more
+    other = json.loads((job.run_dir / "stacks" / "attempt-0" / "worker-0.json").read_text())
+    assert other["method"] == "py-spy", other
+    assert job.hosts_empty(15), job.host_pids()

@@ -106,6 +106,7 @@ class SlurmTasks:
             port_lock=port_lock(node, str(task.port)),  # held while the task lives
             follow=self._shipping,  # shared: the coordinator reads the log file in place
             forward_signals=False,  # Slurm signals the task itself
+            stacks_module=str(SHIM.parent / "stacks.py"),  # the shim's own folder: every node sees it
         )
 
     def _open_step(self, task: TaskPlan, job: dict[str, Any], log_path: Path) -> SlurmTaskHandle:

@@ -264,6 +264,12 @@ class SshBackend(Backend):
             grace_s=self._spec.health.stop_grace_s,
             cache=posixpath.join(ctx.workdir, "cache"),
             files=[[f.rel, f.sha256, f.mode] for f in self._files],
+            **{  # the runtime's modules the shim loads from the cache
+                f"{name}_module": posixpath.join(
+                    ctx.workdir, "cache", runtime_entry(self._files, f"{name}.py").sha256
+                )
+                for name in ("stacks", "follow")
+            },
         )
 
     def _open(self, task: TaskPlan, job: dict[str, Any], log_path: Path) -> SshTaskHandle:
