@@ -357,10 +357,16 @@ def parse_dump(dump: str) -> list[dict[str, Any]]:
                     "native": False,
                 }
             )
-    for thread in threads:  # the main thread runs the runtime's entry point, outermost
-        frames = thread["frames"]
-        if frames and frames[-1]["function"] in ("<module>", "_run_module_as_main", "_run_code"):
-            thread.update(main=True, name="MainThread")
+        elif line == "  ..." and threads:  # faulthandler keeps 100 frames a thread
+            threads[-1]["frames_left_out"] = threads[-1].get("frames_left_out", 0) + 1
+    # the main thread runs the runtime's entry point, outermost; else it is the last one listed
+    # (faulthandler lists the newest thread first)
+    entry = ("<module>", "_run_module_as_main", "_run_code")
+    main = next((t for t in threads if t["frames"] and t["frames"][-1]["function"] in entry), None)
+    if main is None and threads:
+        main = threads[-1]
+    if main is not None:
+        main.update(main=True, name="MainThread")
     return threads
 
 
