@@ -35,10 +35,13 @@ _UNCOLLECTED_S = 120.0
 def request(run_dir: Path, task: str | None, native: bool, timeout_s: float) -> dict[str, Any] | str:
     """Ask the run's coordinator for its tasks' stacks now: its answer, or why there is none."""
     folder = run_dir / FOLDER / "requests"
-    make_private_dir(folder)
-    make_private_dir(run_dir / FOLDER / "answers")
     ident = secrets.token_urlsafe(12)
-    write_json_atomic(folder / f"{ident}.json", {"task": task, "native": native})
+    try:
+        make_private_dir(folder)
+        make_private_dir(run_dir / FOLDER / "answers")
+        write_json_atomic(folder / f"{ident}.json", {"task": task, "native": native})
+    except OSError as exc:
+        return f"cannot ask the run's coordinator through {folder}: {exc.strerror or exc}"
     answer = run_dir / FOLDER / "answers" / f"{ident}.json"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -82,7 +85,8 @@ class Answerer:
     def _answer_all(self) -> None:
         requests = self._folder / "requests"
         try:
-            names = sorted(e.name for e in os.scandir(requests))[:16]
+            # (a name with a dot first is a request being written: write_json_atomic's own)
+            names = sorted(e.name for e in os.scandir(requests) if not e.name.startswith("."))[:16]
         except FileNotFoundError:
             return
         make_private_dir(self._folder / "answers")

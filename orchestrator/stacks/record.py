@@ -21,6 +21,7 @@ from orchestrator.stacks.where import Where, where
 from worker import stacks
 
 FOLDER = "stacks"
+BEFORE_STOP = "before the stop"  # how a hung job's capture's `why` begins
 LIVE = "live"
 #: Given past the deadline to a host that captures on its own (a shim) to send its answer.
 TRANSPORT_S = 2.0
@@ -39,7 +40,7 @@ class Capture:
 
     def line(self) -> str:
         """The event's reason: how many, how long, and the place of each."""
-        places = "; ".join(w.said() for w in self.wheres())
+        places = "; ".join(w.said(hung=self.why.startswith(BEFORE_STOP)) for w in self.wheres())
         return f"stacks of {len(self.docs)} tasks captured in {self.seconds:.1f} s ({self.why}): {places}"
 
 
@@ -147,7 +148,7 @@ def text(doc: Mapping[str, Any]) -> list[str]:
         how += ", Python frames only"
     when = f"captured {doc.get('captured_at')} ({doc.get('why')}) by {how} in {doc.get('seconds')} s"
     lines = [f"== {head}: {when}"]
-    lines.append(f"   {where(str(doc.get('task')), doc).said()}")
+    lines.append(f"   {where(str(doc.get('task')), doc).said(hung(doc))}")
     lines += [f"   note: {note}" for note in doc.get("notes") or []]
     for thread in doc.get("threads") or []:
         flags = " (main)" if thread.get("main") else ""
@@ -166,6 +167,11 @@ def text(doc: Mapping[str, Any]) -> list[str]:
     if doc.get("threads_left_out"):
         lines.append(f"   … {doc['threads_left_out']} more threads left out")
     return lines
+
+
+def hung(doc: Mapping[str, Any]) -> bool:
+    """Read before a hung job's stop (not asked for on a live run)."""
+    return str(doc.get("why")).startswith(BEFORE_STOP)
 
 
 def _read(path: Path) -> dict[str, Any]:

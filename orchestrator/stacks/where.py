@@ -67,8 +67,9 @@ class Where:
     def culprit(self) -> bool:
         return self.kind in ("own", "stopped")
 
-    def said(self) -> str:
-        blame = " — the one the others wait for" if self.culprit else ""
+    def said(self, hung: bool = True) -> str:
+        """Its line; `hung`: read before a hung job's stop (on a live run, nobody waits: no blame)."""
+        blame = " — the one the others wait for" if self.culprit and hung else ""
         return f"{self.task}: {self.line}{blame}"
 
 

@@ -20,6 +20,7 @@ from orchestrator.launch.api import Backend, TaskHandle, stop_all, unconfirmed_r
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import AtEnd
+from orchestrator.stacks.record import BEFORE_STOP
 from orchestrator.supervise import policy
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
@@ -125,7 +126,7 @@ class Stopping:
         handles = [r.handle for r in self.tasks.values() if r.handle is not None and r.handle.poll() is None]
         if not handles:
             return
-        capture = self._capture(handles, timeout_s, f"before the stop: {decision.failure.describe()}")
+        capture = self._capture(handles, timeout_s, f"{BEFORE_STOP}: {decision.failure.describe()}")
         try:
             self._keep_stacks(capture, self.attempt)
         except OSError as exc:  # a full disk: the stop goes on, the event still says where they were

@@ -15,6 +15,8 @@ from typing import Any
 from orchestrator.logtail import tail_lines
 from orchestrator.quiet import collapse_redraws
 from orchestrator.rundir import coordinator_alive, has_ended
+from orchestrator.stacks import record as stacks
+from orchestrator.stacks.where import where
 from orchestrator.web.curves import Curves
 from worker.wire import loads, safe_text
 
@@ -62,6 +64,8 @@ class RunReader:
         self._lock = threading.Lock()
         self._polled_at = 0.0
         self._min_interval_s = min_interval_s  # many open pages cost one read per interval
+        self._stacks: dict[str, dict[str, Any]] = {}  # per task, its last read stacks
+        self._stacks_key: tuple[tuple[str, int], ...] = ()
 
     def poll(self) -> None:
         """Take in what the run wrote since the last poll (at most once per interval)."""
@@ -80,6 +84,7 @@ class RunReader:
                 if event is not None:
                     self._events.append(event)
                     self._event_count += 1
+            self._read_stacks()
             for line in self._metric_tail.lines():
                 point = _json(line)
                 if point is not None and isinstance(point.get("task"), str):
@@ -100,6 +105,41 @@ class RunReader:
         tasks = status.get("tasks") if isinstance(status, dict) else None
         if isinstance(tasks, list) and all(isinstance(t, dict) for t in tasks):  # else not ours
             self._status, self._status_key = status, key
+
+    def _read_stacks(self) -> None:
+        """The stacks folder read again only when a capture changed it (a folder's time moves as
+        its files are replaced): a document can be half a megabyte."""
+        try:
+            with os.scandir(self.dir / stacks.FOLDER) as entries:
+                folders = [e for e in entries if e.is_dir(follow_symlinks=False)]
+                key = tuple(sorted((e.name, e.stat(follow_symlinks=False).st_mtime_ns) for e in folders))
+        except OSError:
+            return
+        if key != self._stacks_key:
+            self._stacks, self._stacks_key = stacks.latest(self.dir), key
+
+    def stacks(self) -> dict[str, dict[str, Any]]:
+        """Per task, the place its last read stacks show, and when and why they were read."""
+        with self._lock:
+            docs = self._stacks
+        out = {}
+        for task, doc in docs.items():
+            place = where(task, doc)
+            out[task] = {
+                "line": safe_text(place.said(stacks.hung(doc))),
+                "culprit": place.culprit and stacks.hung(doc),
+                "attempt": doc.get("attempt"),
+                "captured_at": doc.get("captured_at"),
+                "why": safe_text(str(doc.get("why"))),
+            }
+        return out
+
+    def stacks_text(self, task: str) -> list[str] | None:
+        """A task's last read stacks as `orchestrate stacks` prints them; None if none were read
+        (or the run has no such task)."""
+        with self._lock:
+            doc = self._stacks.get(task)
+        return [safe_text(line) for line in stacks.text(doc)] if doc is not None else None
 
     def status(self) -> dict[str, Any]:
         with self._lock:

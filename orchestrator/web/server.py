@@ -64,6 +64,7 @@ _HEADERS = {
 MAX_LOG_LINES = 200
 #: Task rows the page gets (and shows); the others are counted by state.
 MAX_ROWS = 50
+MAX_STACK_LINES = 5_000  # a task's stacks, as the page shows them (a document is bounded already)
 #: The points of a curve the page may ask for.
 MAX_CURVE_POINTS = 2000
 #: Pages the server remembers (to let each see the run's end before it stops serving).
@@ -187,6 +188,7 @@ class WebServer:
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/api/curves", self._curves)
         app.router.add_get("/api/logs/{task}", self._logs)
+        app.router.add_get("/api/stacks/{task}", self._stacks)
         app.router.add_get("/metrics", self._metrics)
         runner = web.AppRunner(
             app,
@@ -273,6 +275,7 @@ class WebServer:
         status = self.reader.status()
         tasks = status.get("tasks", [])
         progress = progress_of(status)
+        shown = {str(t.get("task")) for t in tasks[:MAX_ROWS]}
         if page is not None:
             self._saw(page, has_ended(status))
         return _json(
@@ -296,6 +299,8 @@ class WebServer:
                 "recorded_at": self.reader.recorded_at(),
                 "now": time.time(),
                 "tensorboard": self._tensorboard,
+                # where each task was, by its last read stacks (a hung job's, or asked for)
+                "stacks": {t: s for t, s in self.reader.stacks().items() if t in shown},
                 **self._extra(),
             }
         )
@@ -312,6 +317,13 @@ class WebServer:
         if lines is None:
             return _text(404, "no such task in this run")
         return _json({"lines": [line[:2000] for line in lines]})
+
+    async def _stacks(self, request: web.Request) -> web.StreamResponse:
+        self.reader.poll()
+        lines = self.reader.stacks_text(request.match_info["task"])
+        if lines is None:
+            return _text(404, "no stacks of such a task were read in this run")
+        return _json({"lines": [line[:2000] for line in lines[:MAX_STACK_LINES]]})
 
     def _saw(self, page: str, ended: bool) -> None:
         """A page asked for the state (and whether what it got is the run's end). Updated in place:

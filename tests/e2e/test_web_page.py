@@ -216,6 +216,14 @@ def test_the_live_page_in_a_real_browser(live: LiveRun) -> None:
             assert wait_until(lambda: "trained" in page.locator("#log").inner_text(), 10)
             log = page.locator("#log").inner_text()
             assert "20/20 [epoch" in log and "1/20 [=]" not in log  # a redrawn bar: its last state
+            # `orchestrate stacks` on the live run: where each task is, its full stacks a click away
+            asked = [sys.executable, "-m", "orchestrator", "stacks", str(live.run_dir)]
+            res = subprocess.run(asked, capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0 and "== worker-0" in res.stdout, res.stdout + res.stderr
+            page.wait_for_selector('#stacks li[data-task="worker-0"]', timeout=10_000)
+            assert "asked: orchestrate stacks" in page.locator("#stacks-when").inner_text()
+            page.locator('#stacks li[data-task="worker-0"]').click()
+            assert wait_until(lambda: "MainThread" in page.locator("#stacks-full").inner_text(), 10)
             # another run's page beside it (`orchestrate show` of this run: another port, another
             # token), then a reload: each keeps its own token (no cookie for them to evict)
             shown = live.run_dir.parent / "show.txt"

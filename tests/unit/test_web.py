@@ -327,3 +327,32 @@ def test_an_open_page_is_shown_the_end_before_the_server_goes(server: WebServer,
 
 def _bare(constant: str) -> None:
     raise AssertionError(f"a bare {constant} in strict JSON")
+
+
+def test_where_each_task_was_is_on_the_page_with_its_full_stacks_a_click_away(
+    server: WebServer, run_dir: Path
+) -> None:
+    assert get_json(server, "/api/state")["stacks"] == {}
+    assert request(server, "/api/stacks/worker-1", server.token)[0] == 404
+    frames = [
+        {"function": "wait_for_lock", "file": "/j/train.py", "line": 17, "native": False},
+        {"function": "\u202e<script>", "file": "/j/train.py", "line": 30, "native": False},  # any text
+    ]
+    doc = {
+        "task": "worker-1",
+        "attempt": 0,
+        "captured_at": "2026-01-01T00:00:02.000Z",
+        "why": "before the stop: worker-1 stalled",
+        "state": "running",
+        "method": "py-spy",
+        "threads": [{"name": "MainThread", "main": True, "active": False, "frames": frames}],
+    }
+    (run_dir / "stacks" / "attempt-0").mkdir(parents=True)
+    (run_dir / "stacks" / "attempt-0" / "worker-1.json").write_text(json.dumps(doc))
+    said = get_json(server, "/api/state")["stacks"]
+    assert said["worker-1"]["culprit"] is True and said["worker-1"]["why"] == doc["why"]
+    assert said["worker-1"]["line"].startswith("worker-1: in wait_for_lock (train.py:17), not in TensorFlow")
+    full = get_json(server, "/api/stacks/worker-1")["lines"]
+    assert any("wait_for_lock (/j/train.py:17)" in line for line in full)
+    assert not any("\u202e" in line for line in full)  # shown as its escape, never as a direction
+    assert request(server, "/api/stacks/..%2Fstatus.json", server.token)[0] == 404

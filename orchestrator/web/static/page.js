@@ -29,6 +29,8 @@ let clockSkew = 0; // server time - browser time
 let ended = false; // the page has shown the run's end
 let gone = false; // ...and its server has gone with the run: nothing more to ask
 const events = [];
+let stacksShown = null; // the task whose full stacks are open
+let stacksKey = "";
 
 function takeToken() {
   const url = new URL(window.location.href);
@@ -227,6 +229,42 @@ function renderFailures(status) {
     ...(items.length ? items.map((t) => el("li", {}, t.split("\n")[0])) : [el("li", { class: "dim" }, "none")]));
 }
 
+// Where each task was, by its last read stacks; a line opens the task's full stacks below it.
+function renderStacks(stacks) {
+  const entries = Object.entries(stacks || {});
+  const key = JSON.stringify(entries);
+  if (key === stacksKey) return;
+  stacksKey = key;
+  document.getElementById("stacks-section").hidden = entries.length === 0;
+  if (!entries.length) return;
+  const [, first] = entries[0];
+  document.getElementById("stacks-when").textContent =
+    `read ${String(first.captured_at).slice(0, 19).replace("T", " ")} UTC (${first.why}); click a task for its full stacks`;
+  document.getElementById("stacks").replaceChildren(...entries.map(([task, s]) => {
+    const item = el("li", { "data-task": task, class: s.culprit ? "culprit" : "" }, s.line);
+    item.addEventListener("click", () => showStacks(task));
+    return item;
+  }));
+  if (stacksShown) showStacks(stacksShown, true);
+}
+
+async function showStacks(task, again = false) {
+  const pre = document.getElementById("stacks-full");
+  if (stacksShown === task && !again) {
+    stacksShown = null;
+    pre.hidden = true;
+    return;
+  }
+  stacksShown = task;
+  try {
+    const data = await getJSON(`/api/stacks/${encodeURIComponent(task)}`);
+    pre.textContent = data.lines.join("\n");
+  } catch (err) {
+    pre.textContent = String(err);
+  }
+  pre.hidden = false;
+}
+
 function plot(name, byTask) {
   const W = 420, H = 190, L = 46, R = 8, T = 8, B = 22;
   const all = [...byTask.values()].flat().map(([x, y, a]) => [x, value(y), a]);
@@ -331,6 +369,7 @@ async function tick() {
       renderHead(lastStatus, data.progress, data.stale, data.recorded_at);
       renderTasks(lastStatus, data.task_count, data.task_states);
       renderFailures(lastStatus);
+      renderStacks(data.stacks);
       ended = ENDED.has(lastStatus.state);
     }
     renderEvents();
