@@ -150,7 +150,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     spec = _load(args)
     report = launch.check(spec)
     if report is None:
-        print(f"{args.spec}: backend {spec.backend} runs every task on this machine; nothing to check")
+        from orchestrator.launch.ssh.preflight import stacks_warning
+        from worker import probe
+
+        print(f"{args.spec}: backend {spec.backend} runs every task on this machine")
+        found = probe.stacks()
+        said = stacks_warning("this machine", {"stacks": found})
+        print(f"warning: {said}" if said else f"a hung task's stacks: native frames too ({found['py_spy']})")
         return EXIT_OK
     table = Table(title=report.title)
     for column in report.rows[0]:

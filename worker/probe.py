@@ -8,6 +8,7 @@ A state folder's modes (tree, commit, pack, unpack, shared) are worker/folders.p
                           (made absolute, created, writable?), its free disk, which TF ports are
                           free, and which of the files named on stdin (JSON list of SHA-256) its
                           cache (WORKDIR/cache) lacks.
+- stacks                  whether py-spy can read a task here: tried on a child Python.
 - listen PORT…            bind each port, print which bound, then accept and drop connections
                           until stdin closes (peers test that they can reach this host).
 - connect TIMEOUT ADDR…   try a TCP connection to each host:port.
@@ -224,7 +225,50 @@ def mesh(port: str, wait_s: str, *peers: str) -> dict[str, Any]:
     t.join()
     server.close()
     out["reached"] = reached
+    out["stacks"] = stacks()
     return out
+
+
+#: A process py-spy is tried on: it lets its parent (this probe) read it, as the task's runtime
+#: lets the shim or the coordinator (worker/stacks.py), then waits for its stdin to close.
+_READ_ME = (
+    "import ctypes, os, sys\n"
+    "try:\n    ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0)\nexcept Exception:\n    pass\n"
+    "print('ready', flush=True)\nsys.stdin.read()\n"
+)
+
+
+def stacks() -> dict[str, Any]:
+    """Whether a hung task's native stacks can be read here (`orchestrate check`): py-spy, found
+    as the shim finds it, tried on a child Python; else why not."""
+    scope = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/yama/ptrace_scope") as f:
+        scope = int(f.read())
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    py_spy = beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+    if py_spy is None:
+        return {"native": False, "why": "py-spy not installed", "ptrace_scope": scope}
+    child = subprocess.Popen(
+        [sys.executable, "-S", "-c", _READ_ME], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()
+        res = subprocess.run(
+            [py_spy, "dump", "--pid", str(child.pid)], capture_output=True, text=True, timeout=10
+        )
+        said = res.stderr.split("Stack backtrace:")[0].strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as exc:
+        res, said = None, [str(exc)]
+    finally:
+        child.kill()
+        child.wait()
+    if res is not None and res.returncode == 0:
+        return {"native": True, "why": None, "ptrace_scope": scope, "py_spy": py_spy}
+    why = said[-1] if said else "py-spy failed"
+    if "ermission" in why or "not permitted" in why:
+        why = f"ptrace refused: kernel.yama.ptrace_scope={scope}" if scope else f"ptrace refused ({why})"
+    return {"native": False, "why": why[:300], "ptrace_scope": scope, "py_spy": py_spy}
 
 
 def listen(*ports: str) -> None:
@@ -288,6 +332,7 @@ def main(argv: list[str]) -> int:
         "connect": connect,
         "node": node,
         "mesh": mesh,
+        "stacks": stacks,
     }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0

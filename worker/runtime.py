@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from worker import checkpoints, failure, stacks, strategy_hook, tf_tuning, wire
+from worker import checkpoints, failure, stack_dump, stacks, strategy_hook, tf_tuning, wire
 from worker.reporter import Reporter, ReporterConfig
 from worker.task import keeps_points
 
@@ -109,7 +109,7 @@ def dump_stacks_on_signal() -> None:
     for a coordinator without py-spy on this host."""
     run_dir, task, attempt = (os.environ.get(k) for k in (wire.ENV_RUN_DIR, wire.ENV_TASK, wire.ENV_ATTEMPT))
     if run_dir and task and attempt and attempt.isdigit():
-        stacks.register(stacks.path(run_dir, task, int(attempt)))
+        stack_dump.register(stacks.path(run_dir, task, int(attempt)))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -1,6 +1,7 @@
-"""Every thread's stacks of a task, read while it hangs (issue 26): in the task, the runtime's own
-dump on a signal (`register`); outside it, on its host, `capture` (the coordinator for local tasks,
-the shim for remote ones, which loads this file from its cache: standard library only).
+"""Every thread's stacks of a task, read while it hangs (issue 26), from outside it, on its host:
+`capture` (the coordinator for local tasks, the shim for remote ones, which loads this file from
+its cache: standard library only). In the task, worker/stack_dump.py registers the runtime's own
+dump on SIGNAL.
 
 `capture` reads a process with py-spy where it can (every Python thread's frames and, with
 `native`, the C++ frames under them: TensorFlow's waits), from outside, its Python frames first
@@ -15,7 +16,6 @@ said as stopped; a zombie or a process gone is said as such. The result is a pla
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import os
 import posixpath
@@ -37,53 +37,12 @@ MAX_TEXT = 300  # characters of a function's or a file's name
 MAX_DOC_BYTES = 512 * 1024  # a document, as JSON, at most
 MAX_OUTPUT = 32 * 1024 * 1024  # of py-spy's JSON, or of a dump, read at most
 ENV_PY_SPY = "ORCHESTRATE_PY_SPY"  # py-spy's path, or "none": the runtime's own dump only
-_HEADER = "orchestrate stacks of pid {pid}\n"
+HEADER = "orchestrate stacks of pid {pid}\n"
 
 
 def path(run_folder: str, task: str, attempt: int) -> str:
     """Where a task's attempt writes its dumps, on its own host."""
     return posixpath.join(run_folder, FOLDER, f"{task}.{attempt}.txt")
-
-
-# --- in the task ---------------------------------------------------------------------------
-
-_registered: dict[str, Any] = {}
-
-
-def register(target: str) -> bool:
-    """Dump every thread's frames into `target` on SIGNAL (a private file, made anew); a job's own
-    handler for SIGNAL, set later through signal.signal, is chained after the dump. False where the
-    file cannot be made (the task then has no dump of its own; py-spy may still read it)."""
-    try:
-        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(target)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    out = os.fdopen(fd, "w", buffering=1)
-    out.write(_HEADER.format(pid=os.getpid()))
-    faulthandler.register(SIGNAL, out, all_threads=True, chain=False)
-    _registered["file"] = out
-    if not _registered.get("patched"):
-        _registered["patched"] = True
-        setattr(signal, "signal", _chaining(signal.signal))  # noqa: B010 - the module's own name
-    return True
-
-
-def _chaining(original: Callable[..., Any]) -> Callable[..., Any]:
-    """signal.signal, but a handler set for SIGNAL runs after the runtime's dump, not instead."""
-
-    def set_handler(signalnum: int, handler: Any) -> Any:
-        if signalnum != SIGNAL or "file" not in _registered:
-            return original(signalnum, handler)
-        faulthandler.unregister(SIGNAL)
-        try:
-            return original(signalnum, handler)
-        finally:  # chained only to a function: SIG_DFL would end the task at every dump
-            faulthandler.register(SIGNAL, _registered["file"], all_threads=True, chain=callable(handler))
-
-    return set_handler
 
 
 # --- outside, on the task's host -------------------------------------------------------------
@@ -318,7 +277,7 @@ def _ready_for_signal(pid: int, stacks_file: str) -> str | None:
             header = f.readline()
     except OSError:
         return "its runtime has no stacks file (not started yet, or it could not write one)"
-    if header != _HEADER.format(pid=pid):
+    if header != HEADER.format(pid=pid):
         return "its stacks file is not this process's (its runtime is not running yet)"
     try:
         with open(f"/proc/{pid}/status") as f:

@@ -681,3 +681,30 @@ def test_a_jobs_own_backup_on_each_nodes_disk_resumes_on_every_node_after_a_kill
     ]
     assert weights[0] and weights[0] == weights[1], weights
     assert wait_until(lambda: nothing_left(lab, run), 15)
+
+
+def test_a_hung_tasks_stacks_are_read_inside_its_step(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    hang = """
+        import os, threading, time
+        import worker
+        lock = threading.Lock()
+        def wait_for_lock():
+            lock.acquire()
+            lock.acquire()  # the planted deadlock
+        for i in range(1, 100000):
+            if os.environ["ORCHESTRATE_TASK"] == "worker-1" and i == 10:
+                wait_for_lock()
+            worker.report(step=i)
+            time.sleep(0.05)
+    """
+    conf = spec("hang", {"nodes": 2, "tasks_per_node": {"worker": 1}}, health={"stall_timeout_s": 3})
+    run = make(runs, lab, tmp_path, {**conf, "restart": {"max_restarts": 0}}, hang)
+    res = run.up(timeout_s=240)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    line = next(x.strip() for x in res.stdout.splitlines() if x.strip().startswith("worker-1: in"))
+    assert "in wait_for_lock (job.py:7), not in TensorFlow — the one the others wait for" in line, res.stdout
+    doc = json.loads((run.run_dir / "stacks" / "attempt-0" / "worker-1.json").read_text())
+    assert doc["method"] == "py-spy" and doc["host"] == "n2", doc  # read on its node, by its shim
+    assert nothing_left(lab, run)

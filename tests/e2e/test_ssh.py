@@ -515,6 +515,7 @@ def test_check_prints_one_table_and_fails_on_a_busy_port(ssh_job, lab):
     assert res.returncode == 3
     rows = [line for line in res.stdout.splitlines() if line.startswith("│ hosts[")]
     assert len(rows) == 2 and "busy" in rows[1] and "busy" not in rows[0]
+    assert all("native" in row for row in rows), res.stdout  # py-spy read a process on each host
     assert (
         "TensorFlow" not in res.stdout.split("problem:")[0] or "2.21" in res.stdout
     )  # versions side by side

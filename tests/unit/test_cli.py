@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator import cli, rundir
 from tests.unit.test_spec import MINIMAL, REPO, y
+from worker import stacks
 
 LOCAL_SPEC = y(MINIMAL)  # the spec suite's minimal spec
 
@@ -180,13 +181,22 @@ def test_plan_json_of_an_ssh_spec(
 # --- check, up ------------------------------------------------------------------------------------
 
 
-def test_check_of_a_local_spec_has_nothing_to_check(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_check_of_a_local_spec_says_whether_a_hung_tasks_native_stacks_can_be_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = spec_file(tmp_path, LOCAL_SPEC)
     code, out, _ = run(capsys, "check", str(path))
-    assert code == 0
-    assert out == f"{path}: backend local runs every task on this machine; nothing to check\n"
+    assert code == 0 and out.startswith(f"{path}: backend local runs every task on this machine\n")
+    assert out.endswith(f"a hung task's stacks: native frames too ({stacks.find_py_spy()})\n"), out
+    # without py-spy (a bare Python): said, with what to do; not a problem
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    monkeypatch.setattr(sys, "executable", str(bare / "python"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 0 and "warning: this machine: a hung task's stacks will have its Python frames only" in out
+    assert "py-spy not installed" in out
 
 
 def test_up_with_resume_and_another_run_dir_is_a_usage_error(

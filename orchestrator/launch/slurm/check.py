@@ -29,6 +29,7 @@ from orchestrator.launch.slurm.cluster import (
     srun_argv,
 )
 from orchestrator.launch.slurm.spec import SlurmSpec, section
+from orchestrator.launch.ssh.preflight import stacks_cell, stacks_warning
 from orchestrator.spec.model import ClusterSpec
 
 
@@ -75,17 +76,19 @@ def check(spec: ClusterSpec) -> CheckReport:
             "tensorflow": "-",
             "files": "-",
             "peers": "-",
+            "stacks": "-",
         }
         for n in nodes
     }
     python = tuple(shlex.split(conf.python)) if conf.python else (sys.executable,)
     answers, failed = _mesh_step(spec, slurm, partition, nodes, python)
     problems = [failed] if failed else []
-    problems += _judge(answers, rows, python)
+    notes: list[str] = []  # worth a look, not a stop
+    problems += _judge(answers, rows, python, notes)
     versions = {(a.get("python"), a.get("tensorflow")) for a in answers if a.get("hostname") in rows}
     warnings = (
         [f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}"] if len(versions) > 1 else []
-    )
+    ) + notes
     return CheckReport(title, list(rows.values()), warnings, problems)
 
 
@@ -135,7 +138,7 @@ def _mesh_step(
 
 
 def _judge(
-    answers: list[dict[str, Any]], rows: dict[str, dict[str, str]], python: tuple[str, ...]
+    answers: list[dict[str, Any]], rows: dict[str, dict[str, str]], python: tuple[str, ...], notes: list[str]
 ) -> list[str]:
     """Each node's answer into its row of the table; the problems found."""
     problems = []
@@ -156,6 +159,9 @@ def _judge(
                 f"{row['node']} does not see {', '.join(unseen)}: the slurm backend needs this "
                 "machine's files on a filesystem the nodes share"
             )
+        row["stacks"] = stacks_cell(a)
+        if (said := stacks_warning(row["node"], a)) is not None:
+            notes.append(said)
         unreached = [peer for peer, ok in a.get("reached", {}).items() if not ok]
         row["peers"] = "all reached" if not unreached else f"cannot reach {', '.join(unreached)}"
         if unreached:

@@ -116,10 +116,15 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
     """Everything `inspect` checks, the peer matrix included; connections closed after."""
     reports = inspect(spec, ports, peers=True)
     try:
+        ready = [r for r in reports if r.conn is not None and r.facts is not None]
+        for r, found in on_all(ready, lambda r: probe(r.conn, r.host, "stacks")):
+            assert r.facts is not None
+            r.facts["stacks"] = found if isinstance(found, dict) else {"native": False, "why": str(found)}
         return CheckReport(
             f"{spec.name}: {len(reports)} host(s)",
             table_rows(reports, shared_declared=bool(declared_shared(spec)), spec=spec),
-            warnings(reports),
+            warnings(reports)
+            + [w for r in ready if (w := stacks_warning(r.host.label, r.facts)) is not None],
             problems(reports),
         )
     finally:
@@ -237,6 +242,24 @@ def warnings(reports: list[HostReport]) -> list[str]:
     return out
 
 
+def stacks_cell(facts: dict[str, Any] | None) -> str:
+    """Whether a hung task's C++ frames can be read there (worker/probe.py's `stacks`)."""
+    found = (facts or {}).get("stacks")
+    if not isinstance(found, dict):
+        return "-"
+    return "native" if found.get("native") else "Python only"
+
+
+def stacks_warning(label: str, facts: dict[str, Any] | None) -> str | None:
+    found = (facts or {}).get("stacks")
+    if not isinstance(found, dict) or found.get("native"):
+        return None
+    return (
+        f"{label}: a hung task's stacks will have its Python frames only (its runtime's own dump): "
+        f"{found.get('why')} (py-spy, installed beside the job's Python, reads C++ frames too)"
+    )
+
+
 def close(reports: list[HostReport]) -> None:
     close_all({r.host.index: r.conn for r in reports if r.conn is not None})
 
@@ -272,6 +295,8 @@ def table_rows(
         )
         if spec is not None:
             rows[-1]["standbys"] = _standby_cell(spec, r.host.index, f.get("memory"))
+        if "stacks" in f:
+            rows[-1]["stacks"] = stacks_cell(f)
     return rows
 
 

@@ -1,0 +1,70 @@
+"""In the task: the runtime's own dump of every thread's frames on worker/stacks.py's SIGNAL,
+into the task's stacks file — what a coordinator reads where py-spy is missing or refused. A
+handler the job sets for that signal later (signal.signal) runs after the dump, not instead."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from worker import stacks
+
+_registered: dict[str, Any] = {}
+
+
+def register(target: str) -> bool:
+    """Dump every thread's frames into `target` on SIGNAL (a private file, made anew); a job's own
+    handler for SIGNAL, set later through signal.signal, is chained after the dump. False where
+    the file cannot be made (the task then has no dump of its own; py-spy may still read it)."""
+    try:
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    out = os.fdopen(fd, "w", buffering=1)
+    out.write(stacks.HEADER.format(pid=os.getpid()))
+    _let_parent_read()
+    faulthandler.register(stacks.SIGNAL, out, all_threads=True, chain=False)
+    _registered["file"] = out
+    if not _registered.get("patched"):
+        _registered["patched"] = True
+        setattr(signal, "signal", _chaining(signal.signal))  # noqa: B010 - the module's own name
+    return True
+
+
+def _let_parent_read() -> None:
+    """Under Yama's ptrace_scope 1 only a process's ancestors may read it, and py-spy is started by
+    the task's parent (the coordinator, or its shim) beside it: the parent, and what it starts, is
+    declared this task's reader (PR_SET_PTRACER). Elsewhere nothing is needed, or nothing helps."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() != "1":
+                return
+        import ctypes
+
+        ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0)  # PR_SET_PTRACER
+    except (OSError, AttributeError, ValueError):
+        return
+
+
+def _chaining(original: Callable[..., Any]) -> Callable[..., Any]:
+    """signal.signal, but a handler set for stacks.SIGNAL runs after the runtime's dump, not instead."""
+
+    def set_handler(signalnum: int, handler: Any) -> Any:
+        if signalnum != stacks.SIGNAL or "file" not in _registered:
+            return original(signalnum, handler)
+        faulthandler.unregister(stacks.SIGNAL)
+        try:
+            return original(signalnum, handler)
+        finally:  # chained only to a function: SIG_DFL would end the task at every dump
+            faulthandler.register(
+                stacks.SIGNAL, _registered["file"], all_threads=True, chain=callable(handler)
+            )
+
+    return set_handler
