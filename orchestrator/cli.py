@@ -8,6 +8,7 @@ here imports TensorFlow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -316,6 +317,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
+    # a diagnosis of a run that may be training on every core here: it yields to the training
+    with contextlib.suppress(OSError):
+        os.nice(10)
     from orchestrator.rundir import coordinator_alive, has_ended, read_status, resolve_run_dir
     from orchestrator.stacks import live, record
 

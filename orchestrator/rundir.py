@@ -12,18 +12,19 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from orchestrator import launch
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK, RunDirError, UsageError
 from orchestrator.logtail import LogTailer, tail_lines
 from orchestrator.quiet import collapse_redraws
 from orchestrator.record import LOCK_NAME as _LOCK
 from orchestrator.record import RUNS_DIR, read_json
-from orchestrator.spec.model import ClusterSpec
 from orchestrator.supervise.states import ClusterState
+
+if TYPE_CHECKING:  # the spec's models (pydantic: 0.15 s) are not needed to read a run
+    from orchestrator.spec.model import ClusterSpec
 from worker.wire import MAX_FOLDERS
 
 
@@ -206,6 +207,8 @@ def down(run_dir: Path, grace_s: float = 10.0, out: Any = None) -> int:
     Its coordinator is asked first. The places its tasks ran (launch.reattach, from the backend's
     record) are asked only when the coordinator may have left something: it died mid-run, or it
     could not confirm that a task had exited (a host cut off)."""
+    from orchestrator import launch  # its backends' packages: only when a run is stopped from here
+
     out = out if out is not None else sys.stdout
     pid = coordinator_alive(run_dir)
     if pid is not None:

@@ -108,13 +108,13 @@ def capture(
         doc["notes"].append("it had exited" if doc["state"] == "gone" else "it had exited (a zombie)")
     elif py_spy is not None:
         _by_py_spy(doc, py_spy, deadline, native and doc["state"] == "running")
-    if not doc["threads"] and doc["state"] == "running" and stacks_file is not None:
+    if not doc["threads"] and doc["state"] == "running" and process_state(pid) in ("zombie", "gone"):
+        doc["state"] = process_state(pid)
+        doc["notes"].append("it exited while being read")
+    elif not doc["threads"] and doc["state"] == "running" and stacks_file is not None:
         _by_runtime(doc, stacks_file, deadline)
     elif not doc["threads"] and doc["state"] == "stopped":
         doc["notes"].append("stopped (state T): its runtime cannot answer; py-spy could read it")
-    if not doc["threads"] and doc["state"] == "running" and process_state(pid) == "gone":
-        doc["state"] = "gone"
-        doc["notes"].append("it exited while being read")
     doc["seconds"] = round(time.monotonic() - start, 3)
     return bounded(doc)
 
@@ -122,7 +122,8 @@ def capture(
 def _by_py_spy(doc: dict[str, Any], py_spy: str, deadline: float, native: bool) -> None:
     """Python frames at once (never pausing it), and native ones (pausing it) by the deadline."""
     base = [py_spy, "dump", "--pid", str(doc["pid"]), "--json"]
-    runs = {"python": _Run([*base, "--nonblocking", "--locals"])}
+    # Python frames only: a live run's, read at a low priority (it trains on every core, maybe)
+    runs = {"python": _Run([*base, "--nonblocking", "--locals"], gentle=not native)}
     if native:
         runs["native"] = _Run([*base, "--native"])
     results = {name: run.result(deadline) for name, run in runs.items()}
@@ -140,11 +141,15 @@ def _by_py_spy(doc: dict[str, Any], py_spy: str, deadline: float, native: bool) 
 class _Run:
     """One py-spy, its output read (bounded) on a thread of its own."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], gentle: bool = False):
         self.out = bytearray()
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=(lambda: os.nice(10)) if gentle else None,  # noqa: PLW1509 - nice only
             )
         except OSError as exc:
             self.proc, self.error = None, f"cannot run {argv[0]}: {exc.strerror or exc}"
@@ -255,13 +260,17 @@ def _by_runtime(doc: dict[str, Any], stacks_file: str, deadline: float) -> None:
         doc["notes"].append(f"cannot signal it: {exc.strerror}")
         return
     text, seen, since = "", -1, time.monotonic()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and process_state(doc["pid"]) == "running":
         text = _read_from(stacks_file, size)
         if len(text) != seen:
             seen, since = len(text), time.monotonic()
         elif text and time.monotonic() - since > 0.1:
             break  # written whole: nothing more for 0.1 s
         time.sleep(0.02)
+    if not text and process_state(doc["pid"]) != "running":
+        doc["state"] = process_state(doc["pid"])
+        doc["notes"].append("it exited while being read")
+        return
     if not text:
         doc["notes"].append("its runtime wrote no dump in time (the job's own handler took the signal?)")
         return

@@ -20,11 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.launch.api import TaskHandle
 from orchestrator.record import make_private_dir, write_json_atomic
-from orchestrator.stacks.record import FOLDER, capture_all, keep
+
+if TYPE_CHECKING:
+    from orchestrator.launch.api import TaskHandle
+
+FOLDER = "stacks"  # as orchestrator/stacks/record.py's (the asker imports no more than this module)
 
 POLL_S = 0.2
 _ID = re.compile(r"^[A-Za-z0-9_-]{8,64}\.json$")
@@ -122,6 +125,8 @@ class Answerer:
         handles = [h for h in self._handles() if task is None or h.task.name == task]
         if not handles:
             return {"error": f"no live task {task}" if task else "no task is running now", "docs": {}}
+        from orchestrator.stacks.record import capture_all, keep
+
         capture = capture_all(handles, self._timeout_s, "asked: orchestrate stacks", native=native)
         keep(self._run_dir, capture, None)
         return {"docs": capture.docs, "seconds": capture.seconds}

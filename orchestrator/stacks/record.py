@@ -13,12 +13,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.launch.api import TaskHandle, on_all
 from orchestrator.record import make_private_dir, now_iso, read_json, write_json_atomic
 from orchestrator.stacks.where import Where, where
 from worker import stacks
+
+if TYPE_CHECKING:
+    from orchestrator.launch.api import TaskHandle
 
 FOLDER = "stacks"
 BEFORE_STOP = "before the stop"  # how a hung job's capture's `why` begins
@@ -47,6 +49,8 @@ class Capture:
 def capture_all(handles: Sequence[TaskHandle], timeout_s: float, why: str, native: bool = True) -> Capture:
     """Every handle's stacks, all at once, by `timeout_s` from now; a task that cannot be read
     says why in its document."""
+    from orchestrator.launch.api import on_all
+
     start = time.monotonic()
     deadline = start + timeout_s
 

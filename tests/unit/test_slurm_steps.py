@@ -137,11 +137,20 @@ def test_check_reads_each_nodes_answer_into_its_row_and_its_problems() -> None:
     }
     answers = [
         {"hostname": "n1", "python": "3.11.7", "executable": "/usr/bin/python3", "tensorflow": "2.21.0",
-         "seen": {"/x/shim.py": True}, "reached": {"10.0.0.2:20000": True}},
+         "seen": {"/x/shim.py": True}, "reached": {"10.0.0.2:20000": True},
+         "stacks": {"native": True, "why": None}},
         {"hostname": "n2", "python": "3.11.7", "executable": "/usr/bin/python3", "tensorflow": None,
-         "seen": {"/x/shim.py": False}, "reached": {"10.0.0.1:20000": False}},
+         "seen": {"/x/shim.py": False}, "reached": {"10.0.0.1:20000": False},
+         "stacks": {"native": False, "why": "ptrace refused: kernel.yama.ptrace_scope=3"}},
     ]  # fmt: skip
-    problems = _judge(answers, rows, ("python3",))
+    notes: list[str] = []
+    problems = _judge(answers, rows, ("python3",), notes)
+    assert rows["n1"]["stacks"] == "native" and rows["n2"]["stacks"] == "Python only"
+    assert notes == [
+        "n2: a hung task's stacks will have its Python frames only (its runtime's own dump): ptrace "
+        "refused: kernel.yama.ptrace_scope=3 (py-spy, installed beside the job's Python, reads C++ "
+        "frames too)"
+    ]
     assert rows["n1"]["files"] == "shared" and rows["n1"]["peers"] == "all reached"
     assert rows["n2"]["tensorflow"] == "MISSING" and rows["n2"]["files"] == "NOT SEEN"
     assert problems == [

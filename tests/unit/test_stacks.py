@@ -169,6 +169,21 @@ def test_a_process_gone_or_a_zombie_is_said_so(hung):
     assert doc["state"] == "gone" and where("worker-1", doc).kind == "exited"
 
 
+def test_a_task_that_exits_while_being_read_is_said_so(hung, tmp_path):
+    proc, dumps = hung()
+    # a py-spy that finds the task ending under it (as one killed mid-read would), then fails
+    ends_it = tmp_path / "py-spy"
+    said = "echo 'Error: No such process' >&2"
+    ends_it.write_text(f"#!/bin/sh\nkill -9 {proc.pid}\nsleep 0.2\n{said}\nexit 1\n")
+    ends_it.chmod(0o700)
+    start = time.monotonic()
+    doc = stacks.capture(proc.pid, time.monotonic() + 5, stacks_file=dumps, py_spy=str(ends_it))
+    assert time.monotonic() - start < 2  # no wait for a dump that cannot come
+    assert doc["threads"] == [] and doc["state"] in ("gone", "zombie"), doc
+    assert where("worker-1", doc).kind in ("exited", "unknown")
+    assert any("No such process" in n for n in doc["notes"]), doc["notes"]
+
+
 @pytest.mark.parametrize("py_spy", [PY_SPY, None], ids=["py-spy", "runtime"])
 def test_a_deep_recursion_is_kept_to_its_ends(hung, py_spy):
     proc, dumps = hung(DEPTH="900")

@@ -4,6 +4,7 @@ transport of the one shim handle (launch/shim.py)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import paramiko
@@ -33,9 +34,10 @@ class SshChannel(Transport):
         self.where = host.label
         self._channel = channel
         self._on_lost = on_lost  # its host's connection is renewed before the next use
+        self._sending = threading.Lock()  # lines from the supervisor and `orchestrate stacks`, whole
 
     def send(self, data: bytes) -> None:
-        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        with self._sending, contextlib.suppress(OSError, EOFError, paramiko.SSHException):
             self._channel.sendall(data)
 
     def end_input(self) -> None:
