@@ -107,13 +107,14 @@ class Stopping:
 
     def _begin_stop(self, stop: Stop) -> None:
         self._stop = stop
+        noticed, wall = self._clock(), now_iso()  # a restart's clock runs while the stacks are read
         self._looked_at(stop)
         if stop.decision is not None:
             self.failures.append(stop.decision.failure)
             if self.root_cause is None:
                 self.root_cause = stop.decision.failure
-            failure, wall = stop.decision.failure, now_iso()
-            self._said(self.timeline.failure_stops(self.attempt + 1, failure, self._clock(), wall))
+            failure = stop.decision.failure
+            self._said(self.timeline.failure_stops(self.attempt + 1, failure, noticed, wall))
         self._move(ClusterState.STOPPING, stop.reason)
 
     def _looked_at(self, stop: Stop) -> None:

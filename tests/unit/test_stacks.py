@@ -397,8 +397,15 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
         return Capture(docs, 0.5, why)
 
     kept: list[int] = []
-    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=0)
-    sup._capture, sup._keep_stacks = capture, lambda c, attempt: kept.append(attempt)
+    sup, launcher, store, clock, sink = make(tmp_path, max_restarts=1)
+    read_at: list[float] = []
+
+    def slow_capture(handles: list[TaskHandle], timeout_s: float, why: str) -> Capture:
+        read_at.append(clock.now)
+        clock.advance(2.0)  # the reading takes its time: the restart's clock runs meanwhile
+        return capture(handles, timeout_s, why)
+
+    sup._capture, sup._keep_stacks = slow_capture, lambda c, attempt: kept.append(attempt)
     start_running(sup, launcher, store, clock)
     for _ in range(5):
         beat(store, "worker-0", step=7)  # both in TensorFlow, as their heartbeats say
@@ -408,6 +415,7 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
         if sup.state is not ClusterState.RUNNING:
             break
     assert asked == [(["worker-0", "worker-1"], 5.0)] and kept == [0]
+    assert sup.timeline.current is not None and sup.timeline.current.noticed == read_at[0]
     assert sup.root_cause.tasks == ("worker-1",) and "wait_for_lock (train.py:17)" in sup.root_cause.detail
     said = next(e for e in sink.events if e.get("kind") == "stacks")
     assert (
