@@ -189,7 +189,8 @@ class Event(BaseModel):
     time: str = Field(description="UTC, e.g. 2026-12-01T12:00:00.123Z")
     kind: str = Field(
         description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · standby · "
-        "warning · unconfirmed · port · results · resume · state · error"
+        "stacks (a hung job's, read before its stop: where each task was; `seconds`: how long; the "
+        "documents in stacks/attempt-N/) · warning · unconfirmed · port · results · resume · state · error"
     )
     reason: str = ""
     attempt: int | None = None

@@ -37,6 +37,13 @@ class Capture:
     seconds: float
     why: str
 
+    def then(self, fuller: Capture) -> Capture:
+        """This capture, with each task's document from a fuller one (native frames) that read it."""
+        docs = {
+            t: fuller.docs[t] if fuller.docs.get(t, {}).get("threads") else d for t, d in self.docs.items()
+        }
+        return Capture(docs, self.seconds + fuller.seconds, self.why)
+
     def wheres(self) -> list[Where]:
         return [where(task, doc) for task, doc in self.docs.items()]
 

@@ -71,7 +71,7 @@ class Stopping:
     _clock: Callable[[], float]
     _sleep: Callable[[float], None]
     _in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]]
-    _capture: Callable[[list[TaskHandle], float, str], Capture]  # stacks: record.capture_all
+    _capture: Callable[[list[TaskHandle], float, str, bool], Capture]  # stacks: record.capture_all
     _keep_stacks: Callable[[Capture, int], None]
     _stop: Stop | None
     _restart_at: float
@@ -127,7 +127,15 @@ class Stopping:
         handles = [r.handle for r in self.tasks.values() if r.handle is not None and r.handle.poll() is None]
         if not handles:
             return
-        capture = self._capture(handles, timeout_s, f"{BEFORE_STOP}: {decision.failure.describe()}")
+        why = f"{BEFORE_STOP}: {decision.failure.describe()}"
+        capture = self._capture(handles, timeout_s, why, False)  # Python frames: tens of ms
+        if not (self._restarts_after(stop) and any(w.culprit for w in capture.wheres())):
+            # C++ frames too (seconds: py-spy reads TensorFlow's symbols) where the job ends here,
+            # or its Python frames name no task the others wait for; not before a restart that
+            # they would only delay
+            left_s = timeout_s - capture.seconds
+            if left_s >= 0.5:
+                capture = capture.then(self._capture(handles, left_s, why, True))
         try:
             self._keep_stacks(capture, self.attempt)
         except OSError as exc:  # a full disk: the stop goes on, the event still says where they were

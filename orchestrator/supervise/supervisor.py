@@ -69,7 +69,7 @@ class Supervisor(Stopping):
         replan: Callable[[Mapping[str, Placement]], LaunchPlan] | None = None,
         in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]] = stop_in_background,
         job_folders: Sequence[str] = (),
-        capture: Callable[[list[TaskHandle], float, str], Capture] = capture_all,
+        capture: Callable[[list[TaskHandle], float, str, bool], Capture] = capture_all,
         keep_stacks: Callable[[Capture, int], None] = lambda _capture, _attempt: None,
     ):
         self.job_folders = restores.JobFolders(job_folders)  # the job's own checkpoint folders

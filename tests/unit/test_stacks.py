@@ -386,10 +386,10 @@ def test_the_stacks_name_the_task_the_others_wait_for():
 
 
 def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path):
-    asked: list[tuple[list[str], float]] = []
+    asked: list[tuple[list[str], float, bool]] = []
 
-    def capture(handles: list[TaskHandle], timeout_s: float, why: str) -> Capture:
-        asked.append(([h.task.name for h in handles], timeout_s))
+    def capture(handles: list[TaskHandle], timeout_s: float, why: str, native: bool) -> Capture:
+        asked.append(([h.task.name for h in handles], timeout_s, native))
         docs = {
             "worker-0": doc_of(thread(frame("quick_execute", f"{SITE}/eager/execute.py"), main=True)),
             "worker-1": doc_of(thread(frame("wait_for_lock", "/j/train.py", 17), main=True)),
@@ -400,10 +400,10 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
     sup, launcher, store, clock, sink = make(tmp_path, max_restarts=1)
     read_at: list[float] = []
 
-    def slow_capture(handles: list[TaskHandle], timeout_s: float, why: str) -> Capture:
+    def slow_capture(handles: list[TaskHandle], timeout_s: float, why: str, native: bool) -> Capture:
         read_at.append(clock.now)
         clock.advance(2.0)  # the reading takes its time: the restart's clock runs meanwhile
-        return capture(handles, timeout_s, why)
+        return capture(handles, timeout_s, why, native)
 
     sup._capture, sup._keep_stacks = slow_capture, lambda c, attempt: kept.append(attempt)
     start_running(sup, launcher, store, clock)
@@ -414,7 +414,8 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
         sup.step()
         if sup.state is not ClusterState.RUNNING:
             break
-    assert asked == [(["worker-0", "worker-1"], 5.0)] and kept == [0]
+    # a restart follows and the Python frames name the one: no C++ frames to wait for
+    assert asked == [(["worker-0", "worker-1"], 5.0, False)] and kept == [0]
     assert sup.timeline.current is not None and sup.timeline.current.noticed == read_at[0]
     assert sup.root_cause.tasks == ("worker-1",) and "wait_for_lock (train.py:17)" in sup.root_cause.detail
     said = next(e for e in sink.events if e.get("kind") == "stacks")
@@ -424,11 +425,32 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
     )
 
 
+def test_native_frames_are_read_too_where_the_job_ends_or_no_task_is_named(tmp_path):
+    for restarts, own_code, natively in ((0, True, True), (1, False, True), (1, True, False)):
+        asked: list[tuple[float, bool]] = []
+
+        def capture(handles, timeout_s, why, native, asked=asked, own_code=own_code):  # type: ignore[no-untyped-def]
+            asked.append((timeout_s, native))
+            place = frame("wait_for_lock", "/j/train.py", 17) if own_code else frame("f", f"{SITE}/x.py")
+            docs = {h.task.name: doc_of(thread(place, main=True)) for h in handles}
+            return Capture(docs, 0.5, why)
+
+        sup, launcher, store, clock, sink = make(tmp_path, max_restarts=restarts)
+        sup._capture = capture
+        start_running(sup, launcher, store, clock)
+        for _ in range(5):
+            beat(store, "worker-0", step=7)
+            beat(store, "worker-1", step=7)
+            clock.advance(8)
+            sup.step()
+        assert asked == [(5.0, False), (4.5, True)] if natively else [(5.0, False)], (restarts, own_code)
+
+
 def test_an_exit_is_not_looked_at_nor_anything_when_the_bound_is_zero(tmp_path):
     for cfg, fail in (({}, "exit"), ({"stacks_timeout_s": 0}, "stall")):
         asked: list[str] = []
         sup, launcher, store, clock, _ = make(tmp_path, max_restarts=0, **cfg)
-        sup._capture = lambda handles, timeout_s, why, asked=asked: asked.append(why)  # type: ignore
+        sup._capture = lambda handles, timeout_s, why, native, asked=asked: asked.append(why)  # type: ignore
         start_running(sup, launcher, store, clock)
         if fail == "exit":
             launcher.handles["worker-1"].code = 1
