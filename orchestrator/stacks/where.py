@@ -39,6 +39,8 @@ _KNOWN = {
     "IteratorGetNext": "the input pipeline",
     "IteratorGetNextAsOptional": "the input pipeline",
 }
+#: AutoGraph's own names in a converted function's qualified name (and its `*_body`, `*_test`).
+_AUTOGRAPH = ("outer_factory", "inner_factory", "get_state", "set_state")
 _FUNCTION = re.compile(r"^__inference_(?P<name>.+?)_\d+$")
 
 
@@ -140,16 +142,16 @@ def _op_words(op: str | None) -> str:
 
 
 def _busy_in_job_code(thread: Mapping[str, Any]) -> str | None:
-    """Where a thread other than the main one is kept busy by the job's code — py-spy saw it
-    active, or TensorFlow runs the job's Python on it (a tf.data map's py_function: no threading
-    frames) — at its innermost frame of the job's; None if it is not."""
+    """Where a thread other than the main one is kept busy by the job's code — TensorFlow runs the
+    job's Python on it (a tf.data map's py_function: no threading frames; busy even asleep, as its
+    pipeline waits on it), or py-spy saw a thread of the job's own active — at its innermost frame
+    of the job's; None if it is not."""
     frames = _python(thread)
     job = next((f for f in frames if kind_of(str(f.get("file"))) == "job"), None)
     if job is None:
         return None
     on_tensorflow = kind_of(str(frames[-1].get("file"))) == "tensorflow"
-    active = thread.get("active")
-    if not (active if active is not None else on_tensorflow):
+    if not (on_tensorflow or thread.get("active") is True):
         return None
     on = "a TensorFlow thread" if on_tensorflow else f"thread {thread.get('name')}"
     return f"in {_frame(job)}, the job's own code on {on}"
@@ -162,8 +164,12 @@ def _python(thread: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _frame(frame: Mapping[str, Any]) -> str:
-    name = Path(str(frame.get("file"))).name
-    return f"{frame.get('function')} ({name}:{frame.get('line')})"
+    name, function = Path(str(frame.get("file"))).name, str(frame.get("function"))
+    if name.startswith("__autograph_generated_file"):  # a temporary file: the job's names say more
+        parts = [p.removeprefix("tf__") for p in function.split(".<locals>.")]
+        kept = [p for p in parts if p not in _AUTOGRAPH and not p.endswith(("_body", "_test"))]
+        return f"{'.'.join(kept) or function} (as AutoGraph converted it)"
+    return f"{function} ({name}:{frame.get('line')})"
 
 
 def culprits(wheres: Sequence[Where]) -> list[Where]:

@@ -335,13 +335,22 @@ def test_job_code_on_a_tensorflow_thread_is_the_place_not_the_main_threads_wait(
     worker_thread = thread(
         frame("endless", "/j/train.py", 19),
         frame("EagerFunc.__call__", f"{SITE}/ops/script_ops.py"),
-        active=None,
+        active=False,  # asleep in it: its pipeline waits on it all the same
     )
     w = where("worker-1", doc_of(main, worker_thread))
     assert w.culprit and w.line.startswith(
         "in endless (train.py:19), the job's own code on a TensorFlow thread"
     )
     assert "while its main thread is waiting in the input pipeline (IteratorGetNext)" in w.line
+    # the job's function as AutoGraph converted it (a tf.data map's): named as the job wrote it
+    converted = frame(
+        "outer_factory.<locals>.inner_factory.<locals>.tf__stick.<locals>.wait.<locals>.if_body.<locals>.loop_body",
+        "/tmp/__autograph_generated_filet1lqmk6o.py",
+        32,
+    )
+    worker_thread["frames"][0] = converted
+    w = where("worker-1", doc_of(main, worker_thread))
+    assert w.line.startswith("in stick.wait (as AutoGraph converted it), the job's own code"), w.line
     idle_job_thread = thread(
         frame("poll", "/j/train.py", 5), frame("run", "/usr/lib/python3.11/threading.py")
     )
