@@ -49,6 +49,7 @@ from typing import Any
 
 _RUN_ID_ENV = "ORCHESTRATE_RUN_ID"
 _MAX_ERROR_FILE_BYTES = 128 * 1024  # worker/failure.py's MAX_BYTES
+_LOADED: dict[str, Any] = {}  # the runtime's modules loaded from the cache, by path
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +66,11 @@ def main(argv: list[str]) -> int:
             return standby
         job.update(standby[1])
     ready = _prepare(job, files=standby is None)
+    try:  # what the watch needs, before the task starts: nothing fails once it runs
+        _load(job, "follow")
+        _load(job, "stacks")
+    except Exception as exc:  # noqa: BLE001 - said: the task is not started
+        ready = f"cannot load the runtime's modules: {exc}"
     if isinstance(ready, str):
         _emit({"event": "error", "message": ready})
         return 1
@@ -76,13 +82,17 @@ def main(argv: list[str]) -> int:
 
 def _load(job: dict[str, Any], name: str, path: str | None = None) -> Any:
     """A module of the runtime: the cache's copy the job names (`NAME_module`, named by its
-    checksum: the shim runs alone, without the package), else the one beside this file."""
+    checksum: the shim runs alone, without the package), else the one beside this file; loaded
+    once."""
     path = path or job.get(f"{name}_module") or os.path.join(os.path.dirname(__file__), f"{name}.py")
+    if path in _LOADED:
+        return _LOADED[path]
     loader = importlib.machinery.SourceFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    _LOADED[path] = module
     return module
 
 

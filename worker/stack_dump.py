@@ -17,34 +17,40 @@ _registered: dict[str, Any] = {}
 
 
 def register(target: str) -> bool:
-    """Dump every thread's frames into `target` on SIGNAL (a private file, made anew); a job's own
-    handler for SIGNAL, set later through signal.signal, is chained after the dump. False where
-    the file cannot be made (the task then has no dump of its own; py-spy may still read it)."""
+    """Dump every thread's frames into `target` on SIGNAL (a private file, made anew, appended to:
+    a reader cuts it back to its header); a job's own handler for SIGNAL, set later through
+    signal.signal, is chained after the dump. False where the file cannot be made (the task then
+    has no dump of its own; py-spy may still read it). From the main thread (signal.signal's)."""
     try:
         os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(target)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(target, flags, 0o600)
     except OSError:
         return False
     out = os.fdopen(fd, "w", buffering=1)
     out.write(stacks.HEADER.format(pid=os.getpid()))
     _let_parent_read()
+    original = _registered.setdefault("signal", signal.signal)
+    # what faulthandler puts back whenever it is unregistered: ignored, never the default, which
+    # for a real-time signal ends the process (a dump asked in that instant is lost, not the task)
+    original(stacks.SIGNAL, signal.SIG_IGN)
     faulthandler.register(stacks.SIGNAL, out, all_threads=True, chain=False)
     _registered["file"] = out
-    if not _registered.get("patched"):
-        _registered["patched"] = True
-        setattr(signal, "signal", _chaining(signal.signal))  # noqa: B010 - the module's own name
+    if signal.signal is original:
+        setattr(signal, "signal", _chaining(original))  # noqa: B010 - the module's own name
     return True
 
 
 def _let_parent_read() -> None:
     """Under Yama's ptrace_scope 1 only a process's ancestors may read it, and py-spy is started by
     the task's parent (the coordinator, or its shim) beside it: the parent, and what it starts, is
-    declared this task's reader (PR_SET_PTRACER). Elsewhere nothing is needed, or nothing helps."""
+    declared this task's reader (PR_SET_PTRACER). Elsewhere nothing is needed, or nothing helps;
+    an orphan (its parent gone: init or a subreaper adopted it) declares no one."""
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            if f.read().strip() != "1":
+            if f.read().strip() != "1" or os.getppid() == 1:
                 return
         import ctypes
 
@@ -54,17 +60,17 @@ def _let_parent_read() -> None:
 
 
 def _chaining(original: Callable[..., Any]) -> Callable[..., Any]:
-    """signal.signal, but a handler set for stacks.SIGNAL runs after the runtime's dump, not instead."""
+    """signal.signal, but a handler set for SIGNAL runs after the runtime's dump, not instead; a
+    job's SIG_DFL or SIG_IGN leaves the dump alone. Never the default disposition in between."""
 
     def set_handler(signalnum: int, handler: Any) -> Any:
         if signalnum != stacks.SIGNAL or "file" not in _registered:
             return original(signalnum, handler)
-        faulthandler.unregister(stacks.SIGNAL)
-        try:
-            return original(signalnum, handler)
-        finally:  # chained only to a function: SIG_DFL would end the task at every dump
-            faulthandler.register(
-                stacks.SIGNAL, _registered["file"], all_threads=True, chain=callable(handler)
-            )
+        before = original(signalnum, signal.SIG_IGN)  # over faulthandler's handler: ignored meanwhile
+        faulthandler.unregister(stacks.SIGNAL)  # puts back what it replaced: SIG_IGN, or a function
+        if callable(handler):
+            original(signalnum, handler)
+        faulthandler.register(stacks.SIGNAL, _registered["file"], all_threads=True, chain=callable(handler))
+        return before
 
     return set_handler

@@ -207,7 +207,7 @@ def _ops(threads: list[Any] | str) -> dict[int, str]:
             if frame.get("name") == "quick_execute" and str(frame.get("filename")).endswith("/execute.py"):
                 for local in frame.get("locals") or []:
                     if local.get("name") == "op_name" and isinstance(local.get("repr"), str):
-                        out[thread.get("os_thread_id")] = local["repr"].strip("\"'")[:MAX_TEXT]
+                        out[thread.get("thread_id")] = local["repr"].strip("\"'")[:MAX_TEXT]
                 break
     return out
 
@@ -217,7 +217,7 @@ def _threads(raw: list[Any], ops: dict[int, str]) -> list[dict[str, Any]]:
     for thread in raw:
         if not isinstance(thread, dict):
             continue
-        tid = thread.get("os_thread_id")
+        tid = thread.get("os_thread_id")  # None before Python 3.11 without pausing it
         frames = [
             {
                 "function": text(f.get("name")),
@@ -228,15 +228,17 @@ def _threads(raw: list[Any], ops: dict[int, str]) -> list[dict[str, Any]]:
             for f in thread.get("frames") or []
             if isinstance(f, dict)
         ]
+        main = tid == thread.get("pid") if tid is not None else thread.get("thread_name") == "MainThread"
         entry = {
             "name": text(thread.get("thread_name") or f"thread {tid}"),
             "id": tid,
-            "main": tid == thread.get("pid"),
-            "active": thread.get("active"),
+            "main": main,
+            # without the OS thread, py-spy guesses `active` from the innermost function: unknown
+            "active": thread.get("active") if tid is not None else None,
             "frames": frames,
         }
-        if tid in ops:
-            entry["executing"] = ops[tid]
+        if thread.get("thread_id") in ops:  # Python's own id of it: the same in both reads
+            entry["executing"] = ops[thread["thread_id"]]
         out.append(entry)
     return out
 
@@ -247,14 +249,37 @@ def _python_file(name: str) -> bool:
     return name.endswith(".py") or name.startswith("<")
 
 
+_DUMPING: dict[str, threading.Lock] = {}  # per stacks file: one dump asked at a time here
+
+
 def _by_runtime(doc: dict[str, Any], stacks_file: str, deadline: float) -> None:
-    """The runtime's own dump: SIGNAL, then what it appends to its stacks file."""
+    """The runtime's own dump: SIGNAL, then what it appends to its stacks file (read, then cut back
+    to its header: a task read once a second keeps one dump at most)."""
+    lock = _DUMPING.setdefault(stacks_file, threading.Lock())
+    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        doc["notes"].append("another read of it took the time")
+        return
+    try:
+        _dump_and_read(doc, stacks_file, deadline)
+    finally:
+        with contextlib.suppress(OSError):
+            fd = os.open(stacks_file, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, len(HEADER.format(pid=doc["pid"])))
+            finally:
+                os.close(fd)
+        lock.release()
+
+
+def _dump_and_read(doc: dict[str, Any], stacks_file: str, deadline: float) -> None:
     said = _ready_for_signal(doc["pid"], stacks_file)
+    if said is None and time.monotonic() >= deadline:
+        said = "no time was left to ask its runtime"
     if said is not None:
         doc["notes"].append(said)
         return
-    size = os.path.getsize(stacks_file)
     try:
+        size = os.path.getsize(stacks_file)
         os.kill(doc["pid"], SIGNAL)
     except OSError as exc:
         doc["notes"].append(f"cannot signal it: {exc.strerror}")
@@ -357,6 +382,12 @@ def bounded(doc: dict[str, Any], threads: int = MAX_THREADS, inner: int = MAX_IN
             thread["frames_left_out"] = thread.get("frames_left_out", 0) + len(frames) - inner - MAX_OUTER
             thread["frames"] = frames[:inner] + frames[-MAX_OUTER:]
     doc["threads"] = kept
-    if inner > 10 and len(json.dumps(doc)) > MAX_DOC_BYTES:
+    if len(json.dumps(doc)) <= MAX_DOC_BYTES:
+        return doc
+    if inner > 10:
         return bounded(doc, max(4, threads // 2), inner // 2)
+    for thread in kept:  # names of many non-ASCII characters: their text shortened too
+        for frame in thread["frames"]:
+            frame["function"], frame["file"] = frame["function"][:60], frame["file"][-60:]
+    doc["threads"], doc["threads_left_out"] = kept[:4], doc.get("threads_left_out", 0) + len(kept[4:])
     return doc

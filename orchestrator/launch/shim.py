@@ -118,13 +118,18 @@ class ShimEvents:
             self.failure = event.get("document")
         elif event["event"] == "exit":
             self.exit_code = int(event["code"])
-            self.ended.set()
+            self._end()
         elif event["event"] == "error":
             self._keep(str(event.get("message")))
 
     def close(self) -> None:
         """The stream ended."""
-        self.ended.set()
+        self._end()
+
+    def _end(self) -> None:
+        with self.stacks_came:  # a read waiting for its answer learns there will be none
+            self.ended.set()
+            self.stacks_came.notify_all()
 
     def wait_started(self, timeout_s: float, closed: str) -> str | None:
         """None once the task started; else why not: the shim's last words, or `closed` when the

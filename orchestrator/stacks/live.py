@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from orchestrator.launch.api import TaskHandle
 
 FOLDER = "stacks"  # as orchestrator/stacks/record.py's (the asker imports no more than this module)
+
+log = logging.getLogger("orchestrator.stacks")
 
 POLL_S = 0.2
 _ID = re.compile(r"^[A-Za-z0-9_-]{8,64}\.json$")
@@ -84,6 +87,8 @@ class Answerer:
                 self._answer_all()
             except OSError:  # a full disk, a folder removed: the next poll tries again
                 continue
+            except Exception:  # a bug of ours: said, and the next request is answered still
+                log.exception("answering orchestrate stacks")
 
     def _answer_all(self) -> None:
         requests = self._folder / "requests"

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from orchestrator.launch.api import TaskHandle
 
 FOLDER = "stacks"
-BEFORE_STOP = "before the stop"  # how a hung job's capture's `why` begins
+BEFORE_STOP = "before the stop"
+MAX_LINE = 4000  # characters of the places in a `stacks` event  # how a hung job's capture's `why` begins
 LIVE = "live"
 #: Given past the deadline to a host that captures on its own (a shim) to send its answer.
 TRANSPORT_S = 2.0
@@ -50,6 +51,8 @@ class Capture:
     def line(self) -> str:
         """The event's reason: how many, how long, and the place of each."""
         places = "; ".join(w.said(hung=self.why.startswith(BEFORE_STOP)) for w in self.wheres())
+        if len(places) > MAX_LINE:  # a thousand tasks: the record has each; the event says the start
+            places = places[: MAX_LINE - 1] + "…"
         return f"stacks of {len(self.docs)} tasks captured in {self.seconds:.1f} s ({self.why}): {places}"
 
 
@@ -141,7 +144,8 @@ def places(run_dir: Path, attempt: int) -> list[str]:
 def latest(run_dir: Path) -> dict[str, dict[str, Any]]:
     """Per task, its last captured document (live or before a stop), by capture time."""
     out: dict[str, dict[str, Any]] = {}
-    for path in sorted((run_dir / FOLDER).glob("*/*.json")):
+    folders = [*sorted((run_dir / FOLDER).glob("attempt-*")), run_dir / FOLDER / LIVE]
+    for path in (p for folder in folders for p in sorted(folder.glob("*.json"))):
         doc = _read(path)
         if not isinstance(doc.get("task"), str):
             continue

@@ -16,11 +16,14 @@ from typing import Any
 
 import worker
 
-_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)|^<frozen ")
+_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+t?[/\\](?!site-packages|dist-packages)|^<frozen ")
 _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
-_RUNTIME = re.compile(
-    r"[/\\]worker[/\\](?:"
-    + "|".join(sorted(re.escape(p.stem) for p in Path(worker.__file__).parent.glob("*.py")))
+#: Our runtime's files: this package's, or its copy on a host (the ssh backend ships it as
+#: `lib/worker/`); a job's own package named `worker` elsewhere is the job's.
+_OURS = Path(worker.__file__).resolve().parent
+_SHIPPED = re.compile(
+    r"[/\\]lib[/\\]worker[/\\](?:"
+    + "|".join(sorted(re.escape(p.stem) for p in _OURS.glob("*.py")))
     + r")\.py$"
 )
 _TENSORFLOW = re.compile(r"[/\\](?:tensorflow|keras|tf_keras|tensorflow_core)[/\\]")
@@ -46,7 +49,7 @@ _FUNCTION = re.compile(r"^__inference_(?P<name>.+?)_\d+$")
 
 def kind_of(file: str) -> str:
     """job, stdlib, tensorflow, package (another installed one) or runtime."""
-    if _RUNTIME.search(file) or file == "<frozen runpy>":
+    if file == "<frozen runpy>" or _SHIPPED.search(file) or file.startswith(f"{_OURS}/"):
         return "runtime"
     if _STDLIB.search(file):
         return "stdlib"
@@ -111,6 +114,8 @@ def _thread_place(thread: Mapping[str, Any], helpers: Sequence[Mapping[str, Any]
             where = f"in {_frame(frames[0])} from {_frame(frames[first])}"
         return "own", f"{where}, not in TensorFlow"
     called = f", called from {_frame(frames[job])}" if job is not None else ""
+    if kinds[first] == "stdlib":  # nothing but the standard library (a thread of its own)
+        return "stdlib", f"in {_frame(frames[0])}, Python's standard library"
     if kinds[first] == "runtime":
         return "runtime", f"in the orchestrate runtime ({_frame(frames[first])})"
     if any(str(f.get("function")).rsplit(".", 1)[-1] in _CONNECTING for f in frames):

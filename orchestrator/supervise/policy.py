@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.launch.api import QUICK_GRACE_S
@@ -248,16 +248,18 @@ def blame_frozen_peer(decision: Decision, frozen: Failure | None, snap: Snapshot
     return job_decision(frozen, snap)
 
 
-def blame_by_stacks(decision: Decision, wheres: Sequence[Where]) -> Decision:
+def blame_by_stacks(decision: Decision, wheres: Sequence[Where], training: Collection[str]) -> Decision:
     """A hung job's stacks, read before its stop, say whom the others wait for: a task in its own
-    code or stopped. Named by the decision already: its place is added; waiting in TensorFlow while
-    another is the one: that one is named instead, the others said as waiting for it. The action
-    stands (the stop is the same); only who and why change."""
+    code or stopped. Named by the decision already: its place is added. Every task it names read
+    and waiting (in TensorFlow, for its cluster) while a training task (of `training`) is the one:
+    that one is named instead, the others said as waiting for it; a task not read (its host cut
+    off) or gone keeps the blame. The action stands (the stop is the same); only who and why."""
     failure = decision.failure
     by_task = {w.task: w for w in wheres}
     named = [by_task[t] for t in failure.tasks if t in by_task]
-    culprits = [w for w in wheres if w.culprit]
-    if culprits and not any(w.culprit for w in named):
+    culprits = [w for w in wheres if w.culprit and w.task in training]
+    all_waiting = len(named) == len(failure.tasks) and all(w.kind in ("tensorflow", "cluster") for w in named)
+    if culprits and all_waiting:
         one = culprits[0]
         detail = f"{one.line} (its stacks): {', '.join(failure.tasks)} waited for it ({failure.detail})"
         new = dataclasses.replace(failure, tasks=(one.task,), detail=detail, where=one.line, step=None)

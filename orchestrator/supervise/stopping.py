@@ -141,7 +141,8 @@ class Stopping:
         except OSError as exc:  # a full disk: the stop goes on, the event still says where they were
             log.warning("keeping the stacks: %s", exc)
         self._sink.event(kind="stacks", attempt=self.attempt, reason=capture.line(), seconds=capture.seconds)
-        stop.decision = policy.blame_by_stacks(decision, capture.wheres())
+        training = {name for name, r in self.tasks.items() if r.plan.in_cluster}
+        stop.decision = policy.blame_by_stacks(decision, capture.wheres(), training)
         stop.reason = stop.decision.failure.describe()
 
     def _said(self, recovery: Recovery | None) -> None:

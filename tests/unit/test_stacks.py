@@ -378,17 +378,28 @@ def stalled(task: str, where: str | None = None) -> Decision:
 def test_the_stacks_name_the_task_the_others_wait_for():
     own = where("worker-1", doc_of(thread(frame("wait_for_lock", "/j/train.py", 17), main=True)))
     waiting = where("worker-0", doc_of(thread(frame("quick_execute", f"{SITE}/eager/execute.py"), main=True)))
-    d = policy.blame_by_stacks(stalled("worker-0"), [waiting, own])
+    training = {"worker-0", "worker-1"}
+    d = policy.blame_by_stacks(stalled("worker-0"), [waiting, own], training)
     assert d.failure.tasks == ("worker-1",) and d.action is Action.RESTART_JOB
     assert d.reason.startswith(
         "worker-1 in wait_for_lock (train.py:17), not in TensorFlow (its stacks): worker-0 waited"
     )
     assert d.reason.endswith("; restart 1 of 2")
     # named already: its place is added; said by its heartbeat already: as it was
-    d = policy.blame_by_stacks(stalled("worker-0"), [waiting])
+    d = policy.blame_by_stacks(stalled("worker-0"), [waiting], training)
     assert d.failure.tasks == ("worker-0",) and "its stacks: waiting in TensorFlow" in d.failure.detail
     same = stalled("worker-1", where="train.py:17 in wait_for_lock")
-    assert policy.blame_by_stacks(same, [waiting, own]) is same
+    assert policy.blame_by_stacks(same, [waiting, own], training) is same
+    # a task whose stacks could not be read (its host cut off) keeps the blame; so does one whose
+    # only rival is not training (an evaluator idling in its own code)
+    unread = where("worker-0", {"state": "unknown", "threads": [], "notes": ["no answer from hosts[0]"]})
+    d = policy.blame_by_stacks(stalled("worker-0"), [unread, own], training)
+    assert d.failure.tasks == ("worker-0",) and "stacks not read: no answer" in d.failure.detail
+    evaluator = where(
+        "evaluator-0", doc_of(thread(frame("wait_for_checkpoint", "/j/train.py", 60), main=True))
+    )
+    d = policy.blame_by_stacks(stalled("worker-0"), [waiting, evaluator], training)
+    assert d.failure.tasks == ("worker-0",)
 
 
 # ---------------------------------------------------------------- the supervisor reads them before the stop

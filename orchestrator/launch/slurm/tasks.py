@@ -47,7 +47,7 @@ class SlurmTasks:
 
     def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
         job = self._step_job(task, attempt, token, log_path)
-        go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "port_lock")}
+        go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "stacks_file", "port_lock")}
         args = standby.command(task.argv)
         go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
         warm, _ = self._standbys.take(task, job["env"], self._node_of[task.name], go)

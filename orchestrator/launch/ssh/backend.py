@@ -212,7 +212,7 @@ class SshBackend(Backend):
                     f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label}"
                 )
                 out.write(f"{marker} =====\n".encode())
-            go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file")}
+            go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "stacks_file")}
             args = standby.command(task.argv)
             go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
             handle, _ = self._standbys.take(task, job["env"], host.label, go)
