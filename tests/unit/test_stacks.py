@@ -114,6 +114,30 @@ def test_without_py_spy_the_runtimes_own_dump_answers(hung):
     assert proc.poll() is None  # the dump left it running
 
 
+def test_the_runtimes_dump_file_keeps_one_dump_at_most(hung):
+    proc, dumps = hung()
+    header = Path(dumps).read_text()
+    for _ in range(3):
+        doc = stacks.capture(proc.pid, time.monotonic() + 10, stacks_file=dumps, py_spy=None)
+        assert doc["method"] == "faulthandler"
+        assert Path(dumps).read_text() == header  # read, then cut back: a live read once a second
+    assert Path(dumps).stat().st_mode & 0o777 == 0o600
+
+
+def test_py_spy_threads_without_their_os_id_python_before_3_11():
+    raw = [
+        {"pid": 7, "thread_id": 11, "thread_name": "Thread-1", "os_thread_id": None, "active": True,
+         "frames": [{"name": "poll", "filename": "/j/train.py", "line": 5, "module": None}]},
+        {"pid": 7, "thread_id": 12, "thread_name": "MainThread", "os_thread_id": None, "active": True,
+         "frames": [{"name": "quick_execute", "filename": f"{SITE}/eager/execute.py", "line": 53,
+                     "module": None, "locals": [{"name": "op_name", "repr": '"IteratorGetNext"'}]}]},
+    ]  # fmt: skip
+    threads = stacks._threads(raw, stacks._ops(raw))
+    assert [t["main"] for t in threads] == [False, True]
+    assert [t["active"] for t in threads] == [None, None]  # py-spy's guess without the OS thread
+    assert threads[1]["executing"] == "IteratorGetNext" and "executing" not in threads[0]
+
+
 def test_a_job_that_handles_the_signal_itself_keeps_its_handler_and_the_dump_still_comes(hung):
     proc, dumps = hung(OWN_HANDLER="1")
     doc = stacks.capture(proc.pid, time.monotonic() + 10, stacks_file=dumps, py_spy=None)
