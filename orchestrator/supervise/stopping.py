@@ -26,7 +26,7 @@ from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, TaskRecord
 from orchestrator.supervise.states import ClusterState, TaskState
-from orchestrator.supervise.timeline import Recovery, Timeline
+from orchestrator.supervise.timeline import Recovery, Timeline, what_happened
 
 if TYPE_CHECKING:
     from orchestrator.stacks.record import Capture
@@ -107,19 +107,20 @@ class Stopping:
 
     def _begin_stop(self, stop: Stop) -> None:
         self._stop = stop
-        noticed, wall = self._clock(), now_iso()  # a restart's clock runs while the stacks are read
-        self._looked_at(stop)
         if stop.decision is not None:
             self.failures.append(stop.decision.failure)
             if self.root_cause is None:
                 self.root_cause = stop.decision.failure
-            failure = stop.decision.failure
-            self._said(self.timeline.failure_stops(self.attempt + 1, failure, noticed, wall))
+            failure, wall = stop.decision.failure, now_iso()
+            self._said(self.timeline.failure_stops(self.attempt + 1, failure, self._clock(), wall))
+        # stopping from now on, as the detector said it (said at once); a hung job's stacks are
+        # read first thing in the stop (`_teardown`), and may name another task as the one
         self._move(ClusterState.STOPPING, stop.reason)
 
     def _looked_at(self, stop: Stop) -> None:
-        """A hung job (stalled, lost, not up in time): every live task's stacks, read before the stop
-        (health.stacks_timeout_s at most), kept, said, and let name whom the others wait for."""
+        """A hung job (stalled, lost, not up in time): every live task's stacks, read before its
+        tasks are stopped (health.stacks_timeout_s at most), kept, said, and let name whom the
+        others wait for (the stop's failure, the run's root cause and the restart's cause then)."""
         decision = stop.decision
         timeout_s = self.config.stacks_timeout_s
         if decision is None or decision.failure.kind not in HUNG or timeout_s <= 0 or self.hurry.is_set():
@@ -144,6 +145,12 @@ class Stopping:
         training = {name for name, r in self.tasks.items() if r.plan.in_cluster}
         stop.decision = policy.blame_by_stacks(decision, capture.wheres(), training)
         stop.reason = stop.decision.failure.describe()
+        old, new = decision.failure, stop.decision.failure
+        if new is not old:
+            self.failures = [new if f is old else f for f in self.failures]
+            self.root_cause = new if self.root_cause is old else self.root_cause
+            if self.timeline.current is not None:
+                self.timeline.current.cause = what_happened(new)
 
     def _said(self, recovery: Recovery | None) -> None:
         """A restart's timeline, complete: an event (`recovery`) with its line and phases."""
@@ -157,6 +164,7 @@ class Stopping:
 
     def _teardown(self) -> None:
         assert self._stop is not None
+        self._looked_at(self._stop)
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
         failed = self._stop.outcome is ClusterState.FAILED
         failure = self._stop.decision.failure if self._stop.decision is not None else None

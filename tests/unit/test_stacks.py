@@ -458,9 +458,14 @@ def test_a_stall_is_looked_at_before_the_stop_and_blames_by_the_stacks(tmp_path)
         sup.step()
         if sup.state is not ClusterState.RUNNING:
             break
+    assert sup.state is ClusterState.STOPPING and asked == []  # said at once; read in the stop
+    sup.step()
     # a restart follows and the Python frames name the one: no C++ frames to wait for
     assert asked == [(["worker-0", "worker-1"], 5.0, False)] and kept == [0]
-    assert sup.timeline.current is not None and sup.timeline.current.noticed == read_at[0]
+    # the restart's clock started when the stall was noticed; the reading is in its stop phase
+    current = sup.timeline.current
+    assert current is not None and current.noticed <= read_at[0] and current.stopped is not None
+    assert current.stopped - current.noticed >= 2.0 and "worker-1" in current.cause
     assert sup.root_cause.tasks == ("worker-1",) and "wait_for_lock (train.py:17)" in sup.root_cause.detail
     said = next(e for e in sink.events if e.get("kind") == "stacks")
     assert (
