@@ -29,9 +29,9 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats
-from orchestrator.launch.placement import Placement
 from orchestrator.logtail import LogTailer
-from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.plan import LaunchPlan
+from orchestrator.planner import Planner
 from orchestrator.quiet import ConsoleFilter, console_writes_anything
 from orchestrator.record import (
     RunRecord,
@@ -107,14 +107,13 @@ def up(
         page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
-        planner = _Planner(spec, run_id, placements, record, credentials, backend)
+        planner = Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
         if record.broken:
             raise LaunchError(f"{record.broken}; nothing was started")
         console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files
         tailer = _tail_logs(plan, record, view, console)
         cleanup.callback(tailer.stop)
-        config = SupervisorConfig.from_spec(spec, **(o.config_overrides or {}))
         on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), page)
         supervisor = Supervisor(
             plan,
@@ -122,11 +121,12 @@ def up(
             store,
             record,
             credentials.task_token,
-            config,
+            SupervisorConfig.from_spec(spec, **(o.config_overrides or {})),
             on_change=on_change,
             first_attempt=first_attempt,
             restarts=restarts,
             replan=planner,
+            spec=spec,
             job_folders=known_folders(o.run_dir) if o.resume else (),
             keep_stacks=functools.partial(stacks.keep, run_dir),
         )
@@ -141,10 +141,13 @@ def _answer_stacks(cleanup: contextlib.ExitStack, run_dir: Path, supervisor: Sup
     """`orchestrate stacks` on this run, answered while it lives (until `cleanup`, which stops
     whatever still runs first)."""
     cleanup.callback(_leave_nothing_running, supervisor)
-    records = list(supervisor.tasks.values())
     asked = stacks_live.Answerer(
-        run_dir,
-        lambda: [r.handle for r in records if r.handle is not None and not r.state.is_terminal],
+        run_dir,  # the tasks of the attempt that runs (a lost host's moved, or left out)
+        lambda: [
+            r.handle
+            for r in list(supervisor.tasks.values())
+            if r.handle is not None and not r.state.is_terminal
+        ],
         supervisor.config.stacks_timeout_s or 5.0,
     )
     cleanup.callback(asked.start().close)
@@ -221,37 +224,6 @@ def _open_record(run_dir: Path | None, spec: ClusterSpec) -> tuple[Path, RunReco
     except OSError as exc:
         where = run_dir or exc.filename or "runs/"
         raise LaunchError(f"cannot write the run directory {where}: {exc.strerror or exc}") from None
-
-
-class _Planner:
-    """The plan from the spec and the backend's placements, made again when the backend moves a
-    task between attempts; each one written to plan.json, with the backend's record (a task moved
-    to a spare node, a new allocation) to backend.json."""
-
-    def __init__(
-        self,
-        spec: ClusterSpec,
-        run_id: str,
-        placements: Mapping[str, Placement],
-        record: RunRecord,
-        credentials: Credentials,
-        backend: Backend,
-    ):
-        self._spec, self._run_id, self._record = spec, run_id, record
-        self._placements = dict(placements)
-        self._credentials = credentials
-        self._backend = backend
-        self._backend_record: dict[str, Any] | None = None
-
-    def __call__(self, moved: Mapping[str, Placement]) -> LaunchPlan:
-        self._placements.update(moved)
-        plan = make_plan(self._spec, self._run_id, self._placements)
-        self._record.write_plan(plan.to_json())
-        if (backend := self._backend.record()) != self._backend_record:
-            self._record.write_backend(backend)
-            self._backend_record = backend
-        self._credentials.place({t.name: t.host_index for t in plan.tasks})  # whose key signs a task's
-        return plan
 
 
 class _StatusWriter:

@@ -19,7 +19,7 @@ import abc
 import enum
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
-from orchestrator.launch.placement import Placement
+from orchestrator.launch.placement import Machine, Placement, Relaid
 from orchestrator.plan import LaunchPlan, TaskPlan
 from worker.failure import Written
 
@@ -281,6 +281,20 @@ class Backend(abc.ABC):
         """Give every task what the attempt needs of the earlier ones (where hosts share no disk,
         the owner's latest checkpoint, plan.state); LaunchError if it cannot."""
         return Prepared()
+
+    def machines(self, plan: LaunchPlan, suspects: Mapping[str, tuple[str, str | None]]) -> list[Machine]:
+        """Before an attempt after the first: every machine of the run — those that ran `plan`'s
+        tasks (`Machine.position`: the spec host whose tasks they ran), the spares, the lost ones
+        — and whether each answers. `suspects`: tasks of `plan` whose host may be lost, why and
+        since when (their end could not be confirmed: "unreachable"; their last heartbeat).
+        Bounded by the backend's connect timeout; a machine that cannot be asked is lost.
+        Default: none (a backend whose one machine is never lost)."""
+        return []
+
+    def relayout(self, machines: Mapping[int, str | None]) -> Relaid:
+        """From the next attempt, hosts[p]'s tasks run on the machine `machines[p]` (a key of
+        `machines()`), or nowhere (None: left out). Asked only when something moved."""
+        raise LaunchError(f"backend {self.name} cannot move tasks between machines")
 
     def state_known(self, plan: LaunchPlan) -> None:
         """The job will restart and the owner of plan.state has exited: its last checkpoint is

@@ -39,6 +39,10 @@ class Kind(abc.ABC):
     section: ClassVar[type[BaseModel] | None] = None
     #: Whether that section, not `hosts:`, places the tasks (`hosts:` may then be left out).
     places_tasks: ClassVar[bool] = False
+    #: Whether its tasks run on machines that can be lost (restart.shrink applies), and whether
+    #: `hosts:` may list spare ones (`spare: true`) for them (docs/architecture.md §6).
+    loses_hosts: ClassVar[bool] = False
+    spare_hosts: ClassVar[bool] = False
 
     @abc.abstractmethod
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:

@@ -36,3 +36,31 @@ def job_files_root(spec: ClusterSpec) -> Path:
     entry = spec.job.script or spec.job.loop
     assert entry is not None
     return spec.job.files or entry.parent
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine of the run, as its backend sees it before an attempt (supervise/members.py
+    decides from these where the next attempt runs)."""
+
+    key: str  # the backend's name for it (ssh: its index in hosts; slurm: its node)
+    label: str  # for people: its address
+    position: int | None = None  # the spec host whose tasks it ran last; None: a spare (or unused)
+    lost: str | None = None  # why it is lost ("unreachable", …); None: it answers
+    since: str | None = None  # since when (a wall-clock time, for people)
+
+    @property
+    def said(self) -> str:
+        """`10.0.0.12 (unreachable since 14:02:11)`"""
+        if self.lost is None:
+            return self.label
+        return f"{self.label} ({self.lost}{f' since {self.since}' if self.since else ''})"
+
+
+@dataclass(frozen=True)
+class Relaid:
+    """Where the next attempt's tasks run once the backend moved them (`Backend.relayout`): the
+    spec's layout (`ClusterSpec.laid_out`'s) and every task's placement under it."""
+
+    runs: dict[int, int | None]
+    placements: dict[str, Placement]

@@ -39,6 +39,8 @@ def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
     general += _check_ports(spec, kind)
     general += _check_job(spec)
     general += _check_policy(spec)
+    general += _check_spares(spec, kind)
+    general += _check_shrink(spec, kind)
     # the backend's message is the more precise where both found something; each said once
     taken = {p.path for p in own}
     return own + list(dict.fromkeys(p for p in general if p.path not in taken))
@@ -60,8 +62,19 @@ def _check_counts(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
                 problems.append(
                     SpecProblem((*key, role.value), "count must be at least 1 (leave the role out for none)")
                 )
-        if not host.tasks:
-            problems.append(SpecProblem(key, "this host runs no task; give e.g. {worker: 1}"))
+        if host.spare and host.tasks:
+            problems.append(
+                SpecProblem(
+                    ("hosts", i, "spare"),
+                    "a spare host runs no task until a host is lost: remove its tasks, or its spare: true",
+                )
+            )
+        elif not host.tasks and not host.spare:
+            problems.append(
+                SpecProblem(
+                    key, "this host runs no task; give e.g. {worker: 1} (or spare: true to keep it spare)"
+                )
+            )
     for role, noun in ((Role.CHIEF, "chief"), (Role.EVALUATOR, "evaluator")):
         if spec.role_count(role) > 1:
             where = _where(spec, kind, role)
@@ -252,6 +265,64 @@ def _check_policy(spec: ClusterSpec) -> list[SpecProblem]:
         and spec.strategy is not Strategy.MIRRORED
     ):
         problems.append(SpecProblem(("train", "cpu_replicas"), "applies to strategy: mirrored only"))
+    return problems
+
+
+def _check_spares(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
+    """A spare host is another machine than every other host, under a backend that keeps spares."""
+    problems = []
+    for i, host in enumerate(spec.hosts):
+        if not host.spare:
+            continue
+        if not kind.spare_hosts:
+            where = "slurm.spare_nodes" if kind.places_tasks else "no spare host"
+            why = f"backend {kind.name} keeps {where}; spare hosts are for backend ssh"
+            problems.append(SpecProblem(("hosts", i, "spare"), why))
+            continue
+        others = [j for j, h in enumerate(spec.hosts) if j != i and _same_machine(h.address, host.address)]
+        if others:
+            problems.append(
+                SpecProblem(
+                    ("hosts", i, "address"),
+                    f"this spare is the same machine as hosts[{others[0]}] ({host.address}): losing one "
+                    "would lose both; a spare must be another machine",
+                )
+            )
+    return problems
+
+
+def _same_machine(a: str, b: str) -> bool:
+    return a.strip().lower().rstrip(".") == b.strip().lower().rstrip(".")
+
+
+def _check_shrink(spec: ClusterSpec, kind: Kind) -> list[SpecProblem]:
+    """restart.shrink: a backend whose machines can be lost, a strategy that can go on with fewer
+    workers, a host that could be left out (workers alone), min_workers within the workers."""
+    restart = spec.restart
+    workers = spec.role_count(Role.WORKER)
+    problems = []
+    if (restart.shrink or "min_workers" in restart.model_fields_set) and restart.min_workers > workers:
+        problems.append(
+            SpecProblem(
+                ("restart", "min_workers"),
+                f"{restart.min_workers} is more than the spec's {workers} worker task(s)",
+            )
+        )
+    if not restart.shrink:
+        return problems
+    why = None
+    if not kind.loses_hosts:
+        why = f"backend {kind.name} runs on one machine, which is never lost: nothing to shrink"
+    elif spec.strategy is Strategy.MIRRORED:
+        why = "mirrored runs one task on one host: it cannot go on with fewer; give a spare host"
+    elif not any(h.tasks and set(h.tasks) == {Role.WORKER} for h in spec.hosts if not h.spare):
+        held = "the chief or a ps" if spec.strategy is Strategy.PARAMETER_SERVER else "the chief"
+        why = (
+            f"no host could be left out: only a host of worker tasks alone can be (one holding {held} "
+            "or the evaluator cannot: the job needs it); give a spare host"
+        )
+    if why is not None:
+        problems.append(SpecProblem(("restart", "shrink"), why))
     return problems
 
 

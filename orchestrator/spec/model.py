@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -97,7 +98,11 @@ class Strict(BaseModel):
 class HostSpec(Strict):
     address: str = Field(min_length=1, description="hostname or IP, reachable from the coordinator and peers")
     tasks: dict[Role, Annotated[int, Field(le=MAX_TASKS)]] = Field(
-        description="task count per role, e.g. {worker: 2}"
+        default_factory=dict, description="task count per role, e.g. {worker: 2} (none on a spare)"
+    )
+    spare: bool = Field(
+        default=False,
+        description="ssh: a host with no tasks, kept to take the tasks of a host that is lost",
     )
     base_port: int | None = Field(
         default=None,
@@ -224,6 +229,15 @@ class RestartSpec(Strict):
         "the host keeps enough memory available with them; off when max_restarts is 0) | on | off",
     )
 
+    shrink: bool = Field(
+        default=False,
+        description="with no spare host left, go on without a lost host's workers (their indexes "
+        "renumbered, the global batch split over the replicas left)",
+    )
+    min_workers: int = Field(
+        default=1, ge=1, le=MAX_TASKS, description="shrinking stops at this many worker tasks"
+    )
+
     @field_validator("standby", mode="before")
     @classmethod
     def _yaml_switch(cls, value: Any) -> Any:
@@ -280,6 +294,9 @@ class ClusterSpec(Strict):
     _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
     #: Whether the backend's section placed the tasks (`hosts` came from it, not from the spec).
     _hosts_from_section: bool = PrivateAttr(default=False)
+    #: This attempt's layout (`laid_out`): hosts[p]'s tasks run on hosts[runs[p]] (a spare), or
+    #: nowhere (None: left out, the job shrunk). A host not named runs its own tasks.
+    _runs: dict[int, int | None] = PrivateAttr(default_factory=dict)
 
     def section(self, name: str) -> BaseModel | None:
         """The spec's section of the backend `name` (its top-level key), None where it has none."""
@@ -292,6 +309,26 @@ class ClusterSpec(Strict):
         spec._sections = dict(sections)
         spec._hosts_from_section = hosts is not None
         return spec
+
+    def laid_out(self, runs: Mapping[int, int | None]) -> ClusterSpec:
+        """This spec for an attempt whose hosts changed: hosts[p]'s tasks run on hosts[runs[p]]
+        (a spare that took them) or are left out (None). Tasks are numbered in the order of the
+        hosts that give them (spec/roles.py `task_slots`): a task moved keeps its name, those after
+        a host left out are renumbered, as TensorFlow requires."""
+        spec = self.model_copy()
+        spec._sections = dict(self._sections)
+        spec._hosts_from_section = self._hosts_from_section
+        spec._runs = {p: h for p, h in runs.items() if h != p}
+        return spec
+
+    def runs_on(self, position: int) -> int | None:
+        """The host that runs hosts[position]'s tasks this attempt (None: left out)."""
+        return self._runs.get(position, position)
+
+    @property
+    def runs(self) -> dict[int, int | None]:
+        """The hosts whose tasks run elsewhere or nowhere this attempt (`laid_out`)."""
+        return dict(self._runs)
 
     def as_data(self) -> dict[str, Any]:
         """The spec as data that validates to it again (its sections included)."""

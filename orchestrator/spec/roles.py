@@ -90,12 +90,17 @@ class TaskSlot:
 
 
 def task_slots(spec: ClusterSpec) -> list[TaskSlot]:
-    """Every task of the spec, numbered per role in host order, listed chief, worker, ps, evaluator."""
+    """Every task of the spec, numbered per role in the order of the hosts that give them, listed
+    chief, worker, ps, evaluator. Under a layout (`spec.laid_out`) a host's tasks run on the host
+    that took them, keeping their numbers; a host's left out, and those after it renumbered."""
     counters = {role: 0 for role in Role}
     slots = []
     for role in Role:
-        for h, host in enumerate(spec.hosts):
+        for p, host in enumerate(spec.hosts):
+            runs_on = spec.runs_on(p)
+            if runs_on is None:
+                continue
             for _ in range(host.tasks.get(role, 0)):
-                slots.append(TaskSlot(role, counters[role], h))
+                slots.append(TaskSlot(role, counters[role], runs_on))
                 counters[role] += 1
     return slots

@@ -21,13 +21,15 @@ from typing import Any
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore, TaskHealth
 from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
-from orchestrator.launch.placement import Placement
+from orchestrator.launch.placement import Machine
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
+from orchestrator.spec.model import ClusterSpec
 from orchestrator.stacks.record import Capture, capture_all
 from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.detect import TaskView
+from orchestrator.supervise.hosts import Hosts, Replan
 from orchestrator.supervise.policy import Action, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
 from orchestrator.supervise.states import (
@@ -51,7 +53,7 @@ class _Poll:
     tasks: Mapping[str, TaskView]  # the live ones
 
 
-class Supervisor(Stopping):
+class Supervisor(Stopping, Hosts):
     def __init__(
         self,
         plan: LaunchPlan,
@@ -66,7 +68,8 @@ class Supervisor(Stopping):
         on_change: Callable[[Supervisor], None] | None = None,
         first_attempt: int = 0,
         restarts: int = 0,
-        replan: Callable[[Mapping[str, Placement]], LaunchPlan] | None = None,
+        replan: Replan | None = None,
+        spec: ClusterSpec | None = None,
         in_background: Callable[[list[TaskHandle], float, threading.Event], Future[Any]] = stop_in_background,
         job_folders: Sequence[str] = (),
         capture: Callable[[list[TaskHandle], float, str, bool], Capture] = capture_all,
@@ -100,6 +103,11 @@ class Supervisor(Stopping):
         self._interrupt: str | None = None
         self._abort: str | None = None
         self._replan = replan  # between attempts: a new plan when the backend moved a task
+        self._spec = spec  # the run's: its hosts' tasks, where lost hosts' tasks may go (hosts.py)
+        self.machines: list[Machine] = []
+        self.workers: dict[int, int] = {}  # per attempt: its worker tasks
+        self._lost_machines: set[str] = set()
+        self._launches = 0
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)
         self._capture, self._keep_stacks = capture, keep_stacks  # a hung job's stacks, and where they go
         self.unconfirmed: list[str] = []  # tasks whose exit no stop could confirm
@@ -167,6 +175,14 @@ class Supervisor(Stopping):
     # --- states ------------------------------------------------------------------------------
 
     def _launch_all(self) -> None:
+        trouble = None
+        if self._launches:  # an attempt after this coordinator's first: the hosts may have changed
+            try:
+                self._relayout()
+            except LaunchError as exc:
+                trouble = LaunchError(f"moving the tasks of a lost host: {exc}")
+        self._launches += 1
+        self._count_workers()
         self._store.reset(self.attempt, self.tasks)
         self._same_start, self.never_up = False, []
         self.job_folders.attempt_starts()
@@ -177,6 +193,8 @@ class Supervisor(Stopping):
         for rec in records:
             rec.exit_code, rec.health, rec.handle, rec.restart_at, rec.stopping = None, None, None, None, None
         try:
+            if trouble is not None:
+                raise trouble
             prepared = self._backend.before_attempt(self.plan, self.attempt)
         except LaunchError as exc:
             failure = Failure((), FailureKind.LAUNCH, self.attempt, f"before attempt {self.attempt}: {exc}")
@@ -206,22 +224,6 @@ class Supervisor(Stopping):
             self._move_task(rec, TaskState.STARTING, f"pid {result.process.pid}{where}")
         if failed is not None:  # the tasks that did start are stopped by the teardown
             self._fail(failed)
-
-    def _move_tasks(self, moved: Mapping[str, Placement]) -> None:
-        """The backend placed some tasks anew (a port taken meanwhile): the plan is made again."""
-        assert self._replan is not None
-        old = self.plan
-        self.plan = self.job_folders.plan(self._replan(moved))
-        for task in self.plan.tasks:
-            self.tasks[task.name].plan = task
-        for name, place in moved.items():
-            was = old.task(name)
-            if was.host != place.host:
-                note = f"{name} moved from {was.host}:{was.port} to {place.host}:{place.port}"
-            else:
-                note = f"port {was.port} of {name} is in use by another program; moved to {place.port}"
-            self._sink.event(kind="port", attempt=self.attempt, reason=note)
-            log.warning("%s", note)
 
     def _poll(self) -> _Poll:
         """The task group, once: every live task's exit code and latest heartbeat news."""

@@ -231,7 +231,7 @@ BAD_SPECS = [
         """,
         3,
         "hosts[0].tasks",
-        "required key is missing",
+        "this host runs no task; give e.g. {worker: 1} (or spare: true",
     ),
     (
         "no-hosts",

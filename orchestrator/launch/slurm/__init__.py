@@ -29,6 +29,7 @@ class SlurmKind(Kind):
     name: ClassVar[str] = "slurm"
     section = slurm_spec.SlurmSpec
     places_tasks = True
+    loses_hosts = True
 
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
         from orchestrator.launch.slurm.backend import SlurmBackend

@@ -27,6 +27,8 @@ class SshKind(Kind):
 
     name: ClassVar[str] = "ssh"
     section = SshSpec
+    loses_hosts = True
+    spare_hosts = True
 
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
         from orchestrator.launch.ssh.backend import SshBackend
