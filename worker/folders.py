@@ -7,6 +7,8 @@ Standard library only; each mode prints one JSON object on stdout (pack: a tar).
 - tree FOLDER             every file under a state folder with its size and SHA-256, and the free
                           disk there. Hidden names and other tasks' scratch folders (`workertemp_*`)
                           are left out; symlinks are never followed.
+- stamp FOLDER            what `tree` lists, by name, size and modification time only (no file is
+                          read): the same stamp, nothing changed (a follower asks it often).
 - commit FOLDER STAGING   move the files received in STAGING into FOLDER (data first, index files
                           such as TF's `checkpoint` last, so a reader never sees an index naming
                           files not there yet), then remove what is not in the list on stdin (JSON).
@@ -33,7 +35,7 @@ import sys
 import tarfile
 from typing import Any
 
-MODES = ("tree", "commit", "shared", "pack", "unpack")
+MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
 
 
 STAGING_PREFIX = ".incoming-"
@@ -82,6 +84,19 @@ def tree(folder: str) -> dict[str, Any]:
         probe = os.path.dirname(probe)
     out["free_bytes"] = shutil.disk_usage(probe).free
     return out
+
+
+def stamp(folder: str) -> dict[str, Any]:
+    folder = os.path.abspath(os.path.expanduser(folder))
+    digest = hashlib.sha256()
+    exists = os.path.isdir(folder)
+    for rel in _walk(folder) if exists else []:
+        try:
+            st = os.stat(os.path.join(folder, rel))
+        except OSError:
+            continue  # removed meanwhile
+        digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode(errors="surrogateescape"))
+    return {"exists": exists, "stamp": digest.hexdigest()}
 
 
 def _is_index(rel: str) -> bool:
@@ -204,7 +219,13 @@ def main(argv: list[str]) -> int:
     if mode == "pack":
         pack(*args)
         return 0
-    handlers: dict[str, Any] = {"tree": tree, "commit": commit, "shared": shared, "unpack": unpack}
+    handlers: dict[str, Any] = {
+        "tree": tree,
+        "stamp": stamp,
+        "commit": commit,
+        "shared": shared,
+        "unpack": unpack,
+    }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import posixpath
 import secrets
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,12 @@ class Folders(abc.ABC):
         """Make `remote` on the host an exact copy of `local` (`ours`: its `local_tree`, listed
         once for every host it goes to). LaunchError when it cannot."""
 
+    def stamp(self, host: int, remote: str) -> str | None:
+        """A cheap stamp of `remote` on the host (worker/folders.py `stamp`: names, sizes, times):
+        the same, nothing changed there. None where the backend has none (the folder is pulled
+        every time, only what differs moving). LaunchError when the host cannot be asked."""
+        return None
+
     def lost(self, host: int) -> None:
         """A copy to or from the host failed (ssh: its connection is renewed before the next use)."""
         return None
@@ -73,17 +81,27 @@ class StateExchange:
         self._job_home: dict[str, Path] = {}  # the job's own folders brought home: where
         self._shared: dict[str, bool] = {}  # a job's folder: every reader's host sees the owner's
         self._early: Future[list[str]] | None = None  # the owner's state, brought home during the stop
+        self._ran: LaunchPlan | None = None  # the plan of the attempt that ran last (its owner wrote)
+        self._source: tuple[int, str] | None = None  # where home's copy came from this time
 
-    def before_attempt(self, plan: LaunchPlan, attempt: int) -> list[str]:
-        """Attempts after the first restore the owner's latest checkpoint: home (unless it came
-        during the stop: `bring_early`), then to every reader's folder that differs; then the
-        evaluators are followed."""
+    def before_attempt(self, plan: LaunchPlan, attempt: int, *, lost: Collection[int] = ()) -> list[str]:
+        """Attempts after the first restore the latest checkpoint of the owner that wrote it (the
+        last attempt's: another task may own them now, a lost host's tasks moved): home (unless it
+        came during the stop, `bring_early`, or while the attempt trained; `lost` hosts are not
+        asked: home's copy is the latest there is), then to every reader's folder that differs,
+        the new owner's included; then the owner is followed."""
         self.stop_following()
-        if plan.state is None:
+        ran, self._ran = self._ran or plan, plan
+        if plan.state is None or ran.state is None:
             return []
+        # the folders of the job's own known now (learned as the run went), on the hosts it ran on
+        ran = dataclasses.replace(
+            ran, state=dataclasses.replace(ran.state, job_folders=plan.state.job_folders)
+        )
         notes = []
         if attempt > 0:
-            notes += [*self.fetched(plan), *self.hand_out(plan), *self.hand_out_job(plan)]
+            reachable = ran.task(ran.state.owner).host_index not in lost
+            notes += [*self.fetched(ran, reachable=reachable), *self.hand_out(plan), *self.hand_out_job(plan)]
         self.follow(plan)
         return notes
 
@@ -222,6 +240,7 @@ class StateExchange:
         owner = plan.task(state.owner)
         home = self._home / "checkpoints"
         where = f"{owner.name} ({self._folders.label(owner.host_index)})"
+        self._source = None
         if not reachable:
             return [f"{where} is out of reach: the last checkpoints brought home are used"]
         got = self._pull(owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home)
@@ -230,6 +249,7 @@ class StateExchange:
             # the latest state there is, so the owner gets it back too
             self._owner_lacks = True
             return [f"{where} has no checkpoint folder; using the copy in {home}"]
+        self._source = (owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR])
         label = self._folders.label(owner.host_index)
         return [f"checkpoints of {owner.name} copied from {label} to {home}: {got.describe()}"]
 
@@ -239,28 +259,30 @@ class StateExchange:
         home = self._home / "checkpoints"
         if state is None or state.shared or not home.is_dir():
             return []
-        targets = self._targets(plan, list(map(plan.task, state.readers)))
-        if self._owner_lacks:
-            owner = plan.task(state.owner)
-            targets.append((owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR]))
+        readers = list(map(plan.task, state.readers))
+        # every reader but the folder home's copy came from (the owner that wrote it, if it was
+        # asked and had it): a new owner, a lost host's reader on a spare, get it too
+        places = {(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in readers}
+        targets = sorted(places - ({self._source} if self._source and not self._owner_lacks else set()))
         sent = self._send(home, targets, "copying the checkpoint to the hosts")
         return [
             f"→ {self._folders.label(i)} {f}: {s.describe()}" for (i, f), s in zip(targets, sent, strict=True)
         ]
 
     def follow(self, plan: LaunchPlan) -> None:
-        """An evaluator on another host than the owner's: each new checkpoint of the owner goes
-        home and on to it while the attempt runs."""
+        """While the attempt trains, each new checkpoint of the owner comes home (its host may be
+        lost: the next attempt resumes from home's copy, a checkpoint interval lost at most) and
+        goes on to an evaluator on another host. One copy at a time; the newest wins; a copy cut
+        short never replaces a whole one (staged, checked, committed data first)."""
         state = plan.state
         if state is None or state.shared:
             return
         evaluators = [t for t in map(plan.task, state.readers) if t.role is Role.EVALUATOR]
-        if self._targets(plan, evaluators):
-            self._follow_stop = threading.Event()
-            self._follower = threading.Thread(
-                target=self._follow, args=(plan, evaluators, self._follow_stop), daemon=True, name="ship"
-            )
-            self._follower.start()
+        self._follow_stop = threading.Event()
+        self._follower = threading.Thread(
+            target=self._follow, args=(plan, evaluators, self._follow_stop), daemon=True, name="ship"
+        )
+        self._follower.start()
 
     def _targets(self, plan: LaunchPlan, readers: list[TaskPlan]) -> list[tuple[int, str]]:
         """(host, folder) of the readers, but the owner's own."""
@@ -270,26 +292,33 @@ class StateExchange:
         return sorted({(t.host_index, t.env[wire.ENV_CHECKPOINT_DIR]) for t in readers} - {source})
 
     def _follow(self, plan: LaunchPlan, evaluators: list[TaskPlan], stop: threading.Event) -> None:
-        """A round that fails (a file changed while copied, a host away) is tried again."""
+        """A round that fails (a file changed while copied, a host away) is tried again; one whose
+        stamp is the last one copied's moves nothing."""
         assert plan.state is not None
         owner = plan.task(plan.state.owner)
         home = self._home / "checkpoints"
+        folder, copied = owner.env[wire.ENV_CHECKPOINT_DIR], None
         while not stop.wait(self._every_s):
             try:
-                got = self._folders.pull(
-                    owner.host_index, owner.env[wire.ENV_CHECKPOINT_DIR], home, mirror=True
-                )
+                seen = self._folders.stamp(owner.host_index, folder)
+                if seen is not None and seen == copied:
+                    continue
+                got = self._folders.pull(owner.host_index, folder, home, mirror=True)
                 if not got.exists:
                     continue
-                ours = local_tree(home)
-                for index, folder in self._targets(plan, evaluators):
+                copied = seen
+                if got.files:
+                    log.debug("%s of %s came home: %s", folder, owner.name, got.describe())
+                targets = self._targets(plan, evaluators) if got.files or got.removed else []
+                ours = local_tree(home) if targets else {}
+                for index, target in targets:
                     if stop.is_set():
                         return
-                    sent = self._folders.push(index, home, folder, ours)
+                    sent = self._folders.push(index, home, target, ours)
                     if sent.files:
-                        log.debug("%s %s: %s", self._folders.label(index), folder, sent.describe())
+                        log.debug("%s %s: %s", self._folders.label(index), target, sent.describe())
             except LaunchError as exc:
-                log.debug("checkpoints to the evaluators, tried again in %g s: %s", self._every_s, exc)
+                log.debug("following the checkpoints, tried again in %g s: %s", self._every_s, exc)
 
     def stop_following(self, timeout_s: float | None = None) -> None:
         follower, self._follower = self._follower, None

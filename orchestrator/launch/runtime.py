@@ -11,7 +11,7 @@ SHIM = RUNTIME_ROOT / "worker" / "shim.py"
 PROBE_SOURCE = (RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
 FOLDERS_SOURCE = (RUNTIME_ROOT / "worker" / "folders.py").read_text(encoding="utf-8")
 #: worker/folders.py's modes (the others are worker/probe.py's).
-FOLDER_MODES = ("tree", "commit", "shared", "pack", "unpack")
+FOLDER_MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
 
 
 def source_for(mode: str) -> str:

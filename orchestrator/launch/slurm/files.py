@@ -162,6 +162,10 @@ class NodeFolders(Folders):
         done = self._step(node, "commit", theirs["folder"], staging, stdin=json.dumps(sorted(ours["files"])))
         return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
+    def stamp(self, host: int, remote: str) -> str | None:
+        answer = self._step(self._where(host), "stamp", remote)
+        return str(answer["stamp"]) if answer.get("exists") else None
+
     def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
         answer = self._step(self._where(host), "shared", action, folder, nonce)
         return not answer.get("error") and (action != "read" or nonce in answer.get("seen", []))

@@ -15,7 +15,7 @@ import logging
 import posixpath
 import shlex
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +34,13 @@ from orchestrator.launch.api import (
     on_all,
 )
 from orchestrator.launch.exchange import StateExchange
-from orchestrator.launch.placement import Placement, job_files_root
+from orchestrator.launch.placement import Machine, Placement, Relaid, job_files_root
 from orchestrator.launch.shim import shim_job
 from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
 from orchestrator.launch.ssh import preflight
 from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
-from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of, probe
+from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of
+from orchestrator.launch.ssh.machines import SshMachines
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
 from orchestrator.launch.ssh.relay import Relay
 from orchestrator.launch.ssh.spec import section as ssh_section
@@ -90,6 +91,13 @@ class SshBackend(Backend):
         self._states = StateExchange(folders, home, every_s=every_s, stop_wait_s=4 * io_timeout_s)
         self._standbys = ShimStandbys(spec)
         self._logs = home / "logs"
+        self._machines = SshMachines(
+            spec,
+            self._hosts,
+            self._connection,
+            timeout_s=self._ssh.connect_timeout_s,
+            every_s=max(5.0, self._ssh.connect_timeout_s),
+        )
 
     def listen(self) -> tuple[str, int]:
         """Loopback (the hosts' tasks reach it through SSH tunnels), or ssh.coordinator_address."""
@@ -121,12 +129,28 @@ class SshBackend(Backend):
                 workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
             )
         self._upload({r.host.index: (r.facts or {}).get("missing", []) for r in reports})
+        self._machines.opened({i: c.workdir for i, c in self._contexts.items()})
+        return self._placements(self._spec)
+
+    def _placements(self, spec: ClusterSpec) -> dict[str, Placement]:
         return ssh_placements(
-            self._spec,
+            spec,
             self._run_id,
             {i: c.workdir for i, c in self._contexts.items()},
             {i: c.coordinator_url for i, c in self._contexts.items()},
         )
+
+    def machines(self, plan: LaunchPlan, suspects: Mapping[str, tuple[str, str | None]]) -> list[Machine]:
+        return self._machines.machines(plan, suspects)
+
+    def relayout(self, machines: Mapping[int, str | None]) -> Relaid:
+        """A lost host's tasks on a spare (its files were sent when the run opened), or left out."""
+        runs = {p: None if key is None else int(key) for p, key in machines.items()}
+        laid = self._spec.laid_out(runs)
+        self._machines.spec = laid
+        per_host = [s.host_index for s in task_slots(laid)]
+        self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
+        return Relaid(runs, self._placements(laid))
 
     def record(self) -> dict[str, Any]:
         ssh = self._ssh
@@ -154,8 +178,9 @@ class SshBackend(Backend):
         }
 
     def _upload(self, missing: dict[int, list[str]]) -> None:
-        """Send every host with tasks the files its cache lacks (the job's folder, the runtime)."""
-        used = sorted({s.host_index for s in task_slots(self._spec)})
+        """Send every host the files its cache lacks (the job's folder, the runtime): the spares
+        too, so that a lost host's tasks start there at once."""
+        used = sorted(missing)
 
         def one(index: int) -> Any:
             return upload(
@@ -180,7 +205,7 @@ class SshBackend(Backend):
         self._states.bring_early(plan)
 
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
-        return Prepared(notes=self._states.before_attempt(plan, attempt))
+        return Prepared(notes=self._states.before_attempt(plan, attempt, lost=self._machines.lost()))
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
         return self._states.bring_home(plan)
@@ -342,40 +367,11 @@ class SshBackend(Backend):
             return relay.url
 
     def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:
-        """Can every host reach the other hosts' tasks on their TF ports? A firewall or a route
-        between two hosts is why a cluster waits for ever (TF waits for its peers silently)."""
-        tasks = [t for t in plan.tasks if t.in_cluster]
-        indexes = sorted({t.host_index for t in tasks})
-        if len(indexes) < 2:
-            return None
-        owner = {f"{t.host}:{t.port}": t.name for t in tasks}
-        hosts = {h.index: h for h in self._hosts}
-
-        def one(index: int) -> list[str]:
-            host = hosts[index]
-            targets = [f"{t.host}:{t.port}" for t in tasks if t.host_index != index]
-            answer = probe(self._connection(index), host, "connect", "3", *targets, timeout_s=15)
-            return [
-                f"{host.label} cannot reach {target} ({owner.get(target, '?')}): {err}"
-                for target, err in answer.items()
-                if err is not None
-            ]
-
-        findings: list[str] = []
-        for index, result in on_all(indexes, one):
-            if isinstance(result, Exception):
-                findings.append(f"{hosts[index].label}: its peers could not be probed ({result})")
-            else:
-                findings += result
-        if not findings:
-            return None
-        return (
-            "peer probe: "
-            + "; ".join(findings[:4])
-            + (f"; and {len(findings) - 4} more" if len(findings) > 4 else "")
-        )
+        """Can every host reach the other hosts' tasks on their TF ports? (preflight.diagnose)"""
+        return preflight.diagnose(plan, self._hosts, self._connection)
 
     def close(self) -> None:
+        self._machines.close()
         self._standbys.close()
         self._states.stop_following()
         for relay in self._relays.values():

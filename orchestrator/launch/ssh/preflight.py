@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from orchestrator.launch.api import CheckReport, on_all
 from orchestrator.launch.runtime import PROBE_SOURCE
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.spec import section as ssh_section
+from orchestrator.plan import LaunchPlan
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 
@@ -328,3 +329,38 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return f"{n} B"
+
+
+def diagnose(
+    plan: LaunchPlan, hosts: Sequence[Host], connection: Callable[[int], fabric.Connection]
+) -> str | None:
+    """At the start-up deadline: can every host reach the other hosts' tasks on their TF ports? A
+    firewall or a route between two hosts is why a cluster waits for ever (TF waits for its peers
+    silently). None where they can (or there is one host)."""
+    tasks = [t for t in plan.tasks if t.in_cluster]
+    indexes = sorted({t.host_index for t in tasks})
+    if len(indexes) < 2:
+        return None
+    owner = {f"{t.host}:{t.port}": t.name for t in tasks}
+    by_index = {h.index: h for h in hosts}
+
+    def one(index: int) -> list[str]:
+        host = by_index[index]
+        targets = [f"{t.host}:{t.port}" for t in tasks if t.host_index != index]
+        answer = probe(connection(index), host, "connect", "3", *targets, timeout_s=15)
+        return [
+            f"{host.label} cannot reach {target} ({owner.get(target, '?')}): {err}"
+            for target, err in answer.items()
+            if err is not None
+        ]
+
+    findings: list[str] = []
+    for index, result in on_all(indexes, one):
+        if isinstance(result, Exception):
+            findings.append(f"{by_index[index].label}: its peers could not be probed ({result})")
+        else:
+            findings += result
+    if not findings:
+        return None
+    more = f"; and {len(findings) - 4} more" if len(findings) > 4 else ""
+    return "peer probe: " + "; ".join(findings[:4]) + more

@@ -41,6 +41,11 @@ class SshFolders(Folders):
         conn = self._connection(host)
         return ship.push(conn, self._hosts[host], local, remote, timeout_s=self._io_timeout_s, ours=ours)
 
+    def stamp(self, host: int, remote: str) -> str | None:
+        conn = self._connection(host)
+        answer = probe(conn, self._hosts[host], "stamp", remote, timeout_s=self._io_timeout_s)
+        return str(answer["stamp"]) if answer.get("exists") else None
+
     def lost(self, host: int) -> None:
         self._suspect(host)
 
