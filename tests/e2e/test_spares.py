@@ -1,0 +1,171 @@
+"""Lab machines come and go (issue 27): a host cut off (`ip link set eth0 down` in its namespace)
+and its tasks go to a spare host, or the job shrinks to the hosts left; the owner's checkpoints
+come home while it trains, so losing its host loses a checkpoint interval at most. Real SSH, real
+TensorFlow, hosts that share no disk (tests/lab.py)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import Job, run_processes, wait_until
+from tests.e2e.test_separate_disks import LOOP, TRAIN, final_weights
+from tests.e2e.test_ssh import SshJob, cmdline
+from tests.lab import make_lab, why_no_lab
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    lab = make_lab(tmp_path_factory.mktemp("lab3"), 3)
+    if not getattr(lab, "separate_disks", False):
+        lab.close()
+        pytest.skip("hosts that can be cut off, with disks of their own, need namespaces (root)")
+    yield lab
+    lab.close()
+
+
+@pytest.fixture
+def jobs(lab, tmp_path):
+    made: list = []
+    yield made
+    for i in range(len(lab.hosts)):
+        lab.restore(i)
+    for job in made:
+        for proc in run_processes(job.run_id):
+            proc.kill()
+
+
+def spare(lab, i: int) -> dict:
+    entry = lab.host_spec(i, spare=True)
+    del entry["tasks"]
+    return entry
+
+
+def loop_job(lab, root, jobs, hosts: list, **spec: object) -> SshJob:
+    job = SshJob(lab, root, LOOP, hosts=len(lab.hosts))
+    data = yaml.safe_load(job.spec.read_text())
+    data["hosts"] = hosts
+    data["job"] = {"loop": "job/job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2", "STEP_PAUSE_S": "0.25"}}
+    data["train"] = dict(TRAIN)
+    data["health"]["heartbeat_timeout_s"] = 4
+    data["restart"] = {"max_restarts": 3, "backoff_s": 1, "standby": "off"}
+    data.update(spec)
+    job.spec.write_text(yaml.safe_dump(data))
+    jobs.append(job)
+    return job
+
+
+def tasks_on(lab, i: int) -> list[str]:
+    """The run's processes on host i (its shims and tasks; not sshd's sessions)."""
+    lines = [cmdline(pid) for pid in lab.pids(i)]
+    return [line for line in lines if line and "sshd" not in line]
+
+
+def hosts_said(job) -> list[str]:
+    return [e["reason"] for e in job.events() if e.get("kind") == "hosts"]
+
+
+def baseline_weights(tmp_path, jobs, train: dict, workers: int) -> list[np.ndarray]:
+    """The same loop, uninterrupted, on this machine."""
+    (tmp_path / "baseline").mkdir()
+    baseline = Job(tmp_path / "baseline", "", workers=workers)
+    jobs.append(baseline)
+    (baseline.root / "train.py").write_text(textwrap.dedent(LOOP))
+    text = baseline.spec.read_text().replace("script: job.py", "loop: train.py")
+    baseline.spec.write_text(text + f"train: {json.dumps(train)}\n")
+    res = baseline.up(timeout_s=180)
+    assert res.returncode == 0, res.stdout
+    return final_weights(baseline.run_dir)
+
+
+def test_a_cut_hosts_worker_moves_to_the_spare_and_the_host_comes_back_as_one(lab, tmp_path, jobs):
+    h = lab.hosts
+    job = loop_job(lab, tmp_path / "spare", jobs, [lab.host_spec(0), lab.host_spec(1), spare(lab, 2)])
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 25, 120), job.status()
+        lab.cut(1)
+        assert wait_until(lambda: job.status()["attempt"] == 1 and job.steps() > 0, 90), job.status()
+        # on the spare: worker-1 keeps its name and index, its TF_CONFIG names the spare
+        assert job.task("worker-1")["host"] == h[2].address
+        lab.restore(1)  # its orphan stopped by itself; the host is a spare again once it answers
+        assert wait_until(lambda: not tasks_on(lab, 1), 30), tasks_on(lab, 1)
+        assert wait_until(lambda: job.steps() >= 55, 90), job.status()
+        lab.cut(2)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 2, status
+    said = hosts_said(job)
+    assert said[0].startswith(f"attempt 1: worker-1 moved from {h[1].address} (unreachable since "), said
+    assert said[0].endswith(f") to the spare {h[2].address}"), said
+    assert f"{h[1].address} answers again: a spare from now on" in said, said
+    assert any(
+        s.startswith(f"attempt 2: worker-1 moved from {h[2].address}") and s.endswith(f"spare {h[1].address}")
+        for s in said
+    ), said
+    assert said[0] in out  # the console said it too
+    assert {t["task"]: t["host"] for t in status["tasks"]} == {
+        "worker-0": h[0].address,
+        "worker-1": h[1].address,
+    }
+    plan = json.loads((job.run_dir / "plan.json").read_text())
+    assert plan["tasks"][1]["tf_config"]["cluster"]["worker"][1].startswith(f"{h[1].address}:")
+    lab.restore(2)
+    assert job.hosts_empty(30), job.host_pids()
+    # the job moved twice and ends with the model of an uninterrupted run
+    moved, straight = final_weights(job.run_dir), baseline_weights(tmp_path, jobs, TRAIN, 2)
+    for a, b in zip(moved, straight, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_spare_the_job_shrinks_and_the_owners_checkpoint_came_home(lab, tmp_path, jobs):
+    h = lab.hosts
+    train = {**TRAIN, "global_batch_size": 24}
+    job = loop_job(
+        lab,
+        tmp_path / "shrink",
+        jobs,
+        [lab.host_spec(0), lab.host_spec(1), lab.host_spec(2)],
+        train=train,
+        restart={"max_restarts": 2, "backoff_s": 1, "standby": "off", "shrink": True, "min_workers": 2},
+    )
+    proc = job.start()
+    try:
+        assert wait_until(lambda: job.steps() >= 45, 120), job.status()
+        lab.cut(0)  # the owner's host: its checkpoints are on its own disk, and at home
+        cut_at = job.task("worker-0")["last_step"]
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status
+    said = hosts_said(job)
+    assert said == [
+        f"attempt 1: worker-0 left out with {h[0].address} (unreachable since {said[0].split(' since ')[1][:8]}): "
+        "no spare host is left; the job runs on 2 workers (the last attempt's worker-1 is worker-0 now, "
+        "worker-2 is worker-1 now)"
+    ], said
+    assert {t["task"]: t["host"] for t in status["tasks"]} == {
+        "worker-0": h[1].address,
+        "worker-1": h[2].address,
+    }
+    # resumed from the copy that came home while it trained: a checkpoint interval and a copy lost at most
+    restored = status["tasks"][0]["restored"]
+    lost = cut_at - restored["step"]
+    assert 0 <= lost <= TRAIN["checkpoint_every"] + 15, (cut_at, restored)
+    assert [t["last_step"] for t in status["tasks"]] == [90, 90]
+    assert "on 3 workers" in out and "on 2 workers" in out, out
+    lab.restore(0)
+    assert job.hosts_empty(30), job.host_pids()
