@@ -123,6 +123,23 @@ class StandbyStatus(BaseModel):
     rss_bytes: int | None
 
 
+class MachineStatus(BaseModel):
+    model_config = _Strict
+    host: str = Field(description="its address")
+    state: Literal["in use", "spare", "lost"] = Field(
+        description="runs tasks of the attempt · a spare, kept for a lost host · lost (not used)"
+    )
+    tasks: list[str] = Field(description="the tasks it runs this attempt")
+    lost: str | None = Field(description="why it was lost, and since when, as it was last seen")
+
+
+class AttemptStatus(BaseModel):
+    model_config = _Strict
+    attempt: int
+    workers: int = Field(description="its worker tasks (fewer after a shrink: restart.shrink)")
+    changes: list[str] = Field(description="the hosts it ran on anew: a task moved to a spare, left out")
+
+
 class CoordinatorStatus(BaseModel):
     model_config = _Strict
     pid: int | None
@@ -162,6 +179,14 @@ class Status(BaseModel):
     )
     recoveries: list[RecoveryStatus] = Field(
         default_factory=list, description="every whole-job restart's timeline, in order"
+    )
+    machines: list[MachineStatus] = Field(
+        default_factory=list,
+        description="the run's machines (ssh hosts, Slurm nodes) as last seen before an attempt: in use, "
+        "spare, lost; empty until a later attempt asked",
+    )
+    attempts: list[AttemptStatus] = Field(
+        default_factory=list, description="each attempt's workers, and the hosts it ran on anew"
     )
     standbys: list[StandbyStatus] = Field(
         default_factory=list,

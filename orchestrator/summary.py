@@ -25,11 +25,19 @@ def summarize(outcome: RunResult) -> int:
     took_text = f"took {duration_text(took)} · " if took is not None else ""
     print(f"  {took_text}attempts {r.attempt + 1} · restarts {r.restarts}")
     recoveries = {r.get("attempt"): r.get("line") for r in outcome.status.get("recoveries") or []}
+    attempts = {a["attempt"]: a for a in outcome.status.get("attempts") or []}
+    sizes = [
+        f"attempt {n} on {a['workers']} worker{'s' if a['workers'] != 1 else ''}" for n, a in attempts.items()
+    ]
+    if len({a["workers"] for a in attempts.values()}) > 1:  # the job shrank (or grew back)
+        print(f"  {' · '.join(sizes)}")
     listed = len(r.failures) > 1 or (r.failures and r.state is ClusterState.SUCCEEDED)
     for f in r.failures:  # each restart's cause (one alone is the first failure, below)...
         if listed:
             print(f"  attempt {f.attempt} ended: {f.describe()}")
             _places(outcome.run_dir, f.attempt)
+        for line in attempts.get(f.attempt + 1, {}).get("changes", []):  # ...the hosts it moved to
+            print(f"  {line}")
         if f.attempt + 1 in recoveries:  # ...and its timeline
             print(f"  {recoveries[f.attempt + 1]}")
     for f in r.task_restarts:

@@ -95,12 +95,11 @@ class StateExchange:
         if plan.state is None or ran.state is None:
             return []
         # the folders of the job's own known now (learned as the run went), on the hosts it ran on
-        ran = dataclasses.replace(
-            ran, state=dataclasses.replace(ran.state, job_folders=plan.state.job_folders)
-        )
+        state = dataclasses.replace(ran.state, job_folders=plan.state.job_folders)
+        ran = dataclasses.replace(ran, state=state)
         notes = []
         if attempt > 0:
-            reachable = ran.task(ran.state.owner).host_index not in lost
+            reachable = ran.task(state.owner).host_index not in lost
             notes += [*self.fetched(ran, reachable=reachable), *self.hand_out(plan), *self.hand_out_job(plan)]
         self.follow(plan)
         return notes

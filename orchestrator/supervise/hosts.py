@@ -31,8 +31,9 @@ class Hosts:
     plan: LaunchPlan
     tasks: dict[str, TaskRecord]
     attempt: int
-    machines: list[Machine]  # as the backend saw them before the latest attempt that asked
+    machine_rows: list[dict[str, Any]]  # status.json's `machines`: as last seen, before an attempt
     workers: dict[int, int]  # per attempt: its worker tasks
+    changes: dict[int, list[str]]  # per attempt: the hosts it ran on anew, a line each
     _spec: ClusterSpec | None
     _lost_machines: set[str]
     _backend: Backend
@@ -56,7 +57,6 @@ class Hosts:
             return
         if not found:
             return
-        self.machines = found
         snap = members.Snapshot(
             self.attempt,
             self._spec,
@@ -67,12 +67,29 @@ class Hosts:
         )
         layout = members.decide(snap)
         self._lost_machines = {m.key for m in found if m.lost is not None}
+        self.machine_rows = self._rows(found, layout.machines)
+        self.changes[self.attempt] = list(layout.lines)
         for line in layout.lines:
             self._sink.event(kind="hosts", attempt=self.attempt, reason=line)
             log.warning("%s", line)
         if layout.changed:
             relaid = self._backend.relayout(layout.machines)
             self._replanned(self._replan(relaid.placements, runs=relaid.runs))
+
+    def _rows(self, found: list[Machine], machines: Mapping[int, str | None]) -> list[dict[str, Any]]:
+        """status.json's `machines`: each with the tasks it runs this attempt."""
+        assert self._spec is not None
+        named = members.names(self._spec, {p for p, key in machines.items() if key is not None})
+        runs_here = {key: p for p, key in machines.items() if key is not None}
+        return [
+            {
+                "host": m.label,
+                "state": "in use" if m.key in runs_here else "lost" if m.lost else "spare",
+                "tasks": named[runs_here[m.key]] if m.key in runs_here else [],
+                "lost": m.said if m.lost else None,
+            }
+            for m in found
+        ]
 
     def _suspects(self) -> dict[str, tuple[str, str | None]]:
         """The last attempt's tasks whose host may be lost: their end could not be confirmed (its

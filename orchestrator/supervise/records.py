@@ -171,5 +171,10 @@ def status_document(sup: Any) -> dict[str, Any]:
         "tasks": [task_status(r) for r in sup.tasks.values()],
         "checkpoint_folders": sorted(sup.job_folders.folders),
         "recoveries": sup.timeline.status(),
+        "machines": sup.machine_rows,
+        "attempts": [
+            {"attempt": n, "workers": workers, "changes": list(sup.changes.get(n, []))}
+            for n, workers in sorted(sup.workers.items())
+        ],
         "standbys": sup.standby_rows(),
     }

@@ -21,7 +21,6 @@ from typing import Any
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore, TaskHealth
 from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
-from orchestrator.launch.placement import Machine
 from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import ClusterSpec
@@ -104,8 +103,9 @@ class Supervisor(Stopping, Hosts):
         self._abort: str | None = None
         self._replan = replan  # between attempts: a new plan when the backend moved a task
         self._spec = spec  # the run's: its hosts' tasks, where lost hosts' tasks may go (hosts.py)
-        self.machines: list[Machine] = []
+        self.machine_rows: list[dict[str, Any]] = []  # status.json's machines: as last seen
         self.workers: dict[int, int] = {}  # per attempt: its worker tasks
+        self.changes: dict[int, list[str]] = {}  # per attempt: the hosts it ran on anew
         self._lost_machines: set[str] = set()
         self._launches = 0
         self._in_background = in_background  # how one task alone is stopped (a thread; tests: at once)

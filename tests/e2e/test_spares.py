@@ -154,7 +154,7 @@ def test_without_a_spare_the_job_shrinks_and_the_owners_checkpoint_came_home(lab
     said = hosts_said(job)
     assert said == [
         f"attempt 1: worker-0 left out with {h[0].address} (unreachable since {said[0].split(' since ')[1][:8]}): "
-        "no spare host is left; the job runs on 2 workers (the last attempt's worker-1 is worker-0 now, "
+        "no spare host is left; the job runs on 2 workers (the last attempt's worker-1 is worker-0, "
         "worker-2 is worker-1 now)"
     ], said
     assert {t["task"]: t["host"] for t in status["tasks"]} == {
