@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import Job, run_processes, wait_until
-from tests.e2e.test_separate_disks import LOOP, TRAIN, final_weights
+from tests.e2e.test_separate_disks import KERAS_FIT, LOOP, TRAIN, final_weights
 from tests.e2e.test_ssh import SshJob, cmdline
 from tests.lab import make_lab, why_no_lab
 
@@ -152,8 +152,9 @@ def test_without_a_spare_the_job_shrinks_and_the_owners_checkpoint_came_home(lab
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status
     said = hosts_said(job)
+    since = said[0].split(" since ")[1][:8]
     assert said == [
-        f"attempt 1: worker-0 left out with {h[0].address} (unreachable since {said[0].split(' since ')[1][:8]}): "
+        f"attempt 1: worker-0 left out with {h[0].address} (unreachable since {since}): "
         "no spare host is left; the job runs on 2 workers (the last attempt's worker-1 is worker-0, "
         "worker-2 is worker-1 now)"
     ], said
@@ -168,4 +169,36 @@ def test_without_a_spare_the_job_shrinks_and_the_owners_checkpoint_came_home(lab
     assert [t["last_step"] for t in status["tasks"]] == [90, 90]
     assert "on 3 workers" in out and "on 2 workers" in out, out
     lab.restore(0)
+    assert job.hosts_empty(30), job.host_pids()
+
+
+def test_a_keras_fit_job_with_backup_and_restore_shrinks_from_three_workers_to_two(lab, tmp_path, jobs):
+    fit = KERAS_FIT.replace(".batch(32)", ".batch(24)")  # 24 splits over 3 replicas and over 2
+    job = SshJob(lab, tmp_path / "fit", fit, hosts=3)
+    data = yaml.safe_load(job.spec.read_text())
+    data["job"]["env"] = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
+    data["health"]["heartbeat_timeout_s"] = 4
+    data["restart"] = {"max_restarts": 2, "backoff_s": 1, "standby": "off", "shrink": True, "min_workers": 2}
+    job.spec.write_text(yaml.safe_dump(data))
+    jobs.append(job)
+    proc = job.start()
+    try:
+        assert wait_until(lambda: (job.task("worker-2").get("last_step") or 0) >= 2, 120), job.status()
+        lab.cut(2)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    status = job.status()
+    assert status["restarts"] == 1 and [a["workers"] for a in status["attempts"]] == [3, 2], status
+    assert [t["task"] for t in status["tasks"]] == ["worker-0", "worker-1"]
+    for name in ("worker-0", "worker-1"):
+        log = (job.run_dir / "logs" / f"{name}.log").read_text()
+        second = log.split("attempt 1 started", 1)[1]
+        begun = [int(line.split()[1]) for line in second.splitlines() if line.startswith("EPOCH ")]
+        # BackupAndRestore resumed after the last epoch backed up, on two workers
+        assert begun and begun[0] >= 2 and begun[-1] == 5, (name, begun)
+        assert "DONE" in second
+    lab.restore(2)
     assert job.hosts_empty(30), job.host_pids()

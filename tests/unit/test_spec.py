@@ -815,6 +815,118 @@ BAD_SPECS = [
         "ssh.shared_dirs",
         "absolute path",
     ),
+    (
+        "spare-with-tasks",
+        """
+        name: demo
+        backend: ssh
+        hosts:
+          - {address: 10.0.0.1, tasks: {worker: 1}}
+          - address: 10.0.0.2
+            spare: true
+            tasks: {worker: 1}
+        job:
+          script: train.py
+        """,
+        6,
+        "hosts[1].spare",
+        "a spare host runs no task until a host is lost",
+    ),
+    (
+        "spare-same-machine",
+        """
+        name: demo
+        backend: ssh
+        hosts:
+          - {address: Lab-1.example.org, tasks: {worker: 1}}
+          - {address: lab-1.example.org., port: 2222, spare: true}
+        job:
+          script: train.py
+        """,
+        5,
+        "hosts[1].address",
+        "this spare is the same machine as hosts[0]",
+    ),
+    (
+        "spare-on-local",
+        """
+        name: demo
+        hosts:
+          - {address: 127.0.0.1, tasks: {worker: 1}}
+          - {address: 10.0.0.2, spare: true}
+        job:
+          script: train.py
+        """,
+        4,
+        "hosts[1].spare",
+        "spare hosts are for backend ssh",
+    ),
+    (
+        "min-workers-above-workers",
+        """
+        name: demo
+        backend: ssh
+        hosts:
+          - {address: 10.0.0.1, tasks: {worker: 1}}
+          - {address: 10.0.0.2, tasks: {worker: 1}}
+        job:
+          script: train.py
+        restart: {shrink: true, min_workers: 3}
+        """,
+        8,
+        "restart.min_workers",
+        "3 is more than the spec's 2 worker task(s)",
+    ),
+    (
+        "shrink-mirrored",
+        """
+        name: demo
+        strategy: mirrored
+        backend: ssh
+        hosts:
+          - {address: 10.0.0.1, tasks: {worker: 1}}
+        job:
+          script: train.py
+        restart:
+          shrink: true
+        """,
+        9,
+        "restart.shrink",
+        "mirrored runs one task on one host",
+    ),
+    (
+        "shrink-ps-chief",
+        """
+        name: demo
+        strategy: parameter_server
+        backend: ssh
+        hosts:
+          - {address: 10.0.0.1, tasks: {chief: 1, worker: 1}}
+          - {address: 10.0.0.2, tasks: {ps: 1, worker: 1}}
+        job:
+          script: train.py
+        restart:
+          shrink: true
+        """,
+        10,
+        "restart.shrink",
+        "no host could be left out",
+    ),
+    (
+        "shrink-local",
+        """
+        name: demo
+        hosts:
+          - {address: 127.0.0.1, tasks: {worker: 2}}
+        job:
+          script: train.py
+        restart:
+          shrink: true
+        """,
+        7,
+        "restart.shrink",
+        "backend local runs on one machine",
+    ),
 ]
 
 
