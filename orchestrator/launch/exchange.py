@@ -85,24 +85,32 @@ class StateExchange:
         self._source: tuple[int, str] | None = None  # where home's copy came from this time
 
     def before_attempt(self, plan: LaunchPlan, attempt: int, *, lost: Collection[int] = ()) -> list[str]:
-        """Attempts after the first restore the latest checkpoint of the owner that wrote it (the
-        last attempt's: another task may own them now, a lost host's tasks moved): home (unless it
-        came during the stop, `bring_early`, or while the attempt trained; `lost` hosts are not
-        asked: home's copy is the latest there is), then to every reader's folder that differs,
-        the new owner's included; then the owner is followed."""
+        """Attempts after the first restore the latest checkpoint of the owner that wrote it:
+        home (`fetch_ran`), then to every reader's folder that differs (`hand_out_all`); then the
+        owner is followed while the attempt trains."""
         self.stop_following()
-        ran, self._ran = self._ran or plan, plan
-        if plan.state is None or ran.state is None:
-            return []
-        # the folders of the job's own known now (learned as the run went), on the hosts it ran on
-        state = dataclasses.replace(ran.state, job_folders=plan.state.job_folders)
-        ran = dataclasses.replace(ran, state=state)
-        notes = []
-        if attempt > 0:
-            reachable = ran.task(state.owner).host_index not in lost
-            notes += [*self.fetched(ran, reachable=reachable), *self.hand_out(plan), *self.hand_out_job(plan)]
+        notes = [*self.fetch_ran(plan, lost), *self.hand_out_all(plan)] if attempt > 0 else []
+        self._ran = plan
         self.follow(plan)
         return notes
+
+    def fetch_ran(self, plan: LaunchPlan, lost: Collection[int] = ()) -> list[str]:
+        """The checkpoint of the owner of the attempt that ran last (another task may own them in
+        `plan`: a lost host's tasks moved or left out) home, unless it came during the stop
+        (`bring_early`) or while the attempt trained; a `lost` host is not asked: home's copy is
+        the latest there is. Its job's own folders as `plan` knows them (learned as the run went)."""
+        ran = self._ran or plan
+        if plan.state is None or ran.state is None:
+            return []
+        state = dataclasses.replace(ran.state, job_folders=plan.state.job_folders)
+        ran = dataclasses.replace(ran, state=state)
+        return self.fetched(ran, reachable=ran.task(state.owner).host_index not in lost)
+
+    def hand_out_all(self, plan: LaunchPlan) -> list[str]:
+        """Home's copy of the checkpoints and of the job's own folders to every reader of `plan`
+        whose folder differs (a new owner's included); `plan` is the one that ran from now on."""
+        self._ran = plan
+        return [] if plan.state is None else [*self.hand_out(plan), *self.hand_out_job(plan)]
 
     def bring_early(self, plan: LaunchPlan) -> None:
         """The job restarts and its owner has exited: its last checkpoint (and the job's own
@@ -273,6 +281,7 @@ class StateExchange:
         lost: the next attempt resumes from home's copy, a checkpoint interval lost at most) and
         goes on to an evaluator on another host. One copy at a time; the newest wins; a copy cut
         short never replaces a whole one (staged, checked, committed data first)."""
+        self._ran = plan  # the attempt about to run: its owner writes the next checkpoints
         state = plan.state
         if state is None or state.shared:
             return

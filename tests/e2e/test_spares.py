@@ -6,6 +6,8 @@ TensorFlow, hosts that share no disk (tests/lab.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -15,6 +17,7 @@ import yaml
 from tests.conftest import Job, run_processes, wait_until
 from tests.e2e.test_separate_disks import KERAS_FIT, LOOP, TRAIN, final_weights
 from tests.e2e.test_ssh import SshJob, cmdline
+from tests.e2e.test_web_page import CHROMIUM
 from tests.lab import make_lab, why_no_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")]
@@ -167,9 +170,35 @@ def test_without_a_spare_the_job_shrinks_and_the_owners_checkpoint_came_home(lab
     lost = cut_at - restored["step"]
     assert 0 <= lost <= TRAIN["checkpoint_every"] + 15, (cut_at, restored)
     assert [t["last_step"] for t in status["tasks"]] == [90, 90]
-    assert "on 3 workers" in out and "on 2 workers" in out, out
+    assert "attempt 0 on 3 workers · attempt 1 on 2 workers" in out and said[0] in out, out
     lab.restore(0)
     assert job.hosts_empty(30), job.host_pids()
+    if CHROMIUM is not None:  # the run's page says it too, under the restart's cause
+        assert said[0] in shown_restarts(job.run_dir)
+
+
+def shown_restarts(run_dir) -> str:
+    """The page's "Restarts and their causes" of an ended run (`orchestrate show`, a real browser)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    shown = run_dir.parent / "show.txt"
+    argv = [sys.executable, "-m", "orchestrator", "show", str(run_dir), "--web", "127.0.0.1:0"]
+    with open(shown, "wb") as out:
+        show = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: "token=" in shown.read_text(), 20), shown.read_text()
+        url = shown.read_text().splitlines()[0].strip().split(": ", 1)[1]
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=30_000)
+            try:
+                page = browser.new_page()
+                page.goto(url)
+                page.wait_for_selector("#failures li", timeout=15_000)
+                return str(page.locator("#failures").inner_text())
+            finally:
+                browser.close()
+    finally:
+        show.terminate()
+        show.wait(timeout=10)
 
 
 def test_a_keras_fit_job_with_backup_and_restore_shrinks_from_three_workers_to_two(lab, tmp_path, jobs):

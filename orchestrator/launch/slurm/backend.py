@@ -12,10 +12,10 @@
   the step's stdin, never on a command line; TERM/KILL lines follow; end of file stops the task;
   events come back on stderr. Heartbeats go straight from the nodes to the coordinator's server,
   which listens on this machine's address on the route to the nodes (`slurm.coordinator_address`).
-- **Nodes and ports.** One probe step per attempt (the first in `open`) checks every node still
-  answers, its TF ports are free (new ones are chosen where not), and that it sees the run's files.
-  A node whose task's end could not be confirmed, or that no longer answers, is left out of the
-  next attempt; a spare node (`slurm.nodes` beyond those used) takes its place.
+- **Nodes and ports.** One probe step per attempt (the first in `open`) checks every node answers,
+  its TF ports are free (new ones chosen where not), and it sees the run's files. A node whose
+  task's end could not be confirmed, or that does not answer, is lost: the supervisor's policy
+  puts its tasks on a spare node (`slurm.nodes` beyond those used) or leaves them out (shrink).
 - **Files.** A Slurm cluster's nodes normally share a filesystem with the login node: then the
   job's folder, the run directory and orchestrate's worker runtime are used in place. The launch
   probe proves it (a nonce file written here must be read on every node). When no node sees the
@@ -32,6 +32,7 @@ import posixpath
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from orchestrator.launch.api import (
     Prepared,
 )
 from orchestrator.launch.exchange import StateExchange
-from orchestrator.launch.placement import Placement
+from orchestrator.launch.placement import Machine, Placement, Relaid
 from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.launch.slurm.allocation import Allocation
@@ -98,7 +99,13 @@ class SlurmBackend(SlurmTasks, Backend):
         self._heartbeats: Heartbeats | None = None
         self._placements: dict[str, Placement] = {}
         self._node_of: dict[str, str] = {}  # task -> node name
-        self._excluded: set[str] = set()  # nodes left out (lost)
+        self._assign: dict[
+            int, str | None
+        ] = {}  # spec node (hosts[p]) -> the node running it; None: left out
+        self._laid = spec  # the spec as this attempt runs (`laid_out`: hosts left out)
+        self._excluded: dict[str, tuple[str, str | None]] = {}  # nodes lost: why, since when
+        self._answers: dict[str, dict[str, Any]] = {}  # the nodes' answers to the last probe
+        self._lost_positions: set[int] = set()  # spec nodes whose node was lost before this attempt
         self._handles: dict[str, SlurmTaskHandle] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
@@ -111,7 +118,7 @@ class SlurmBackend(SlurmTasks, Backend):
             run_id,
             self._python,
             self._conf.connect_timeout_s + 60,
-            self._host_node,
+            lambda index: self._assign.get(index),  # the node running hosts[index]'s tasks now
             lambda: self._alloc.job_id if self._alloc is not None else None,
         )
         every_s, copy_s = max(2.0, spec.health.heartbeat_interval_s), self._conf.connect_timeout_s + 60
@@ -191,63 +198,71 @@ class SlurmBackend(SlurmTasks, Backend):
         return answers
 
     def _place(self, answers: Mapping[str, dict[str, Any]]) -> dict[str, Placement]:
-        """Give every task a node and a free port: each node used keeps its tasks while it is well;
-        a node lost is replaced by the first spare. Returns the tasks placed anew."""
+        """Give every task its node (the first nodes that answer, in order, at first; then as
+        `relayout` said) and a free port there (the one it had while it is free). Returns the tasks
+        placed anew."""
         assert self._heartbeats is not None and self._alloc is not None
         used = len(self._spec.hosts)
-        previous = [self._host_node(i) for i in range(used)]
         well = [n for n in self._alloc.nodes if n in answers and n not in self._excluded]
-        spares = [n for n in well if n not in previous]
-        nodes: list[str] = []
-        for node in previous:
-            if node is not None and node in well:
-                nodes.append(node)
-            elif spares:
-                nodes.append(spares.pop(0))
-            else:
+        if not any(self._assign.values()):  # the first placement, or a new allocation's
+            left_out = {p for p, node in self._assign.items() if node is None and p in self._assign}
+            if len(well) < used - len(left_out):
                 raise LaunchError(
                     f"{len(well)} node(s) of allocation {self._alloc.job_id} answer, the spec uses {used}"
                     + (f" (left out: {', '.join(sorted(self._excluded))})" if self._excluded else "")
                 )
+            free_nodes = iter(well)
+            self._assign = {p: None if p in left_out else next(free_nodes) for p in range(used)}
+        for p, node in self._assign.items():
+            if node is not None and node not in well:
+                raise LaunchError(f"node {node} (for the spec's node {p + 1}) does not answer")
+        old, self._placements, old_nodes = self._placements, {}, self._node_of
+        self._node_of = {}
         moved: dict[str, Placement] = {}
         free = {n: list(a.get("free", [])) for n, a in answers.items()}
-        pythonpath = () if self._conf.python is None else (str(RUNTIME_ROOT),)
-        folder = self._files.folder if self._shipping else str(self._run_dir)
-        code = posixpath.join(folder, "code") if self._shipping else None
-        if self._shipping:
-            pythonpath = (posixpath.join(folder, "lib"),)
-        for slot in task_slots(self._spec):
-            node = nodes[slot.host_index]
-            old = self._placements.get(slot.name)
-            port = old.port if old is not None and self._node_of.get(slot.name) == node else 0
-            if port and not answers[node].get("ports", {}).get(str(port), True):
-                port = 0  # another program took it meanwhile
-            if not port:
-                if not free.get(node):
-                    raise LaunchError(f"{node}: no free TCP port found for {slot.name}")
-                port = int(free[node].pop(0))
-            place = Placement(
-                host=self._addresses.get(node, node),
-                port=port,
-                run_folder=folder,
-                python=self._python,
-                cwd=code or str(self._spec_dir),
-                code_root=code,
-                coordinator_url=self._heartbeats.url,
-                host_index=slot.host_index,
-                pythonpath=pythonpath,
-            )
-            if old is not None and old != place:
+        for slot in task_slots(self._laid):
+            node = self._assign[slot.host_index]
+            assert node is not None  # a spec node left out has no task
+            place = self._placement(slot, node, old, old_nodes, answers, free)
+            if slot.name in old and old[slot.name] != place:
                 moved[slot.name] = place
             self._placements[slot.name] = place
             self._node_of[slot.name] = node
         return moved
 
-    def _host_node(self, index: int) -> str | None:
-        for slot in task_slots(self._spec):
-            if slot.host_index == index and slot.name in self._node_of:
-                return self._node_of[slot.name]
-        return None
+    def _placement(
+        self, slot: Any, node: str, old: Any, old_nodes: Any, answers: Any, free: Any
+    ) -> Placement:
+        """The task's port on `node`: its own while that is free there, else a free one."""
+        assert self._heartbeats is not None
+        before = old.get(slot.name)
+        port = before.port if before is not None and old_nodes.get(slot.name) == node else 0
+        if port and not answers[node].get("ports", {}).get(str(port), True):
+            port = 0  # another program took it meanwhile
+        if not port:
+            if not free.get(node):
+                raise LaunchError(f"{node}: no free TCP port found for {slot.name}")
+            port = int(free[node].pop(0))
+        folder = self._files.folder if self._shipping else str(self._run_dir)
+        code = posixpath.join(folder, "code") if self._shipping else None
+        pythonpath = (
+            (posixpath.join(folder, "lib"),)
+            if self._shipping
+            else ()
+            if self._conf.python is None
+            else (str(RUNTIME_ROOT),)
+        )
+        return Placement(
+            host=self._addresses.get(node, node),
+            port=port,
+            run_folder=folder,
+            python=self._python,
+            cwd=code or str(self._spec_dir),
+            code_root=code,
+            coordinator_url=self._heartbeats.url,
+            host_index=slot.host_index,
+            pythonpath=pythonpath,
+        )
 
     def record(self) -> dict[str, Any]:
         alloc = self._alloc
@@ -267,50 +282,69 @@ class SlurmBackend(SlurmTasks, Backend):
         if self._shipping and self._alloc is not None:
             self._exchange.bring_early(plan)
 
+    def machines(self, plan: LaunchPlan, suspects: Mapping[str, tuple[str, str | None]]) -> list[Machine]:
+        """The allocation's nodes: one whose task's end could not be confirmed is lost (cut off:
+        its probe would wait out the timeout); the others answer a probe step each, or are lost."""
+        if self._alloc is None:
+            return []
+        now = time.strftime("%H:%M:%S")
+        for name, (why, since) in suspects.items():
+            node = self._node_of.get(name)
+            if node is not None:
+                self._excluded.setdefault(node, (why, since or now))
+        self._handles = {}
+        candidates = [n for n in self._alloc.nodes if n not in self._excluded]
+        self._answers = self._healthy(candidates, reason="before an attempt", required=False)
+        for node in candidates:
+            if node not in self._answers:
+                self._excluded[node] = ("it did not answer a probe step", now)
+        at = {node: p for p, node in self._assign.items() if node is not None}
+        self._lost_positions = {p for node, p in at.items() if node in self._excluded}
+        return [Machine(n, n, at.get(n), *self._excluded.get(n, (None, None))) for n in self._alloc.nodes]
+
+    def relayout(self, machines: Mapping[int, str | None]) -> Relaid:
+        """Each spec node's tasks on the node given (a spare for a lost one), or left out."""
+        runs = {p: None if node is None else p for p, node in machines.items()}
+        self._assign = dict(machines)
+        self._laid = self._spec.laid_out(runs)
+        self._place(self._answers)
+        return Relaid(runs, dict(self._placements))
+
     def before_attempt(self, plan: LaunchPlan, attempt: int) -> Prepared:
-        """From the second attempt: leave out the nodes whose tasks' end could not be confirmed
-        and those that no longer answer; a new allocation when ours ended (its time limit) or is
-        about to."""
+        """From the second attempt (the nodes asked and placed by `machines` and `relayout`): the
+        checkpoint home while the owner's node is ours; a new allocation when ours ended (its time
+        limit) or is about to; the tasks' ports checked again; the checkpoint to every reader."""
         self._exchange.stop_following()
         if attempt == 0 or self._alloc is None:
             if self._shipping:
-                self._exchange.follow(plan)  # an evaluator on another node than the owner's
+                self._exchange.follow(plan)  # the owner's checkpoints home while it trains
             return Prepared()
-        notes = []
-        lost = sorted({h.where for h in self._handles.values() if not h.exited})
-        for node in lost:
-            if node not in self._excluded:
-                self._excluded.add(node)
-                notes.append(
-                    f"node {node} is left out: the end of its task could not be confirmed (cut off?)"
-                )
-        self._handles = {}
-        before = {t: self._node_of.get(t) for t in self._placements}
+        notes: list[str] = []
         if self._shipping and plan.state is not None:  # while the owner's node is still ours
-            owner = before.get(plan.state.owner)
             try:
-                reachable = owner is not None and owner not in self._excluded
-                notes += self._exchange.fetched(plan, reachable=reachable)
+                notes += self._exchange.fetch_ran(plan, lost=self._lost_positions)
             except LaunchError as exc:
                 notes.append(f"{exc}; the last checkpoints brought home are used")
         renewed = self._alloc.owned and self._renew_allocation(notes)
         if renewed:
             self._excluded.clear()
-        candidates = [n for n in self._alloc.nodes if n not in self._excluded]
-        answers = self._healthy(candidates, reason=f"before attempt {attempt}", required=False)
-        for node in candidates:
-            if node not in answers:
-                self._excluded.add(node)
-                notes.append(f"node {node} is left out: it did not answer a probe step")
-        if renewed and self._shipping:
-            self._files.ship_code(self._alloc.job_id, list(answers))  # new nodes, perhaps
-        moved = self._place(answers)
+            self._assign = {p: None for p, node in self._assign.items() if node is None}
+            self._answers = self._healthy(
+                list(self._alloc.nodes), reason=f"before attempt {attempt}", required=False
+            )
+            if self._shipping:
+                self._files.ship_code(self._alloc.job_id, list(self._answers))  # new nodes, perhaps
+        elif not self._answers:  # not asked by `machines` (no supervisor's layout): asked now
+            self._answers = self._healthy(
+                [n for n in self._alloc.nodes if n not in self._excluded],
+                reason=f"before attempt {attempt}",
+                required=False,
+            )
+        moved = self._place(self._answers)
+        self._answers = {}
         if self._shipping:
-            notes += [*self._exchange.hand_out(plan), *self._exchange.hand_out_job(plan)]
+            notes += self._exchange.hand_out_all(plan)
             self._exchange.follow(plan)
-        for task in moved:
-            if before.get(task) not in (None, self._node_of[task]):
-                notes.append(f"{task} moves from {before.get(task)} to {self._node_of[task]}")
         return Prepared(notes=notes, moved=moved, record_changed=renewed)
 
     def _renew_allocation(self, notes: list[str]) -> bool:

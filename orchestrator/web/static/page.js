@@ -11,7 +11,7 @@
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const NOTABLE_RUN = new Set(["STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"]);
 const NOTABLE_TASK = new Set(["FAILED", "LOST"]);
-const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "results", "resume", "error"]);
+const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "hosts", "results", "resume", "error"]);
 const ENDED = new Set(["SUCCEEDED", "FAILED", "INTERRUPTED"]);
 const NONFINITE = new Map([["NaN", NaN], ["Infinity", Infinity], ["-Infinity", -Infinity]]);
 const MAX_ROWS = 50; // as the server sends
@@ -220,7 +220,8 @@ function renderFailures(status) {
   const items = [
     ...(status.failures || []).flatMap((f) => [
       `attempt ${f.attempt} ended: ${f.reason}`,
-      // the restart that followed, with its timeline
+      // the restart that followed: the hosts it ran on anew (a spare, fewer workers), its timeline
+      ...(status.attempts || []).filter((a) => a.attempt === f.attempt + 1).flatMap((a) => a.changes),
       ...(status.recoveries || []).filter((r) => r.attempt === f.attempt + 1).map((r) => r.line),
     ]),
     ...(status.task_restarts || []).map((f) => `restarted alone: ${f.reason}`),
