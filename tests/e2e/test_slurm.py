@@ -390,11 +390,54 @@ def test_a_cut_node_is_detected_in_time_and_the_job_restarts_on_the_spare(
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1
     assert run.task("worker-1")["host"] == node_address(lab, "n3")  # the spare
     assert "HOST n3" in run.log("worker-1")
-    reasons = " | ".join(e.get("reason", "") for e in run.events())
-    assert "node n2 is left out" in reasons and "worker-1 moves from n2 to n3" in reasons
+    said = [e["reason"] for e in run.events() if e.get("kind") == "hosts"]
+    assert len(said) == 1 and said[0].startswith("attempt 1: worker-1 moved from n2 (unreachable since "), (
+        said
+    )
+    assert said[0].endswith(") to the spare n3"), said
+    assert [(m["host"], m["state"]) for m in status["machines"]] == [
+        ("n1", "in use"),
+        ("n2", "lost"),
+        ("n3", "in use"),
+    ]
     # the task on the cut node stopped by itself (its coordinator out of reach)
     assert wait_until(lambda: not run_processes(run.run_id), 20), run_processes(run.run_id)
     lab.rejoin("n2", timeout_s=60)
+
+
+def test_a_cut_node_without_a_spare_shrinks_the_job_to_the_nodes_left(
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+) -> None:
+    slurm = {"nodes": 3, "tasks_per_node": {"worker": 1}}
+    shrink = {"shrink": True, "min_workers": 2, "max_restarts": 2, "backoff_s": 0.5, "standby": "off"}
+    run = make(
+        runs,
+        lab,
+        tmp_path,
+        spec("shrink", slurm, health={"heartbeat_timeout_s": 4.0}, restart=shrink),
+        PLAIN,
+        env={"STEPS": "40"},
+    )
+    try:
+        out = run.through("worker-2", 5, lambda: lab.cut("n3"), 120)
+    finally:
+        lab.restore("n3")
+    assert run.returncode == 0, out[-3000:]
+    status = run.status()
+    assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status
+    assert [a["workers"] for a in status["attempts"]] == [3, 2]
+    assert [(t["task"], t["host"], t["last_step"]) for t in status["tasks"]] == [
+        ("worker-0", node_address(lab, "n1"), 40),
+        ("worker-1", node_address(lab, "n2"), 40),
+    ]
+    said = [e["reason"] for e in run.events() if e.get("kind") == "hosts"]
+    assert len(said) == 1 and said[0].startswith(
+        "attempt 1: worker-2 left out with n3 (unreachable since "
+    ), said
+    assert said[0].endswith("no spare host is left; the job runs on 2 workers"), said
+    assert "attempt 0 on 3 workers · attempt 1 on 2 workers" in out
+    assert wait_until(lambda: not run_processes(run.run_id), 20), run_processes(run.run_id)
+    lab.rejoin("n3", timeout_s=60)
 
 
 @pytest.mark.parametrize(
