@@ -305,3 +305,24 @@ def test_the_check_table_says_what_warm_standbys_each_host_would_keep(
     memory = {"available": available, "total": 16 * GIB}
     [row] = table_rows([report(facts=facts(memory=memory))], spec=spec)
     assert row["standbys"] == cell
+
+
+def test_a_spare_that_answers_as_another_hosts_machine_is_a_problem() -> None:
+    spare = HostReport(
+        Host(2, "lab1.local", 22, None, None, ("python3",), spare=True), {}, CONNECTED, facts=facts()
+    )
+    other = HostReport(
+        Host(1, "10.0.0.9", 22, None, None, ("python3",), spare=True),
+        {},
+        CONNECTED,
+        facts=facts(hostname="lab9"),
+    )
+    got = problems([spare, report(0), other])
+    assert got == [
+        "hosts[2] lab1.local: this spare is the same machine as hosts[0] 10.0.0.1 (both answer as lab1): "
+        "losing one would lose both; a spare must be another machine"
+    ]
+    assert [row["host"] for row in table_rows([report(0), other])] == [
+        "hosts[0] 10.0.0.1",
+        "hosts[1] 10.0.0.9 (spare)",
+    ]

@@ -175,6 +175,7 @@ class SshBackend(Backend):
                 for h in self._hosts
             ],
             "shim_sha256": shim_entry(self._files).sha256,  # the copy in each host's cache
+            "tasks": [s.name for s in task_slots(self._spec)],  # every name a task of the run may have
         }
 
     def _upload(self, missing: dict[int, list[str]]) -> None:

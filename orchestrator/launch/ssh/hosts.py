@@ -45,6 +45,7 @@ class Host:
     user: str | None
     identity_file: Path | None
     python: tuple[str, ...]  # the host's interpreter (a command, possibly several words)
+    spare: bool = False  # kept for a lost host's tasks (hosts[].spare)
 
     @classmethod
     def from_spec(cls, index: int, spec: HostSpec) -> Host:
@@ -55,6 +56,7 @@ class Host:
             user=spec.user,
             identity_file=spec.identity_file,
             python=tuple(shlex.split(spec.python)),
+            spare=spec.spare,
         )
 
     @property

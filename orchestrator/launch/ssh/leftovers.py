@@ -46,7 +46,9 @@ def stop_leftovers(
             python=tuple(shlex.split(h["python"])),
         )
         folder = posixpath.join(h["workdir"], "runs", run_id, "tasks")
-        names = [t["name"] for t in tasks if t.get("host_index") == h["index"]]
+        # a task may have run on any host (a lost host's tasks moved to a spare, renumbered when the
+        # job shrank): every name of the run, on every host; a pidfile not there is passed over
+        names = sorted({t["name"] for t in tasks} | set(record.get("tasks", [])))
         hosts.append((host, [posixpath.join(folder, f"{n}.json") for n in names]))
 
     def one(item: tuple[Host, list[str]]) -> str:
@@ -60,6 +62,8 @@ def stop_leftovers(
             answer = run_json(conn, host, argv, "stop", timeout_s=grace_s + 60.0)
         finally:
             close_all({host.index: conn})
-        return f"{host.label}: " + "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in answer.items())
+        found = {k: v for k, v in answer.items() if v != "no record"}  # a task that never ran there
+        said = "; ".join(f"{posixpath.basename(k)[:-5]} {v}" for k, v in found.items())
+        return f"{host.label}: {said or 'no task ran there'}"
 
     return [(str(r), not isinstance(r, Exception)) for _, r in on_all(hosts, one)]

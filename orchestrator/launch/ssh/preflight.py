@@ -224,6 +224,15 @@ def _minor(version: str) -> str:
 def problems(reports: list[HostReport]) -> list[str]:
     """What stops a launch: each host's own problems, and TensorFlow minor versions that differ."""
     out = [p for r in reports for p in r.own_problems]
+    first: dict[str, HostReport] = {}
+    for r in sorted(reports, key=lambda r: r.host.spare):  # a spare on a machine already listed
+        name = (r.facts or {}).get("hostname")
+        if name and name in first and r.host.spare:
+            out.append(
+                f"{r.host.label}: this spare is the same machine as {first[name].host.label} (both answer as "
+                f"{name}): losing one would lose both; a spare must be another machine"
+            )
+        first.setdefault(name or f"?{r.host.index}", r)
     tf = _versions(reports, "tensorflow")
     if len({_minor(v) for v in tf.values()}) > 1:
         listed = ", ".join(f"{h} {v}" for h, v in tf.items())
@@ -279,7 +288,7 @@ def table_rows(
         unreachable = [t for t, e in r.peers.items() if e is not None]
         rows.append(
             {
-                "host": r.host.label,
+                "host": f"{r.host.label} (spare)" if r.host.spare else r.host.label,
                 "ssh": "ok" if r.conn is not None and r.error is None else "FAILED",
                 "python": f.get("python", "-"),
                 "tensorflow": f.get("tensorflow") or ("MISSING" if f else "-"),
