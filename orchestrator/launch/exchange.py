@@ -73,7 +73,7 @@ class StateExchange:
     def __init__(self, folders: Folders, home: Path, *, every_s: float, stop_wait_s: float = 60.0):
         self._folders = folders
         self._home = home  # the run directory here: results and the latest state come here
-        self._every_s = every_s  # how often the evaluators' follower looks for a new checkpoint
+        self._every_s = every_s  # how often the follower looks for a new checkpoint of the owner
         self._stop_wait_s = stop_wait_s  # the follower's copy under way may finish this long
         self._follower: threading.Thread | None = None
         self._follow_stop = threading.Event()

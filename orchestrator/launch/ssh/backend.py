@@ -87,8 +87,9 @@ class SshBackend(Backend):
         # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
         io_timeout_s = max(10.0, 3 * ssh_section(spec).connect_timeout_s)
         folders = SshFolders(self._hosts, self._connection, self._suspect.add, io_timeout_s=io_timeout_s)
-        every_s = max(2.0, spec.health.heartbeat_interval_s)
-        self._states = StateExchange(folders, home, every_s=every_s, stop_wait_s=4 * io_timeout_s)
+        # the owner's checkpoints are looked at every half second (an SFTP listing: no process
+        # started there) and come home when they changed: a lost owner loses little (issue 27)
+        self._states = StateExchange(folders, home, every_s=0.5, stop_wait_s=4 * io_timeout_s)
         self._standbys = ShimStandbys(spec)
         self._logs = home / "logs"
         self._machines = SshMachines(

@@ -16,9 +16,11 @@ leaves the previous complete checkpoint in use.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import posixpath
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,22 +45,51 @@ from orchestrator.launch.transfer import (
 @contextlib.contextmanager
 def _sftp(conn: fabric.Connection, timeout_s: float) -> Iterator[paramiko.SFTPClient]:
     """An SFTP session of this transfer's own (one client shared by threads can deadlock in
-    paramiko's prefetch). Its channel opens within `timeout_s` (paramiko would wait an hour for a
-    host that went away) and every read and write is bounded by it."""
-    transport = conn.transport
-    assert transport is not None
-    channel = transport.open_session(timeout=timeout_s)
-    channel.settimeout(timeout_s)
-    channel.invoke_subsystem("sftp")
-    client = paramiko.SFTPClient(channel)
+    paramiko's prefetch)."""
+    client = open_sftp(conn, timeout_s)
     try:
         yield client
     finally:
         client.close()
 
 
+def open_sftp(conn: fabric.Connection, timeout_s: float) -> paramiko.SFTPClient:
+    """An SFTP session whose channel opens within `timeout_s` (paramiko would wait an hour for a
+    host that went away) and whose every read and write is bounded by it."""
+    transport = conn.transport
+    assert transport is not None
+    channel = transport.open_session(timeout=timeout_s)
+    channel.settimeout(timeout_s)
+    channel.invoke_subsystem("sftp")
+    return paramiko.SFTPClient(channel)
+
+
+def stamp(sftp: paramiko.SFTPClient, remote: str) -> str | None:
+    """`folders.py stamp` read over an SFTP session (no process started on the host: asked every
+    half second while an attempt trains): the names, sizes and modification times of what `tree`
+    lists; the same stamp, nothing changed. None where the folder is not there."""
+    digest = hashlib.sha256()
+    try:
+        _stamp_into(sftp, remote, "", digest)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()
+
+
+def _stamp_into(sftp: paramiko.SFTPClient, folder: str, prefix: str, digest: Any) -> None:
+    for entry in sorted(sftp.listdir_attr(folder), key=lambda e: e.filename):
+        name = entry.filename
+        if name.startswith(".") or name.startswith("workertemp_"):  # as folders.py's `tree`
+            continue
+        mode = entry.st_mode or 0
+        if stat.S_ISDIR(mode):  # readdir's own attributes: a symlink is neither, never followed
+            _stamp_into(sftp, posixpath.join(folder, name), f"{prefix}{name}/", digest)
+        elif stat.S_ISREG(mode):
+            digest.update(f"{prefix}{name}\0{entry.st_size}\0{entry.st_mtime}\n".encode(errors="replace"))
+
+
 @contextlib.contextmanager
-def _connection_errors(host: Host, what: str) -> Iterator[None]:
+def connection_errors(host: Host, what: str) -> Iterator[None]:
     """A connection that fails or goes silent mid-copy is a LaunchError naming the host."""
     try:
         yield
@@ -76,7 +107,7 @@ def pull(
     timeout_s: float = IO_TIMEOUT_S,
 ) -> Transfer:
     """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else)."""
-    with _connection_errors(host, f"bringing {remote} home"):
+    with connection_errors(host, f"bringing {remote} home"):
         return _pull(conn, host, remote, local, mirror, timeout_s)
 
 
@@ -112,7 +143,7 @@ def push(
 ) -> Transfer:
     """Make `remote` on the host an exact copy of `local`. `ours`: local_tree(local), when the
     caller sends one folder to several hosts (listed and hashed once, not once per host)."""
-    with _connection_errors(host, f"sending the checkpoint to {remote}"):
+    with connection_errors(host, f"sending the checkpoint to {remote}"):
         return _push(conn, host, local, remote, timeout_s, ours if ours is not None else local_tree(local))
 
 

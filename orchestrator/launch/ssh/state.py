@@ -10,6 +10,7 @@ from typing import Any
 
 import fabric
 
+from orchestrator.errors import LaunchError
 from orchestrator.launch.exchange import Folders
 from orchestrator.launch.ssh import ship
 from orchestrator.launch.ssh.hosts import Host, probe
@@ -29,6 +30,7 @@ class SshFolders(Folders):
         self._connection = connection  # a host's connection, renewed when needed
         self._suspect = suspect  # a host whose copy failed: renew its connection before the next use
         self._io_timeout_s = io_timeout_s  # a copy gives up on a host silent this long
+        self._stampers: dict[int, tuple[Any, Any]] = {}  # host -> (its transport, an SFTP session)
 
     def label(self, host: int) -> str:
         return self._hosts[host].label
@@ -42,9 +44,22 @@ class SshFolders(Folders):
         return ship.push(conn, self._hosts[host], local, remote, timeout_s=self._io_timeout_s, ours=ours)
 
     def stamp(self, host: int, remote: str) -> str | None:
+        """Over an SFTP session kept for it (the follower's alone), opened again after a failure."""
         conn = self._connection(host)
-        answer = probe(conn, self._hosts[host], "stamp", remote, timeout_s=self._io_timeout_s)
-        return str(answer["stamp"]) if answer.get("exists") else None
+        kept = self._stampers.get(host)
+        if kept is None or kept[0] is not conn.transport:
+            if kept is not None:
+                kept[1].close()
+            with ship.connection_errors(self._hosts[host], "looking at a checkpoint folder"):
+                kept = (conn.transport, ship.open_sftp(conn, self._io_timeout_s))
+            self._stampers[host] = kept
+        try:
+            with ship.connection_errors(self._hosts[host], f"looking at {remote}"):
+                return ship.stamp(kept[1], remote)
+        except LaunchError:
+            self._stampers.pop(host, None)
+            kept[1].close()
+            raise
 
     def lost(self, host: int) -> None:
         self._suspect(host)
