@@ -88,7 +88,7 @@ class StateExchange:
         """Attempts after the first restore the latest checkpoint of the owner that wrote it:
         home (`fetch_ran`), then to every reader's folder that differs (`hand_out_all`); then the
         owner is followed while the attempt trains."""
-        self.stop_following()
+        self.stop_following(lost=lost)
         notes = [*self.fetch_ran(plan, lost), *self.hand_out_all(plan)] if attempt > 0 else []
         self._ran = plan
         self.follow(plan)
@@ -328,10 +328,16 @@ class StateExchange:
             except LaunchError as exc:
                 log.debug("following the checkpoints, tried again in %g s: %s", self._every_s, exc)
 
-    def stop_following(self, timeout_s: float | None = None) -> None:
+    def stop_following(self, timeout_s: float | None = None, *, lost: Collection[int] = ()) -> None:
+        """The follower stopped: its copy under way may finish (`timeout_s`, the backend's I/O
+        bound at most) — not where the owner it follows is on a `lost` host: it waits on that host
+        (a reconnection, a copy that never ends), and it ends on its own once that fails."""
         follower, self._follower = self._follower, None
         if follower is not None:
             self._follow_stop.set()
+            ran = self._ran
+            if ran is not None and ran.state is not None and ran.task(ran.state.owner).host_index in lost:
+                timeout_s = 0.0
             follower.join(timeout=self._stop_wait_s if timeout_s is None else timeout_s)
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:

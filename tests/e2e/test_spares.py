@@ -87,7 +87,9 @@ def baseline_weights(tmp_path, jobs, train: dict, workers: int) -> list[np.ndarr
     return final_weights(baseline.run_dir)
 
 
-def test_a_cut_hosts_worker_moves_to_the_spare_and_the_host_comes_back_as_one(lab, tmp_path, jobs):
+def test_a_cut_hosts_worker_moves_to_the_spare_the_host_comes_back_as_one_and_takes_the_owners_tasks(
+    lab, tmp_path, jobs
+):
     h = lab.hosts
     job = loop_job(lab, tmp_path / "spare", jobs, [lab.host_spec(0), lab.host_spec(1), spare(lab, 2)])
     proc = job.start()
@@ -100,7 +102,8 @@ def test_a_cut_hosts_worker_moves_to_the_spare_and_the_host_comes_back_as_one(la
         lab.restore(1)  # its orphan stopped by itself; the host is a spare again once it answers
         assert wait_until(lambda: not tasks_on(lab, 1), 30), tasks_on(lab, 1)
         assert wait_until(lambda: job.steps() >= 55, 90), job.status()
-        lab.cut(2)
+        lab.cut(0)  # the owner's host: its checkpoints are on its own disk, and at home
+        cut_at = job.task("worker-0")["last_step"]
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -111,19 +114,23 @@ def test_a_cut_hosts_worker_moves_to_the_spare_and_the_host_comes_back_as_one(la
     said = hosts_said(job)
     assert said[0].startswith(f"attempt 1: worker-1 moved from {h[1].address} (unreachable since "), said
     assert said[0].endswith(f") to the spare {h[2].address}"), said
-    assert f"{h[1].address} answers again: a spare from now on" in said, said
-    assert any(
-        s.startswith(f"attempt 2: worker-1 moved from {h[2].address}") and s.endswith(f"spare {h[1].address}")
-        for s in said
-    ), said
-    assert said[0] in out  # the console said it too
+    since = said[-1].split(" since ")[1][:8]
+    assert said[1:] == [
+        f"{h[1].address} answers again: a spare from now on",
+        f"attempt 2: worker-0 moved from {h[0].address} (unreachable since {since}) to the spare "
+        f"{h[1].address}",
+    ], said
+    assert said[0] in out and said[2] in out  # the console said it too
     assert {t["task"]: t["host"] for t in status["tasks"]} == {
-        "worker-0": h[0].address,
-        "worker-1": h[1].address,
+        "worker-0": h[1].address,
+        "worker-1": h[2].address,
     }
     plan = json.loads((job.run_dir / "plan.json").read_text())
-    assert plan["tasks"][1]["tf_config"]["cluster"]["worker"][1].startswith(f"{h[1].address}:")
-    lab.restore(2)
+    assert plan["tasks"][0]["tf_config"]["cluster"]["worker"][0].startswith(f"{h[1].address}:")
+    # resumed on the spare from the owner's checkpoint that came home while it trained
+    restored = status["tasks"][0]["restored"]
+    assert 0 <= cut_at - restored["step"] <= TRAIN["checkpoint_every"] + 15, (cut_at, restored)
+    lab.restore(0)
     assert job.hosts_empty(30), job.host_pids()
     # the job moved twice and ends with the model of an uninterrupted run
     moved, straight = final_weights(job.run_dir), baseline_weights(tmp_path, jobs, TRAIN, 2)

@@ -58,6 +58,11 @@ class Disks(Folders):
     def lost(self, host: int) -> None:
         self.lost_hosts.append(host)
 
+    def stamp(self, host: int, remote: str) -> str | None:
+        self._reach(host, "stamp", remote)
+        answer = worker_folders.stamp(str(self.at(host, remote)))
+        return str(answer["stamp"]) if answer["exists"] else None
+
     def _reach(self, host: int, what: str, path: str) -> None:
         self.calls.append((what, host, path))
         if host in self.down:
@@ -298,3 +303,48 @@ def test_a_folder_under_the_owners_working_folder_goes_under_each_readers() -> N
     assert same_place("/home/a/.orchestrate/r1/code/ckpts", owner, reader) == "/scratch/b/r1/code/ckpts"  # type: ignore[arg-type]
     assert same_place("/tmp/backup", owner, reader) == "/tmp/backup"  # type: ignore[arg-type]
     assert same_place("/home/a/.orchestrate/r1/codex", owner, reader) == "/home/a/.orchestrate/r1/codex"  # type: ignore[arg-type]
+
+
+def test_each_new_checkpoint_of_the_owner_comes_home_while_it_trains_and_a_lost_owner_is_not_asked(
+    tmp_path: Path,
+) -> None:
+    """Issue 27: the follower copies the owner's checkpoints home as they come (only when its stamp
+    changed); the owner's host lost, the next attempt (worker-1 renumbered worker-0, the owner)
+    starts from home's copy, which its own folder gets."""
+    plan = plan_of(tmp_path, TWO_HOSTS)
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    exchange = StateExchange(disks, home, every_s=0.05)
+    checkpoint(disks, 0, 10)
+    assert exchange.before_attempt(plan, 0) == []
+    try:
+        assert wait_until(lambda: (home / "checkpoints" / "ckpt-10.index").exists(), 10)
+        pulls = lambda: sum(1 for c in disks.calls if c[0] == "pull")  # noqa: E731
+        seen = pulls()
+        assert wait_until(lambda: sum(1 for c in disks.calls if c[0] == "stamp") >= 5, 10)
+        assert pulls() == seen  # nothing changed: nothing pulled
+        checkpoint(disks, 0, 20)
+        assert wait_until(lambda: (home / "checkpoints" / "ckpt-20.index").exists(), 10)
+    finally:
+        exchange.stop_following()
+    assert (home / "checkpoints" / "checkpoint").read_text() == 'model_checkpoint_path: "ckpt-20"\n'
+    disks.down.add(0)  # the owner's host is cut off; the job shrinks: worker-1 is worker-0 now
+    asked = len(disks.calls)
+    spec = parse_spec(
+        f"name: t\nhosts:\n{TWO_HOSTS}job: {{script: job.py}}\n", file="s.yaml", base_dir=tmp_path
+    ).laid_out({0: None})
+    places = local_placements(
+        spec,
+        {"worker-0": 20001},
+        run_dir=Path("/runs/r1"),
+        spec_dir=tmp_path,
+        coordinator_url="u",
+        python="p",
+    )
+    shrunk = make_plan(spec, "t-1", places)
+    assert shrunk.task("worker-0").host_index == 1 and shrunk.state is not None
+    notes = exchange.before_attempt(shrunk, 1, lost={0})
+    exchange.stop_following()
+    assert notes[0] == "worker-0 (h0) is out of reach: the last checkpoints brought home are used"
+    assert notes[1].startswith(f"→ h1 {CKPT}: 5 file(s)"), notes
+    assert [c for c in disks.calls[asked:] if c[1] == 0] == []  # the lost host was not asked
+    assert files(disks.at(1, CKPT)) == files(home / "checkpoints")

@@ -314,7 +314,7 @@ class SlurmBackend(SlurmTasks, Backend):
         """From the second attempt (the nodes asked and placed by `machines` and `relayout`): the
         checkpoint home while the owner's node is ours; a new allocation when ours ended (its time
         limit) or is about to; the tasks' ports checked again; the checkpoint to every reader."""
-        self._exchange.stop_following()
+        self._exchange.stop_following(lost=self._lost_positions)
         if attempt == 0 or self._alloc is None:
             if self._shipping:
                 self._exchange.follow(plan)  # the owner's checkpoints home while it trains
