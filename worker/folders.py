@@ -4,9 +4,14 @@ read and written one way everywhere — the coordinator runs the same modes on i
 Run as `PYTHON -c SOURCE MODE ARGS…` (nothing needs to be installed there first), as probe.py is.
 Standard library only; each mode prints one JSON object on stdout (pack: a tar).
 
-- tree FOLDER             every file under a state folder with its size and SHA-256, and the free
+- tree FOLDER [snapshot]  every file under a state folder with its size and SHA-256, and the free
                           disk there. Hidden names and other tasks' scratch folders (`workertemp_*`)
-                          are left out; symlinks are never followed.
+                          are left out; symlinks are never followed. With `snapshot` (a folder a
+                          task still writes: its checkpoints copied while it trains), the files are
+                          first hard-linked into a hidden folder of its own (`snapshot` in the
+                          answer, under FOLDER), TF's `checkpoint` index first: what it lists stays
+                          whole and unchanged while it is copied, whatever the task saves or
+                          removes meanwhile. A snapshot left over (older than SNAPSHOT_KEEP_S) goes.
 - stamp FOLDER            what `tree` lists, by name, size and modification time only (no file is
                           read): the same stamp, nothing changed (a follower asks it often).
 - commit FOLDER STAGING   move the files received in STAGING into FOLDER (data first, index files
@@ -16,7 +21,7 @@ Standard library only; each mode prints one JSON object on stdout (pack: a tar).
                           file there, then reads the others'.
 - pack FOLDER SUB…        a tar of FOLDER/SUB… on stdout (the files `tree` lists: no hidden ones, no
                           scratch folders, no symlinks); a SUB may be a folder or one file, one
-                          that does not exist is left out.
+                          that does not exist is left out. A snapshot's FOLDER is removed after.
 - unpack FOLDER [replace] the tar on stdin into FOLDER, received beside it first; with `replace`,
                           each top folder of the tar is left holding exactly what the tar holds
                           (data first, index files last, as `commit`). Members that are not plain
@@ -33,12 +38,15 @@ import os
 import shutil
 import sys
 import tarfile
+import time
 from typing import Any
 
 MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
 
 
 STAGING_PREFIX = ".incoming-"
+SNAPSHOT_PREFIX = ".orchestrate-snapshot-"
+SNAPSHOT_KEEP_S = 120.0  # a snapshot whose copy never came to remove it
 
 
 def _skipped(name: str) -> bool:
@@ -66,15 +74,20 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def tree(folder: str) -> dict[str, Any]:
+def tree(folder: str, *how: str) -> dict[str, Any]:
     folder = os.path.abspath(os.path.expanduser(folder))
     out: dict[str, Any] = {"folder": folder, "exists": os.path.isdir(folder), "files": {}}
     if out["exists"]:
         for name in os.listdir(folder):  # what an interrupted transfer left: never half-used
-            if name.startswith(STAGING_PREFIX):
+            if name.startswith(STAGING_PREFIX) or _stale_snapshot(folder, name):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-        for rel in _walk(folder):
-            path = os.path.join(folder, rel)
+        base = folder
+        if "snapshot" in how:
+            snapshot = _snapshot(folder)
+            if snapshot is not None:
+                base, out["snapshot"] = os.path.join(folder, snapshot), snapshot
+        for rel in _walk(base):
+            path = os.path.join(base, rel)
             try:
                 out["files"][rel] = [os.path.getsize(path), sha256_file(path)]
             except OSError:
@@ -84,6 +97,34 @@ def tree(folder: str) -> dict[str, Any]:
         probe = os.path.dirname(probe)
     out["free_bytes"] = shutil.disk_usage(probe).free
     return out
+
+
+def _stale_snapshot(folder: str, name: str) -> bool:
+    if not name.startswith(SNAPSHOT_PREFIX):
+        return False
+    try:
+        return time.time() - os.stat(os.path.join(folder, name)).st_mtime > SNAPSHOT_KEEP_S
+    except OSError:
+        return False
+
+
+def _snapshot(folder: str) -> str | None:
+    """The folder's files hard-linked into a hidden folder of their own (index files first: the
+    checkpoint they name was whole when they were linked, and stays so); None where links cannot
+    be made there (another filesystem's rules): the files are then listed in place."""
+    name = f"{SNAPSHOT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    snapshot = os.path.join(folder, name)
+    try:
+        os.mkdir(snapshot, 0o700)
+        for rel in sorted(_walk(folder), key=lambda r: (not _is_index(r), r)):
+            target = os.path.join(snapshot, rel)
+            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile (an older checkpoint)
+                os.link(os.path.join(folder, rel), target, follow_symlinks=False)
+    except OSError:
+        shutil.rmtree(snapshot, ignore_errors=True)
+        return None
+    return name
 
 
 def stamp(folder: str) -> dict[str, Any]:
@@ -124,6 +165,14 @@ def commit(folder: str, staging: str) -> dict[str, Any]:
 
 
 def pack(folder: str, *subs: str) -> None:
+    try:
+        _pack(folder, *subs)
+    finally:
+        if os.path.basename(folder.rstrip("/")).startswith(SNAPSHOT_PREFIX):  # used once: gone
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pack(folder: str, *subs: str) -> None:
     with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
         for sub in subs:
             top = os.path.join(folder, sub)

@@ -110,9 +110,11 @@ def lose(lab: NetnsLab, spec: Path, root: Path, victim: str, how: str) -> dict[s
             lab.cut(host)
         else:
             os.kill(t["pid"], signal.SIGKILL)
+        rate = t.get("steps_per_s") or 0.0
         points = lambda: [p for p in read(run_dir, "metrics.jsonl") if p.get("attempt") == 1]  # noqa: E731
         first = wait_for("attempt 1's first step", points)[0]
         last = max(p["step"] for p in read(run_dir, "metrics.jsonl") if p.get("attempt") == 0)
+        saved = last_saved(lab.hosts[host], read(run_dir, "status.json")["run_id"], victim)
         stop(proc)
     finally:
         if proc.poll() is None:
@@ -125,10 +127,25 @@ def lose(lab: NetnsLab, spec: Path, root: Path, victim: str, how: str) -> dict[s
     return {
         "training_again_s": round(iso_to_s(first["time"]) - lost_at, 2),
         "phases_s": recovery.get("phases_s"),
-        "steps_lost": last - int(restored.get("step", 0)),
+        "steps_per_s": rate,
+        "steps_lost": last - int(restored.get("step", 0)),  # the last step heard of (heartbeats)
+        # the owner's last checkpoint on its own disk against the one the next attempt restored
+        "saved_on_host": saved,
+        "restored": int(restored.get("step", 0)),
         "workers": [a["workers"] for a in status.get("attempts") or []],
         "changes": [c for a in status.get("attempts") or [] for c in a["changes"]],
     }
+
+
+def last_saved(host: Any, run_id: str, task: str) -> int | None:
+    """The step of the last checkpoint `task` saved on its host, from its log there."""
+    log = host.path(host.workdir / "runs" / run_id / "logs" / f"{task}.log")
+    steps = [
+        int(line.split()[2].split("/")[0])
+        for line in log.read_text(errors="replace").splitlines()
+        if line.startswith("[orchestrate] step ") and line.endswith("checkpoint saved")
+    ]
+    return max(steps) if steps else None
 
 
 def part_cut(lab: NetnsLab, root: Path, repeats: int) -> dict[str, Any]:
@@ -161,7 +178,14 @@ def part_owner(lab: NetnsLab, root: Path, repeats: int) -> dict[str, Any]:
         spec = spec_for(lab, where, hosts, every=10, restart={"shrink": True, "min_workers": 2})
         runs.append(lose(lab, spec, where, "worker-0", "cut"))
     lost = [r["steps_lost"] for r in runs]
-    return {"checkpoint_every": 10, "steps_lost": lost, "max": max(lost), "runs": runs}
+    behind = [r["saved_on_host"] - r["restored"] for r in runs if r["saved_on_host"] is not None]
+    return {
+        "checkpoint_every": 10,
+        "steps_lost": lost,
+        "max": max(lost),
+        "saved_on_host_minus_restored": behind,
+        "runs": runs,
+    }
 
 
 def steps_per_s(lab: NetnsLab, spec: Path, root: Path, seconds: float) -> float:

@@ -177,3 +177,38 @@ def test_unpack_makes_the_folders_it_needs_private(tmp_path: Path) -> None:
     fd = shim._lock_port(str(base / "ports" / "n1-15000.lock"))  # the shim accepts the folder as ours
     assert fd is not None
     os.close(fd)
+
+
+def test_a_snapshot_keeps_what_it_listed_whole_while_the_task_saves_and_removes(tmp_path: Path) -> None:
+    """Issue 27: the owner's checkpoints are copied while it trains; what `tree … snapshot` lists
+    stays as listed (hard links), whatever the task writes or removes meanwhile, and goes once
+    packed; the folder's stamp moves with a new checkpoint, not with a snapshot."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "ckpt-10.index").write_bytes(b"i10")
+    (ckpt / "ckpt-10.data-00000-of-00001").write_bytes(b"d" * 100)
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "ckpt-10"\n')
+    before = probe("stamp", str(ckpt))["stamp"]
+    out = probe("tree", str(ckpt), "snapshot")
+    snap = ckpt / out["snapshot"]
+    assert out["snapshot"].startswith(".orchestrate-snapshot-") and snap.is_dir()
+    assert sorted(out["files"]) == ["checkpoint", "ckpt-10.data-00000-of-00001", "ckpt-10.index"]
+    assert probe("stamp", str(ckpt))["stamp"] == before  # a hidden snapshot changes nothing
+    # the task saves step 20 and removes step 10 (its manager keeps a few): the snapshot is whole
+    (ckpt / "ckpt-20.index").write_bytes(b"i20")
+    (ckpt / "checkpoint").unlink()
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
+    (ckpt / "ckpt-10.index").unlink()
+    (ckpt / "ckpt-10.data-00000-of-00001").unlink()
+    for rel, (size, digest) in out["files"].items():
+        assert (
+            hashlib.sha256((snap / rel).read_bytes()).hexdigest() == digest
+            and (snap / rel).stat().st_size == size
+        )
+    assert probe("stamp", str(ckpt))["stamp"] != before
+    packed = subprocess.run(
+        [sys.executable, "-c", FOLDERS, "pack", str(snap), *out["files"]], capture_output=True, check=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+        assert sorted(tar.getnames()) == sorted(out["files"])
+    assert not snap.exists()  # used once: gone

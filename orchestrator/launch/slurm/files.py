@@ -141,10 +141,15 @@ class NodeFolders(Folders):
     def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
         started = time.monotonic()
         node = self._where(host)
-        theirs = self._step(node, "tree", remote)
+        theirs = self._step(node, "tree", remote, "snapshot")  # hard links: a task saving changes nothing
+        source = (
+            posixpath.join(theirs["folder"], theirs["snapshot"])
+            if theirs.get("snapshot")
+            else theirs["folder"]
+        )
 
         def fetch(files: list[str], staging: Path) -> None:
-            data = self._bytes(node, b"", "pack", theirs["folder"], *files)
+            data = self._bytes(node, b"", "pack", source, *files)
             _extract(data, staging, set(files), f"{node}: {remote}")
 
         return pull_into(theirs, local, mirror=mirror, fetch=fetch, host=node, remote=remote, started=started)

@@ -115,7 +115,11 @@ def _pull(
     conn: fabric.Connection, host: Host, remote: str, local: Path, mirror: bool, timeout_s: float
 ) -> Transfer:
     started = time.monotonic()
-    theirs = _checked(probe(conn, host, "tree", remote, timeout_s=timeout_s), host)
+    # a snapshot of the folder (hard links): a task that saves meanwhile changes nothing it lists
+    theirs = _checked(probe(conn, host, "tree", remote, "snapshot", timeout_s=timeout_s), host)
+    source = (
+        posixpath.join(theirs["folder"], theirs["snapshot"]) if theirs.get("snapshot") else theirs["folder"]
+    )
 
     def fetch(files: list[str], staging: Path) -> None:
         with _sftp(conn, timeout_s) as sftp:
@@ -123,13 +127,21 @@ def _pull(
                 target = staging / rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 try:
-                    sftp.get(posixpath.join(theirs["folder"], rel), str(target))
+                    sftp.get(posixpath.join(source, rel), str(target))
                 except OSError as exc:
                     raise LaunchError(f"{host.label}: cannot read {remote}/{rel}: {exc}") from None
 
-    return pull_into(
-        theirs, local, mirror=mirror, fetch=fetch, host=host.label, remote=remote, started=started
-    )
+    try:
+        return pull_into(
+            theirs, local, mirror=mirror, fetch=fetch, host=host.label, remote=remote, started=started
+        )
+    finally:
+        if theirs.get("snapshot"):
+            with (
+                contextlib.suppress(OSError, EOFError, paramiko.SSHException),
+                _sftp(conn, timeout_s) as sftp,
+            ):
+                _remove_tree(sftp, source, list(theirs["files"]))
 
 
 def push(
@@ -200,6 +212,19 @@ def _mkdirs(sftp: Any, path: str, made: set[str]) -> None:
         with contextlib.suppress(OSError):  # there already (or not ours to make: the put says so)
             sftp.mkdir(sub, mode=0o700)
         made.add(sub)
+
+
+def _remove_tree(sftp: Any, folder: str, files: list[str]) -> None:
+    """A snapshot's files and folders removed (the next `tree` removes what is left)."""
+    for rel in files:
+        with contextlib.suppress(OSError):
+            sftp.remove(posixpath.join(folder, rel))
+    subs = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
+    for sub in sorted(subs, key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            sftp.rmdir(posixpath.join(folder, sub))
+    with contextlib.suppress(OSError):
+        sftp.rmdir(folder)
 
 
 def _remove_staging(sftp: Any, staging: str, made: set[str]) -> None:
