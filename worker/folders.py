@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -144,8 +143,8 @@ def _is_index(rel: str) -> bool:
     return os.path.basename(rel) == "checkpoint" or rel.endswith(".json")
 
 
-def commit(folder: str, staging: str) -> dict[str, Any]:
-    keep = set(json.loads(sys.stdin.read() or "[]"))
+def commit(folder: str, staging: str, keep_files: list[str] | None = None) -> dict[str, Any]:
+    keep = set(json.loads(sys.stdin.read() or "[]") if keep_files is None else keep_files)
     received = sorted(_walk(staging), key=lambda rel: (_is_index(rel), rel))
     for rel in received:
         target = os.path.join(folder, rel)
@@ -227,8 +226,7 @@ def unpack(folder: str, *how: str) -> dict[str, Any]:
             moved += 1
         elif "replace" in how:
             keep = [n.split("/", 1)[1] for n in names if n.startswith(f"{top}/")]
-            sys.stdin = io.StringIO(json.dumps(keep))  # commit reads what to keep on stdin
-            done = commit(target, received)
+            done = commit(target, received, keep)
             moved, removed = moved + done["moved"], removed + done["removed"]
         else:
             for rel in _walk(received):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import posixpath
 import secrets
@@ -27,7 +26,7 @@ from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import on_all
-from orchestrator.launch.transfer import Transfer, local_tree
+from orchestrator.launch.transfer import Transfer, folder_slug, local_tree
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
@@ -165,7 +164,7 @@ class StateExchange:
             if self._is_shared(owner, folder, targets):
                 notes.append(f"{folder} is on a disk every host of the job shares: left as it is")
                 continue
-            home = self._home / "job-checkpoints" / _slug(folder)
+            home = self._home / "job-checkpoints" / folder_slug(folder)
             if self._pull(owner.host_index, folder, home).exists:
                 self._job_home[folder] = home
             else:
@@ -394,11 +393,3 @@ def same_place(folder: str, owner: TaskPlan, reader: TaskPlan) -> str:
     if folder.startswith(base):
         return posixpath.join(reader.cwd, folder[len(base) :])
     return folder
-
-
-def _slug(folder: str) -> str:
-    """A folder's name in the run directory: its last part and a hash of the whole path."""
-    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in posixpath.basename(folder.rstrip("/")))[
-        :40
-    ]
-    return f"{tail or 'root'}-{hashlib.sha256(folder.encode(errors='replace')).hexdigest()[:10]}"

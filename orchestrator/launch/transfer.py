@@ -7,11 +7,9 @@ received files committed (data first, TF's `checkpoint` index last), and what a 
 from __future__ import annotations
 
 import hashlib
-import json
+import posixpath
 import secrets
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import source_for
 
 #: A folder's name for files received before they are committed (`tree` removes a leftover one).
 STAGING_PREFIX = ".incoming-"
@@ -101,8 +98,14 @@ def to_push(ours: dict[str, Any], theirs: dict[str, Any], where: str) -> tuple[l
 
 
 def local_tree(folder: Path) -> dict[str, Any]:
-    """folders.py's `tree`, run on this machine (the one implementation, as on the hosts)."""
-    return run_here("tree", str(folder))
+    """folders.py's `tree`, on this machine (the one implementation, as on the hosts; in this
+    process: a follower copying each checkpoint home would pay a Python start-up each time)."""
+    from worker import folders
+
+    try:
+        return folders.tree(str(folder))
+    except OSError as exc:
+        raise LaunchError(f"this machine: cannot list {folder}: {exc.strerror or exc}") from None
 
 
 def differing(source: dict[str, list[Any]], target: dict[str, list[Any]]) -> list[str]:
@@ -117,25 +120,13 @@ def differing(source: dict[str, list[Any]], target: dict[str, list[Any]]) -> lis
 
 def commit_here(folder: Path, staging: Path, keep: list[str]) -> dict[str, Any]:
     """Files received in `staging` moved into `folder` (data first, index last), then what is not
-    in `keep` removed (folders.py's `commit`, on this machine)."""
-    return run_here("commit", str(folder), str(staging), stdin=json.dumps(keep))
+    in `keep` removed (folders.py's `commit`, on this machine, in this process)."""
+    from worker import folders
 
-
-def run_here(mode: str, *args: str, stdin: str | None = None) -> dict[str, Any]:
-    """One mode of worker/folders.py (or probe.py) on this machine; its JSON answer."""
-    res = subprocess.run(
-        [sys.executable, "-S", "-c", source_for(mode), mode, *args],
-        input=stdin or "",
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if res.returncode != 0:
-        said = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit code {res.returncode}"
-        raise LaunchError(f"this machine: {mode} {' '.join(args)} failed: {said}")
-    answer: dict[str, Any] = json.loads(res.stdout)
-    return answer
+    try:
+        return folders.commit(str(folder), str(staging), keep)
+    except OSError as exc:
+        raise LaunchError(f"this machine: cannot commit into {folder}: {exc.strerror or exc}") from None
 
 
 def sha256_file(path: Path) -> str:
@@ -152,3 +143,11 @@ def size_text(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def folder_slug(folder: str) -> str:
+    """A folder's name in the run directory: its last part and a hash of the whole path."""
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in posixpath.basename(folder.rstrip("/")))[
+        :40
+    ]
+    return f"{tail or 'root'}-{hashlib.sha256(folder.encode(errors='replace')).hexdigest()[:10]}"
