@@ -304,8 +304,11 @@ class StateExchange:
         assert plan.state is not None
         owner = plan.task(plan.state.owner)
         home = self._home / "checkpoints"
-        folder, copied = owner.env[wire.ENV_CHECKPOINT_DIR], None
-        while not stop.wait(self._every_s):
+        folder, copied, pause = owner.env[wire.ENV_CHECKPOINT_DIR], None, self._every_s
+        # after a copy, a pause of 3 copies' time at least: a job saving faster than a copy takes
+        # pays a quarter of the follower's time at most, not a copy after every save
+        while not stop.wait(pause):
+            pause = self._every_s
             try:
                 seen = self._folders.stamp(owner.host_index, folder)
                 if seen is not None and seen == copied:
@@ -314,6 +317,7 @@ class StateExchange:
                 if not got.exists:
                     continue
                 copied = seen
+                pause = max(self._every_s, 3 * got.seconds) if got.files else self._every_s
                 if got.files:
                     log.debug("%s of %s came home: %s", folder, owner.name, got.describe())
                 targets = self._targets(plan, evaluators) if got.files or got.removed else []

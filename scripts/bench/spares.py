@@ -203,10 +203,12 @@ def steps_per_s(lab: NetnsLab, spec: Path, root: Path, seconds: float) -> float:
     return (b[1] - a[1]) / (b[0] - a[0])
 
 
-def part_copy(lab: NetnsLab, root: Path, repeats: int, seconds: float) -> list[dict[str, Any]]:
+def part_copy(
+    lab: NetnsLab, root: Path, repeats: int, seconds: float, sizes: list[str]
+) -> list[dict[str, Any]]:
     rows = []
     hosts = [lab.host_spec(0), lab.host_spec(1)]
-    for size, width in WIDTHS.items():
+    for size, width in ((s, WIDTHS[s]) for s in sizes):
         got: dict[bool, list[float]] = {True: [], False: []}
         for i in range(repeats):
             for shared in (True, False):
@@ -232,6 +234,9 @@ def main() -> int:
     parser.add_argument("--part", choices=("cut", "owner", "copy", "all"), default="all")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=20.0, help="--part copy: how long each run is timed")
+    parser.add_argument(
+        "--sizes", nargs="*", default=list(WIDTHS), help="--part copy: of " + ", ".join(WIDTHS)
+    )
     args = parser.parse_args()
     if why_no_lab() or not can_netns():
         print(json.dumps({"metric": "issue 27 lost hosts", "skipped": why_no_lab() or "needs root"}))
@@ -246,7 +251,7 @@ def main() -> int:
             if args.part in ("owner", "all"):
                 out["owner"] = part_owner(lab, root, args.repeats)
             if args.part in ("copy", "all"):
-                out["copy"] = part_copy(lab, root, args.repeats, args.seconds)
+                out["copy"] = part_copy(lab, root, args.repeats, args.seconds, args.sizes)
         finally:
             lab.close()
     print(json.dumps(out, indent=2))
