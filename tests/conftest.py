@@ -161,3 +161,24 @@ def job_factory(tmp_path):
     for job in made:  # whatever a test did, leave nothing behind
         for proc in run_processes(job.run_id):
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_loop_weights(tmp_path_factory):
+    """The final weights of tests/e2e/test_separate_disks.py's deterministic loop (TRAIN), trained
+    on this machine by two local workers without a failure: what a run that lost a task or a host
+    must end with. Trained once a session (the tests that compare with it share it)."""
+    from tests.e2e.test_separate_disks import LOOP, TRAIN, final_weights
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    baseline = Job(root, "", workers=2)
+    (root / "train.py").write_text(textwrap.dedent(LOOP))
+    text = baseline.spec.read_text().replace("script: job.py", "loop: train.py")
+    baseline.spec.write_text(text + f"train: {json.dumps(TRAIN)}\n")
+    try:
+        res = baseline.up(timeout_s=180)
+        assert res.returncode == 0, res.stdout
+        return final_weights(baseline.run_dir)
+    finally:
+        for proc in run_processes(baseline.run_id):
+            proc.kill()

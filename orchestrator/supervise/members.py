@@ -96,12 +96,6 @@ def names(spec: ClusterSpec, kept: set[int]) -> dict[int, list[str]]:
     return out
 
 
-def runs(machines: Mapping[int, str | None], host_of: Mapping[str, int]) -> dict[int, int | None]:
-    """A layout as `ClusterSpec.laid_out` takes it: per spec host, the index of the host that runs
-    its tasks (`host_of` a machine's), or None."""
-    return {p: None if key is None else host_of[key] for p, key in machines.items()}
-
-
 def _workers(spec: ClusterSpec, assign: Mapping[int, str | None]) -> int:
     return sum(h.tasks.get(Role.WORKER, 0) for p, h in enumerate(spec.hosts) if assign.get(p) is not None)
 

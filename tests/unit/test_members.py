@@ -14,7 +14,7 @@ from orchestrator.launch.ssh.placement import ssh_preview
 from orchestrator.plan import make_plan
 from orchestrator.spec import ClusterSpec, parse_spec
 from orchestrator.spec.roles import task_slots
-from orchestrator.supervise.members import Snapshot, decide, names, runs
+from orchestrator.supervise.members import Snapshot, decide, names
 
 
 def spec_of(
@@ -38,6 +38,11 @@ THREE_AND_SPARE = """
 """
 
 
+def runs(machines: dict[int, str | None]) -> dict[int, int | None]:
+    """A layout's machines (ssh: a host's index) as `ClusterSpec.laid_out` takes them."""
+    return {p: None if key is None else int(key) for p, key in machines.items()}
+
+
 def machines(
     spec: ClusterSpec, lost: dict[int, str] | None = None, at: dict[int, int | None] | None = None
 ) -> tuple[Machine, ...]:
@@ -58,7 +63,7 @@ def test_a_lost_host_moves_to_the_spare_with_its_names(tmp_path: Path) -> None:
     assert layout.lines == (
         "attempt 2: worker-1 moved from 10.0.0.12 (unreachable since 14:02:11) to the spare 10.0.0.14",
     )
-    moved = spec.laid_out(runs(layout.machines, {"0": 0, "1": 1, "2": 2, "3": 3}))
+    moved = spec.laid_out(runs(layout.machines))
     slots = {s.name: s.host_index for s in task_slots(moved)}
     assert slots == {"worker-0": 0, "worker-1": 3, "worker-2": 2}
     plan = make_plan(moved, "r", ssh_preview(moved, "r"))
@@ -94,7 +99,7 @@ def test_shrink_leaves_the_lost_host_out_and_renumbers(tmp_path: Path) -> None:
         "attempt 1: worker-1 left out with 10.0.0.12 (unreachable since 14:02:11): no spare host is "
         "left; the job runs on 2 workers (the last attempt's worker-2 is worker-1 now)",
     )
-    shrunk = spec.laid_out(runs(layout.machines, {"0": 0, "2": 2}))
+    shrunk = spec.laid_out(runs(layout.machines))
     assert [(s.name, s.host_index) for s in task_slots(shrunk)] == [("worker-0", 0), ("worker-1", 2)]
 
 
