@@ -171,3 +171,17 @@ def test_names_number_each_role_over_the_hosts_kept(tmp_path: Path) -> None:
         2: ["worker-3"],
     }
     assert names(spec, {0, 2}) == {0: ["chief-0", "worker-0"], 1: [], 2: ["worker-1"]}
+
+
+def test_a_parameter_server_jobs_worker_host_may_be_left_out_its_chiefs_may_not(tmp_path: Path) -> None:
+    hosts = (
+        "- {address: a, tasks: {chief: 1, ps: 1}}\n- {address: b, tasks: {worker: 1}}\n"
+        "- {address: c, tasks: {worker: 1}}"
+    )
+    spec = spec_of(tmp_path, hosts, "{shrink: true}", "parameter_server")
+    layout = decide(Snapshot(1, spec, machines(spec, {1: "unreachable"})))  # no batch split to check
+    assert layout.machines == {0: "0", 1: None, 2: "2"} and layout.workers == 1
+    assert layout.lines[0].endswith("the job runs on 1 worker (the last attempt's worker-1 is worker-0 now)")
+    layout = decide(Snapshot(1, spec, machines(spec, {0: "unreachable"})))
+    assert layout.machines[0] == "0" and not layout.changed
+    assert "it runs the chief and ps too, which the job cannot go without" in layout.lines[0]
