@@ -62,9 +62,8 @@ class Folders(abc.ABC):
         return None
 
     def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
-        """worker/folders.py's `shared` on the host: `mark` (write a nonce file in `folder`, if
-        it is there: True if written), `read` (True if seen), `remove`. A backend without it:
-        nothing is shared (copied)."""
+        """worker/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
+        there: True if written), `read` (True if seen), `remove`. Without it: nothing is shared."""
         return False
 
 
@@ -305,8 +304,7 @@ class StateExchange:
         owner = plan.task(plan.state.owner)
         home = self._home / "checkpoints"
         folder, copied, pause = owner.env[wire.ENV_CHECKPOINT_DIR], None, self._every_s
-        # after a copy, a pause of 3 copies' time at least: a job saving faster than a copy takes
-        # pays a quarter of the follower's time at most, not a copy after every save
+        # after a copy, 3 copies' time at least: a job saving faster than copies go pays a quarter
         while not stop.wait(pause):
             pause = self._every_s
             try:
@@ -332,13 +330,11 @@ class StateExchange:
                 log.debug("following the checkpoints, tried again in %g s: %s", self._every_s, exc)
 
     def stop_following(self, timeout_s: float | None = None, *, lost: Collection[int] = ()) -> None:
-        """The follower stopped: its copy under way may finish (`timeout_s`, the backend's I/O
-        bound at most) — not where the owner it follows is on a `lost` host: it waits on that host
-        (a reconnection, a copy that never ends), and it ends on its own once that fails."""
-        follower, self._follower = self._follower, None
+        """The follower stopped: its copy under way may finish (`timeout_s`, the I/O bound at most),
+        not where the owner it follows is on a `lost` host (it waits on it; it ends once that fails)."""
+        follower, self._follower, ran = self._follower, None, self._ran
         if follower is not None:
             self._follow_stop.set()
-            ran = self._ran
             if ran is not None and ran.state is not None and ran.task(ran.state.owner).host_index in lost:
                 timeout_s = 0.0
             follower.join(timeout=self._stop_wait_s if timeout_s is None else timeout_s)
@@ -361,9 +357,14 @@ class StateExchange:
                 except LaunchError as exc:
                     lines.append(f"could not bring {remote} home from {task.name}: {exc}")
                     continue
-                if got.files:
+                if got.files or (mirror and got.exists):  # the checkpoint: said though it came already
                     label = self._folders.label(index)
-                    lines.append(f"{local.name}/ from {task.name} ({label}): {got.describe()}")
+                    said = (
+                        got.describe()
+                        if got.files or got.removed
+                        else "already here (copied as it was saved)"
+                    )
+                    lines.append(f"{local.name}/ from {task.name} ({label}): {said}")
             return lines
 
         out: list[str] = []
