@@ -61,8 +61,12 @@ class Host:
 
     @property
     def label(self) -> str:
-        where = self.address if self.ssh_port == 22 else f"{self.address}:{self.ssh_port}"
-        return f"hosts[{self.index}] {where}"
+        return f"hosts[{self.index}] {self.where}"
+
+    @property
+    def where(self) -> str:
+        """Its address (and SSH port when not 22), as people name the machine."""
+        return self.address if self.ssh_port == 22 else f"{self.address}:{self.ssh_port}"
 
     @property
     def known_hosts_name(self) -> str:

@@ -26,10 +26,6 @@ from orchestrator.spec.model import ClusterSpec
 log = logging.getLogger("orchestrator.ssh")
 
 
-def machine_label(host: Host) -> str:
-    return host.address if host.ssh_port == 22 else f"{host.address}:{host.ssh_port}"
-
-
 class SshMachines:
     def __init__(
         self,
@@ -81,7 +77,7 @@ class SshMachines:
                 elif since is not None and (self._lost[h][1] or "99") > since:
                     self._lost[h] = (why, since)
             lost = dict(self._lost)
-        left_out = any(p is None for p in (self.spec.runs_on(q) for q in range(len(self.spec.hosts))))
+        left_out = None in self.spec.runs.values()
         if left_out or any(h in lost for h in at):  # a spare may be needed: is it there?
             spares = [h for h in self._hosts if h.index not in at and h.index not in lost]
             for host, answer in on_all(spares, self._answers):
@@ -91,7 +87,7 @@ class SshMachines:
         with self._lock:
             lost = dict(self._lost)
         return [
-            Machine(str(h.index), machine_label(h), at.get(h.index), *lost.get(h.index, (None, None)))
+            Machine(str(h.index), h.where, at.get(h.index), *lost.get(h.index, (None, None)))
             for h in self._hosts
         ]
 
