@@ -107,6 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         keys = f"decides: {decides}, on_failure: {rule.on_failure.value}, at_end: {rule.at_end.value}"
         print(f"  {role.value + ':':<11}{keys}\n  {'':<11}({rule.describe()})")
     print(standby_lines(spec, plan))
+    print(network_line(spec))
     for t in plan.tasks:
         print(
             f"\n{t.name}  host {t.host}  port {t.port}"
@@ -119,6 +120,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("  ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>  ORCHESTRATE_TOKEN=<the task's own credential>")
     print(f"\n({note})")
     return EXIT_OK
+
+
+def network_line(spec: ClusterSpec) -> str:
+    """`plan`'s and `check`'s word on who can reach the tasks' TF ports (unauthenticated)."""
+    from orchestrator import launch
+
+    reach = launch.reach(spec)
+    return f"network: {reach.line}" if reach.isolated else f"warning: {reach.line}"
 
 
 def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:
@@ -155,6 +164,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from worker import probe
 
         print(f"{args.spec}: backend {spec.backend} runs every task on this machine")
+        print(network_line(spec))
         found = probe.stacks()
         said = stacks_warning("this machine", {"stacks": found})
         print(f"warning: {said}" if said else f"a hung task's stacks: native frames too ({found['py_spy']})")
@@ -167,6 +177,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     # piped or logged: one line per host, however many columns (a terminal's width otherwise)
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     console.print(table)
+    console.print(network_line(spec))
     for warning in report.warnings:
         console.print(f"warning: {warning}")
     for problem in report.problems:

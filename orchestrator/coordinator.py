@@ -29,6 +29,7 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats
+from orchestrator.launch.kind import Exposure
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan
 from orchestrator.planner import Planner
@@ -94,11 +95,23 @@ def up(
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
+        network = backend.exposure() or launch.reach(spec)
+        if (
+            backend.exposure() is not None and not network.isolated
+        ):  # said once: it is the run's, not a host's
+            record.event(
+                kind="warning",
+                reason=f"this run's TF ports are open to every user of this machine: {network.why}",
+            )
         view = o.view or _console_view(o.live, o.progress_every_s)
         cleanup.callback(view.close)
         for listener in (view.event, o.on_event):
             if listener is not None:
                 record.listen(listener)
+        network = backend.exposure() or launch.reach(spec)
+        if backend.exposure() is not None and not network.isolated:  # the run's own ports (local), said once
+            why = f"this run's TF ports are open to every user of this machine ({network.why})"
+            record.event(kind="warning", reason=why)
         again = _resume_argv(spec_path, run_dir, o.backend_option)
         # who supervises the run, before its page is served: a resumed run's page never takes the
         # coordinator that wrote the run before for this one, gone (its `stale` rule)
@@ -114,7 +127,7 @@ def up(
         console = ConsoleFilter()  # TF's start-up noise and traceback frames stay in the log files
         tailer = _tail_logs(plan, record, view, console)
         cleanup.callback(tailer.stop)
-        on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), page)
+        on_change = _StatusWriter(record, view, tailer, status_interval_s(len(plan.tasks)), page, network)
         supervisor = Supervisor(
             plan,
             backend,
@@ -238,8 +251,10 @@ class _StatusWriter:
         tailer: LogTailer,
         every_s: float,
         page: Callable[[], Mapping[str, str]],
+        network: Exposure,
     ):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
+        self._network = network.to_json()  # from where the run's TF ports can be reached
         self._page: Callable[[], Mapping[str, str]] | None = page  # served once the job trains
         self._page_by = time.monotonic() + PAGE_AT_THE_LATEST_S
         self._urls: dict[str, str] = {}
@@ -259,6 +274,7 @@ class _StatusWriter:
         if self._record.broken and not sup.state.is_terminal:  # a full or read-only disk
             sup.abort(f"{self._record.broken}; the job is stopped, the record kept as it was")
         status = sup.status()
+        status["network"] = self._network
         if self._urls and not sup.state.is_terminal:  # while the run lives (its page goes with it)
             status["urls"] = self._urls
         if status["state"] != self._state:

@@ -140,6 +140,15 @@ class AttemptStatus(BaseModel):
     changes: list[str] = Field(description="the hosts it ran on anew: a task moved to a spare, left out")
 
 
+class NetworkStatus(BaseModel):
+    model_config = _Strict
+    isolated: bool = Field(description="the tasks in a network of the run's own (local: a network namespace)")
+    reachable_from: str = Field(
+        description="who can connect to the tasks' TF ports (TensorFlow's are unauthenticated)"
+    )
+    why: str = Field(description="why so: where isolation was not possible, the kernel's or the tool's words")
+
+
 class CoordinatorStatus(BaseModel):
     model_config = _Strict
     pid: int | None
@@ -191,6 +200,9 @@ class Status(BaseModel):
     standbys: list[StandbyStatus] = Field(
         default_factory=list,
         description="the warm standbys waiting for the next attempt (restart.standby), one per task at most",
+    )
+    network: NetworkStatus | None = Field(
+        None, description="from where the run's TF ports can be reached (local: its own network namespace)"
     )
     urls: dict[str, str] | None = Field(
         None,

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from worker import wire
+from worker.dial import dial
 from worker.task import kill_group_but_me, user_frame
 from worker.tensorboard import Scalars
 
@@ -343,8 +344,7 @@ class Reporter:
             try:
                 if self._sock is None:
                     timeout = max(1.0, min(5.0, self._config.interval_s * 2))
-                    self._sock = socket.create_connection((host, port), timeout=timeout)
-                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._sock = dial(self._config.url, timeout)
                 self._sock.sendall(request)
                 resp = http.client.HTTPResponse(self._sock)
                 resp.begin()

@@ -52,6 +52,9 @@ RESERVED_ENV = (
     ENV_TF_REGISTER_TIMEOUT_S,
 )
 
+#: ORCHESTRATE_COORDINATOR "unix:PATH": heartbeats go to the Unix socket at PATH (local tasks in a
+#: network namespace of their own); otherwise an http:// URL.
+UNIX_SCHEME = "unix:"
 HEARTBEAT_PATH = "/v1/heartbeat"
 #: A host's relay posts its tasks' heartbeats here as one JSON list; the answer lists their statuses.
 BATCH_PATH = "/v1/heartbeats"

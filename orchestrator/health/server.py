@@ -18,8 +18,10 @@ and each task's own credential (health/credentials.py) lets it speak for itself 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import resource
 import socket
 import threading
@@ -58,7 +60,8 @@ def connections_needed(tasks: int) -> int:
 
 
 class HeartbeatServer:
-    """Serves POST /v1/heartbeat on `host` (an ephemeral port unless given) until `close()`."""
+    """Serves POST /v1/heartbeat on `host` (an ephemeral port unless given) until `close()`;
+    `host` "unix:PATH": on a Unix socket there (local tasks in a network namespace of their own)."""
 
     def __init__(
         self,
@@ -83,11 +86,16 @@ class HeartbeatServer:
                 request_s=request_s,
             )
         )
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._path = host.removeprefix(wire.UNIX_SCHEME) if host.startswith(wire.UNIX_SCHEME) else None
+        family = socket.AF_UNIX if self._path else socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind((host, port))
+            if self._path is not None:  # in a private (0700) folder; the file itself the owner's too
+                self._sock.bind(self._path)
+                os.chmod(self._path, 0o600)
+            else:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._sock.bind((host, port))
             self._sock.listen(ACCEPT_BACKLOG)
         except OSError:
             self._sock.close()
@@ -101,7 +109,8 @@ class HeartbeatServer:
 
     @property
     def port(self) -> int:
-        return int(self._sock.getsockname()[1])
+        """The TCP port (0 on a Unix socket)."""
+        return 0 if self._path is not None else int(self._sock.getsockname()[1])
 
     @property
     def requests(self) -> int:
@@ -110,6 +119,8 @@ class HeartbeatServer:
 
     @property
     def url(self) -> str:
+        if self._path is not None:
+            return f"{wire.UNIX_SCHEME}{self._path}"
         host = self._sock.getsockname()[0]
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
@@ -124,6 +135,9 @@ class HeartbeatServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._sock.close()
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)

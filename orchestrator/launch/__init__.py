@@ -3,7 +3,8 @@ the registry (registry.py: the built-in ones, and any an installed package regis
 
 What the coordinator and the CLI ask of the spec's backend, before there is a run: `open_backend`
 makes it for a run, `reattach` finds a run's processes from its record, `preview` places the tasks
-without reaching anything (`orchestrate plan`), `check` runs its checks (`orchestrate check`).
+without reaching anything (`orchestrate plan`), `check` runs its checks (`orchestrate check`),
+`reach` says from where the tasks' TF ports will be reachable.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from orchestrator.spec.model import ClusterSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
+    from orchestrator.launch.kind import Exposure
     from orchestrator.launch.placement import Placement
 
 
@@ -41,6 +43,11 @@ def preview(
 ) -> tuple[dict[str, Placement], str]:
     """Where the tasks would run, without reaching any host, and a note on what may change at launch."""
     return registry.get(spec.backend).preview(spec, run_id, run_dir, spec_dir)
+
+
+def reach(spec: ClusterSpec) -> Exposure:
+    """From where the tasks' TF ports will be reachable (`orchestrate plan` and `check`)."""
+    return registry.get(spec.backend).reach(spec)
 
 
 def check(spec: ClusterSpec) -> CheckReport | None:

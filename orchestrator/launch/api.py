@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
+from orchestrator.launch.kind import Exposure
 from orchestrator.launch.placement import Machine, Placement, Relaid
 from orchestrator.plan import LaunchPlan, TaskPlan
 from worker.failure import Written
@@ -362,6 +363,11 @@ class Backend(abc.ABC):
         """At the end of the run, whatever its outcome: copy the results (model, TensorBoard, the
         latest checkpoint) into the run directory. Lines for the summary; never raises."""
         return []
+
+    def exposure(self) -> Exposure | None:
+        """From where this run's TF ports can be reached, once `listen` was asked; None: as its
+        kind's `reach` says of the spec."""
+        return None
 
     def close(self) -> None:
         """Release what the backend holds (ports, connections). Its tasks are stopped first."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,6 +23,30 @@ if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
     from orchestrator.launch.placement import Placement
     from orchestrator.spec.model import ClusterSpec, HostSpec
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """From where a run's TF ports can be reached, and why (TensorFlow's gRPC servers listen on
+    every address, unauthenticated): `orchestrate plan` and `check`, status.json `network`."""
+
+    isolated: bool  # in a network of the run's own
+    reachable_from: str
+    why: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"isolated": self.isolated, "reachable_from": self.reachable_from, "why": self.why}
+
+    @property
+    def line(self) -> str:
+        return f"TF ports reachable from {self.reachable_from} ({self.why})"
+
+
+#: The advice for backends whose tasks listen on lab hosts' addresses.
+PRIVATE_NETWORK = (
+    "TensorFlow listens on every address, unauthenticated: keep the hosts on a private network, "
+    "or let their firewall admit the cluster's own addresses alone to the TF ports"
+)
 
 #: Where a spec problem is: the keys from the top of the spec down (("hosts", 0, "tasks")).
 Where = tuple[str | int, ...]
@@ -80,6 +105,11 @@ class Kind(abc.ABC):
         """Hosts with the same scope share one machine's ports (their base_port ranges must not
         overlap)."""
         return host.address
+
+    def reach(self, spec: ClusterSpec) -> Exposure:
+        """From where the tasks' TF ports will be reachable (asks nothing of the hosts)."""
+        hosts = ", ".join(dict.fromkeys(h.address for h in spec.hosts)) or "the hosts"
+        return Exposure(False, f"every address of {hosts}, by whoever can reach them", PRIVATE_NETWORK)
 
     def spec_problems(self, spec: ClusterSpec) -> list[SpecProblem]:
         """The backend's own checks of a spec that names it. At a key where it finds a problem,

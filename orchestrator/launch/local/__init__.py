@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orchestrator.launch.kind import Kind
+from orchestrator.launch.kind import Exposure, Kind
+from orchestrator.launch.local.netns import LocalSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, Leftovers
@@ -20,6 +21,7 @@ class LocalKind(Kind):
     """Subprocesses on this machine."""
 
     name: ClassVar[str] = "local"
+    section = LocalSpec
 
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
         from orchestrator.launch.local.backend import LocalBackend
@@ -36,20 +38,26 @@ class LocalKind(Kind):
     def preview(
         self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path
     ) -> tuple[dict[str, Placement], str]:
+        from orchestrator.launch.local import netns
         from orchestrator.launch.local.placement import local_placements
         from orchestrator.launch.local.ports import preview_ports
 
-        ports, busy = preview_ports(spec)
+        if self.reach(spec).isolated:  # every port is the run's own, in its network namespace
+            ports, busy = netns.inside_ports(spec), list[str]()
+            url = f"unix:{run_dir}/.heartbeats-<chosen at launch>/hb"
+            note = "every task in the run's own network namespace: its TF ports exist there alone"
+        else:
+            (ports, busy), url = preview_ports(spec), "http://127.0.0.1:<chosen at launch>"
+            note = "local ports are free now and chosen again at launch unless the spec fixes base_port"
         places = local_placements(
-            spec,
-            ports,
-            run_dir=run_dir,
-            spec_dir=spec_dir,
-            coordinator_url="http://127.0.0.1:<chosen at launch>",
-            python=sys.executable,
+            spec, ports, run_dir=run_dir, spec_dir=spec_dir, coordinator_url=url, python=sys.executable
         )
-        note = "local ports are free now and chosen again at launch unless the spec fixes base_port"
         return places, "\n".join([note, *(f"warning: {b}" for b in busy)])
+
+    def reach(self, spec: ClusterSpec) -> Exposure:
+        from orchestrator.launch.local import netns
+
+        return netns.Network(spec).probe()
 
     def port_scope(self, spec: ClusterSpec, host: HostSpec) -> str:
         return "127.0.0.1"  # every "host" is this machine

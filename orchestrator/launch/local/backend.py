@@ -33,6 +33,8 @@ from orchestrator.launch.api import (
     TaskHandle,
     stop_all,
 )
+from orchestrator.launch.kind import Exposure
+from orchestrator.launch.local import netns
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.local.ports import PortReservation, reserve_ports
 from orchestrator.launch.local.standbys import LocalStandbys
@@ -101,12 +103,25 @@ class LocalBackend(Backend):
         self._standbys = LocalStandbys(
             spec.restart.standby, standby.for_run(spec), run_dir / "logs" / "standby"
         )
+        self._network = netns.Network(spec)  # the tasks' own network namespace, made by `listen`
+
+    def listen(self) -> tuple[str, int]:
+        """In a namespace of their own, the tasks reach the coordinator's Unix socket alone."""
+        path = self._network.make(self._run_dir)
+        self._standbys.namespace = self._network.namespace
+        return (f"{wire.UNIX_SCHEME}{path}", 0) if path is not None else super().listen()
+
+    def exposure(self) -> Exposure | None:
+        return self._network.exposure
 
     def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
-        self._ports = reserve_ports(self._spec)
+        ports = self._network.ports()  # inside the namespace every port is the run's own
+        if ports is None:
+            self._ports = reserve_ports(self._spec)
+            ports = self._ports.ports
         self._placements = local_placements(
             self._spec,
-            self._ports.ports,
+            ports,
             run_dir=self._run_dir.resolve(),
             spec_dir=self._spec_dir,
             coordinator_url=heartbeats.url,
@@ -142,13 +157,14 @@ class LocalBackend(Backend):
                 out.flush()
             try:
                 popen = subprocess.Popen(
-                    list(task.argv),
+                    self._network.enter(list(task.argv)),
                     cwd=task.cwd,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # own process group: stopped as one, never by name
+                    pass_fds=self._network.fds,
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start {task.name} ({task.argv[0]}): {exc}") from None
@@ -173,6 +189,7 @@ class LocalBackend(Backend):
         if self._ports is not None:
             self._ports.release()
             self._ports = None
+        self._network.close()
 
 
 class _RecordedGroup(TaskHandle):

@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from orchestrator.launch import standby
+from orchestrator.launch.local.netns import Namespace
 from orchestrator.plan import TaskPlan
 from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import Standby
@@ -72,6 +73,7 @@ class LocalStandbys:
         self._logs = logs  # each standby's output before its handover
         self._ready: dict[str, _One] = {}
         self.said: str | None = None  # why there are none, once said
+        self.namespace: Namespace | None = None  # the tasks' network namespace: standbys start in it
 
     def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
         """A standby for each task that has none; lines for the record (why none, said once)."""
@@ -102,8 +104,10 @@ class LocalStandbys:
         with private_open(path) as out:
             out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
             out.flush()
+            ns = self.namespace
             popen = subprocess.Popen(
-                list(command),
+                ns.enter(list(command)) if ns is not None else list(command),
+                pass_fds=ns.fds if ns is not None else (),
                 cwd=task.cwd,
                 env=env,
                 stdin=subprocess.PIPE,
