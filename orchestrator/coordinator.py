@@ -29,7 +29,7 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats
-from orchestrator.launch.kind import Exposure
+from orchestrator.launch.exposure import Exposure
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan
 from orchestrator.planner import Planner
@@ -95,26 +95,14 @@ def up(
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        network = backend.exposure() or launch.reach(spec)
-        if (
-            backend.exposure() is not None and not network.isolated
-        ):  # said once: it is the run's, not a host's
-            record.event(
-                kind="warning",
-                reason=f"this run's TF ports are open to every user of this machine: {network.why}",
-            )
         view = o.view or _console_view(o.live, o.progress_every_s)
         cleanup.callback(view.close)
         for listener in (view.event, o.on_event):
             if listener is not None:
                 record.listen(listener)
-        network = backend.exposure() or launch.reach(spec)
-        if backend.exposure() is not None and not network.isolated:  # the run's own ports (local), said once
-            why = f"this run's TF ports are open to every user of this machine ({network.why})"
-            record.event(kind="warning", reason=why)
+        network = _network(backend, spec, record)
         again = _resume_argv(spec_path, run_dir, o.backend_option)
-        # who supervises the run, before its page is served: a resumed run's page never takes the
-        # coordinator that wrote the run before for this one, gone (its `stale` rule)
+        # who supervises it, before its page is served (a resumed run's page: never the one before's)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
         _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the job trains
         page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
@@ -329,6 +317,16 @@ def _heartbeat_server(
         yield server
     finally:
         server.close()
+
+
+def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure:
+    """From where the run's TF ports can be reached; where the backend made them the run's own
+    (local) and could not, said once."""
+    network = backend.exposure()
+    if network is not None and not network.isolated:
+        why = f"this run's TF ports are open to every user of this machine ({network.why})"
+        record.event(kind="warning", reason=why)
+    return network or launch.reach(spec)
 
 
 @contextlib.contextmanager

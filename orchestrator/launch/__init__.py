@@ -19,7 +19,7 @@ from orchestrator.spec.model import ClusterSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.kind import Exposure
+    from orchestrator.launch.exposure import Exposure
     from orchestrator.launch.placement import Placement
 
 

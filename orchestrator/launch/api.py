@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
-from orchestrator.launch.kind import Exposure
+from orchestrator.launch.exposure import Exposure
 from orchestrator.launch.placement import Machine, Placement, Relaid
 from orchestrator.plan import LaunchPlan, TaskPlan
 from worker.failure import Written

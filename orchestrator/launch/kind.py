@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from orchestrator.launch.exposure import PRIVATE_NETWORK, Exposure
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -24,29 +25,6 @@ if TYPE_CHECKING:
     from orchestrator.launch.placement import Placement
     from orchestrator.spec.model import ClusterSpec, HostSpec
 
-
-@dataclass(frozen=True)
-class Exposure:
-    """From where a run's TF ports can be reached, and why (TensorFlow's gRPC servers listen on
-    every address, unauthenticated): `orchestrate plan` and `check`, status.json `network`."""
-
-    isolated: bool  # in a network of the run's own
-    reachable_from: str
-    why: str
-
-    def to_json(self) -> dict[str, object]:
-        return {"isolated": self.isolated, "reachable_from": self.reachable_from, "why": self.why}
-
-    @property
-    def line(self) -> str:
-        return f"TF ports reachable from {self.reachable_from} ({self.why})"
-
-
-#: The advice for backends whose tasks listen on lab hosts' addresses.
-PRIVATE_NETWORK = (
-    "TensorFlow listens on every address, unauthenticated: keep the hosts on a private network, "
-    "or let their firewall admit the cluster's own addresses alone to the TF ports"
-)
 
 #: Where a spec problem is: the keys from the top of the spec down (("hosts", 0, "tasks")).
 Where = tuple[str | int, ...]

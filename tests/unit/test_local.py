@@ -180,7 +180,6 @@ def test_open_reserves_a_locked_port_per_task_and_places_them_here(tmp_path: Pat
             )
             assert (p.python, p.coordinator_url) == (("/opt/py",), HEARTBEATS.url)
         assert backend.record() == {"backend": "local"}
-        assert backend.listen() == ("127.0.0.1", 0)  # the tasks post on this machine
     finally:
         backend.close()
     assert not any(lock_held(port) for port in ports)  # close() let the ports go

@@ -156,11 +156,25 @@ def test_a_backends_section_is_validated_by_it_at_its_lines(tmp_path: Path, pige
         ("pigeon:\n  mesage: hi\n", 6, "s.yaml:6: pigeon.mesage: unknown key; did you mean `message`?"),
         ("pigoen:\n  message: hi\n", 5, "s.yaml:5: pigoen: unknown key; did you mean `pigeon`?"),
         ("slurm: {nodes: 0, tasks_per_node: {worker: 1}}\n", 5, "s.yaml:5: slurm.nodes: Input should be"),
-        ("local: {}\n", 5, "s.yaml:5: local: backend local has no section of its own; remove it"),
+        ("local: {isolate_network: maybe}\n", 5, "s.yaml:5: local.isolate_network: String should match"),
     ):
         with pytest.raises(SpecError) as caught:
             parse_spec(SPEC.format(backend="pigeon") + section, file="s.yaml", base_dir=tmp_path)
         assert wanted in str(caught.value), (line, str(caught.value))
+
+
+def test_a_section_for_a_backend_that_has_none_is_said_at_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.errors import SpecError
+    from orchestrator.launch.local import LocalKind
+    from orchestrator.spec.load import parse_spec
+
+    (tmp_path / "job.py").write_text("")
+    monkeypatch.setattr(LocalKind, "section", None)  # a backend that adds nothing to the spec
+    with pytest.raises(SpecError) as caught:
+        parse_spec(SPEC.format(backend="ssh") + "local: {}\n", file="s.yaml", base_dir=tmp_path)
+    assert "s.yaml:5: local: backend local has no section of its own; remove it" in str(caught.value)
 
 
 def test_another_backends_section_is_kept_for_a_run_on_it(tmp_path: Path) -> None:
@@ -200,4 +214,5 @@ def test_the_specs_schema_has_every_registered_backends_section(pigeon: None) ->
     schema = json_schema()
     assert {"ssh", "slurm", "pigeon"} <= set(schema["properties"])
     assert schema["properties"]["pigeon"]["properties"]["message"]["pattern"] == "^[a-z]+$"
-    assert "HostKeyPolicy" in schema["$defs"] and "local" not in schema["properties"]
+    assert "HostKeyPolicy" in schema["$defs"]
+    assert schema["properties"]["local"]["properties"]["isolate_network"]["default"] == "auto"

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orchestrator.launch.kind import Exposure, Kind
+from orchestrator.launch.exposure import Exposure
+from orchestrator.launch.kind import Kind
 from orchestrator.launch.local.netns import LocalSpec
 
 if TYPE_CHECKING:

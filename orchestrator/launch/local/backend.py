@@ -33,7 +33,7 @@ from orchestrator.launch.api import (
     TaskHandle,
     stop_all,
 )
-from orchestrator.launch.kind import Exposure
+from orchestrator.launch.exposure import Exposure
 from orchestrator.launch.local import netns
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.local.ports import PortReservation, reserve_ports

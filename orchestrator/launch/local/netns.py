@@ -35,7 +35,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.kind import Exposure
+from orchestrator.launch.exposure import Exposure
 from orchestrator.spec.model import ClusterSpec, Strict
 from orchestrator.spec.roles import task_slots
 

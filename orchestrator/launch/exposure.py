@@ -1,0 +1,32 @@
+"""Launch layer: from where a run's TF ports can be reached. TensorFlow's gRPC servers listen on
+every address, unauthenticated, whatever TF_CONFIG says: whoever reaches a port can run
+TensorFlow operations as the person training. The local backend keeps them in a network
+namespace of the run's own (local/netns.py); on lab hosts, the network and its firewall must."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """From where a run's TF ports can be reached, and why (TensorFlow's gRPC servers listen on
+    every address, unauthenticated): `orchestrate plan` and `check`, status.json `network`."""
+
+    isolated: bool  # in a network of the run's own
+    reachable_from: str
+    why: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"isolated": self.isolated, "reachable_from": self.reachable_from, "why": self.why}
+
+    @property
+    def line(self) -> str:
+        return f"TF ports reachable from {self.reachable_from} ({self.why})"
+
+
+#: The advice for backends whose tasks listen on lab hosts' addresses.
+PRIVATE_NETWORK = (
+    "TensorFlow listens on every address, unauthenticated: keep the hosts on a private network, "
+    "or let their firewall admit the cluster's own addresses alone to the TF ports"
+)

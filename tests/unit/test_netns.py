@@ -1,0 +1,244 @@
+"""A local run's private network namespace (orchestrator/launch/local/netns.py), with real
+namespaces made by unshare, real processes entered by nsenter and real sockets: what a task inside
+can and cannot reach, the heartbeat socket, and every way one cannot be made said in the kernel's
+words (a real refusal: user.max_user_namespaces=0 inside a user namespace of the test's own,
+which limits nothing outside it)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.errors import LaunchError
+from orchestrator.health.server import HeartbeatServer
+from orchestrator.health.store import HealthStore
+from orchestrator.launch.local import netns
+from orchestrator.launch.local.backend import LocalBackend
+from orchestrator.spec.load import parse_spec
+from tests.unit.conftest import unit_credentials
+from worker import wire
+from worker.dial import dial
+
+REPO = Path(__file__).resolve().parents[2]
+
+INSIDE = """
+import json, os, socket, sys
+port = int(sys.argv[1])
+listeners = []
+for family, anywhere in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+    s = socket.socket(family)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    s.bind((anywhere, port)); s.listen(); listeners.append(s)
+socket.create_connection(("127.0.0.1", port), timeout=5).close()  # its own loopback works
+with open(sys.argv[2], "w") as f:
+    f.write("made inside")
+print(json.dumps({"uid": os.getuid(), "ifaces": [n for _, n in socket.if_nameindex()],
+                  "net": os.readlink("/proc/self/ns/net"),
+                  "shm": os.access("/dev/shm", os.W_OK)}), flush=True)
+sys.stdin.read()  # listening until the test is done
+"""
+
+
+def spec_of(tmp_path: Path, local: str = "") -> object:
+    (tmp_path / "job.py").write_text("")
+    text = "name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\njob: {script: job.py}\n" + local
+    return parse_spec(text, file="s.yaml", base_dir=tmp_path)
+
+
+def test_a_task_inside_has_its_loopback_alone_and_its_ports_are_out_of_reach(tmp_path: Path) -> None:
+    made = netns.make()
+    assert isinstance(made, netns.Namespace), made
+    port = 20000
+    try:
+        inside = subprocess.Popen(
+            made.enter([sys.executable, "-c", INSIDE, str(port), str(tmp_path / "file")]),
+            pass_fds=made.fds,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert inside.stdout is not None and inside.stdin is not None
+        seen = json.loads(inside.stdout.readline())
+        assert seen["ifaces"] == ["lo"] and seen["uid"] == os.getuid() and seen["shm"]
+        assert seen["net"] != os.readlink("/proc/self/ns/net")
+        assert inside.pid == psutil.Process(inside.pid).pid and psutil.Process(inside.pid).name() != "nsenter"
+        # listening on every address of its namespace, on none of this machine's
+        for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            with socket.socket(family) as s, pytest.raises(ConnectionRefusedError):
+                s.settimeout(5)
+                s.connect((address, port))
+        assert (tmp_path / "file").read_text() == "made inside"  # the same disk, owned as before
+        assert (tmp_path / "file").stat().st_uid == os.getuid()
+        inside.stdin.close()
+        assert inside.wait(timeout=10) == 0
+    finally:
+        made.close()
+    assert not psutil.Process().children()  # the holder is gone: the descriptors held it
+
+
+def test_a_namespace_gone_with_its_descriptors_leaves_no_process(tmp_path: Path) -> None:
+    before = set(psutil.pids())
+    made = netns.make()
+    assert isinstance(made, netns.Namespace), made
+    made.close()
+    made.close()  # twice is harmless
+    time.sleep(0.1)
+    left = [p for p in set(psutil.pids()) - before if psutil.pid_exists(p)]
+    assert not [psutil.Process(p).cmdline() for p in left if psutil.Process(p).ppid() == os.getpid()]
+
+
+def test_the_kernels_refusal_is_said_in_its_words(tmp_path: Path) -> None:
+    """user.max_user_namespaces=0 set in a user namespace of this test's own: the kernel refuses
+    every namespace below it, as on a machine configured so (nothing outside it is limited)."""
+    probe = "from orchestrator.launch.local import netns; print(netns.make())"
+    script = f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c '{probe}'"
+    out = subprocess.run(
+        ["unshare", "--user", "--map-current-user", "sh", "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    said = out.stdout.strip()
+    assert "unshare failed: No space left on device" in said, said
+    assert said.endswith(": user.max_user_namespaces=0 on this machine"), said
+
+
+def test_a_missing_tool_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither unshare nor nsenter there
+    assert netns.make() == "unshare and nsenter (util-linux) not found on PATH"
+
+
+def test_a_tool_that_fails_is_said_with_its_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    (tmp_path / "nsenter").symlink_to(shutil.which("nsenter") or "/usr/bin/nsenter")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    said = netns.make()
+    assert isinstance(said, str) and said.startswith("unshare: unshare failed: Operation not permitted"), said
+
+
+def test_the_spec_decides_and_on_refuses_to_run_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    backend = LocalBackend(spec_of(tmp_path), run_dir, tmp_path)  # type: ignore[arg-type]
+    try:
+        where, port = backend.listen()
+        assert where.startswith(wire.UNIX_SCHEME) and port == 0
+        folder = Path(where.removeprefix(wire.UNIX_SCHEME)).parent
+        assert folder.parent == run_dir.resolve() and stat.S_IMODE(folder.stat().st_mode) == 0o700
+        exposure = backend.exposure()
+        assert exposure is not None and exposure.isolated
+        assert "own network namespace" in exposure.reachable_from
+    finally:
+        backend.close()
+    assert not folder.exists()
+
+    off = LocalBackend(spec_of(tmp_path, "local: {isolate_network: off}\n"), run_dir, tmp_path)  # type: ignore[arg-type]
+    assert off.listen() == ("127.0.0.1", 0)
+    exposure = off.exposure()
+    assert exposure is not None and not exposure.isolated and "isolate_network is off" in exposure.why
+    off.close()
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no namespace can be made
+    auto = LocalBackend(spec_of(tmp_path), run_dir, tmp_path)  # type: ignore[arg-type]
+    assert auto.listen() == ("127.0.0.1", 0)
+    exposure = auto.exposure()
+    assert exposure is not None and not exposure.isolated
+    assert exposure.reachable_from == netns.OPEN and "not found on PATH" in exposure.why
+    auto.close()
+    on = LocalBackend(spec_of(tmp_path, "local: {isolate_network: on}\n"), run_dir, tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="local.isolate_network is on, but no private network namespace"):
+        on.listen()
+    on.close()
+
+
+def test_a_long_run_directory_gets_its_socket_in_a_private_folder_elsewhere(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    folder = netns.socket_folder(deep)
+    try:
+        assert len(os.fsencode(folder / "hb")) <= 107 and not folder.is_relative_to(deep)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+    finally:
+        folder.rmdir()
+
+
+def test_heartbeats_over_the_unix_socket(tmp_path: Path) -> None:
+    folder = tmp_path / "private"
+    folder.mkdir(mode=0o700)
+    store = HealthStore(time.monotonic)
+    store.reset(0, ["worker-0"])
+    credentials = unit_credentials()
+    server = HeartbeatServer(store, credentials, host=f"unix:{folder / 'hb'}").start()
+    try:
+        assert server.url == f"unix:{folder / 'hb'}" and server.port == 0
+        assert stat.S_IMODE((folder / "hb").stat().st_mode) == 0o600
+        body = wire.Heartbeat(task="worker-0", attempt=0, seq=1, sent_at=1.0, pid=7, step=5).to_bytes()
+        for token, wanted in ((None, 401), (credentials.task_token("worker-0", 0), 200)):
+            sock = dial(server.url, 5.0)
+            head = (
+                f"POST {wire.HEARTBEAT_PATH} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
+            )
+            head += f"{wire.TOKEN_HEADER}: {token}\r\n" if token else ""
+            sock.sendall((head + "\r\n").encode() + body)
+            resp = http.client.HTTPResponse(sock)
+            resp.begin()
+            assert resp.status == wanted
+            sock.close()
+        assert store.snapshot()["worker-0"].step == 5
+    finally:
+        server.close()
+    assert not (folder / "hb").exists()
+
+
+def test_plan_and_check_say_where_the_ports_are_reachable(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\njob: {script: job.py}\n")
+    orchestrate = [sys.executable, "-m", "orchestrator"]
+    plan = subprocess.run(
+        [*orchestrate, "plan", str(spec)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert "network: TF ports reachable from this run's own network namespace only" in plan.stdout
+    assert '"worker": ["127.0.0.1:20000", "127.0.0.1:20001"]' in plan.stdout
+    check = subprocess.run(
+        [*orchestrate, "check", str(spec)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert "network: TF ports reachable from this run's own network namespace only" in check.stdout
+    ssh = tmp_path / "ssh.yaml"
+    ssh.write_text(
+        spec.read_text().replace("127.0.0.1", "10.255.255.1").replace("name: t", "name: t\nbackend: ssh")
+    )
+    plan = subprocess.run(
+        [*orchestrate, "plan", str(ssh)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert (
+        "warning: TF ports reachable from every address of 10.255.255.1, by whoever can reach them"
+        in plan.stdout
+    )
+    assert "private network" in plan.stdout
+    off = tmp_path / "off.yaml"
+    off.write_text(spec.read_text() + "local: {isolate_network: off}\n")
+    plan = subprocess.run(
+        [*orchestrate, "plan", str(off)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert (
+        "warning: TF ports reachable from every address of this machine, by every user of it" in plan.stdout
+    )
