@@ -3,6 +3,8 @@ loopback, to a coordinator in a process of its own.
 
 Two ways heartbeats arrive, as in the product:
 - direct: one keep-alive connection per task, one POST per heartbeat (the local backend);
+- unix: the same as direct, over the Unix socket of a local run in its own network namespace
+  (heartbeat path only: `path:unix:N` against `path:direct:N`, issue 28);
 - relayed: tasks of one host post to that host's relay (worker/relay.py), which forwards them as
   one `POST /v1/heartbeats` per interval (the ssh backend; the relay tells its tasks when to post
   so that they land just before its flush). Here the load generator sends what the relays would:
@@ -109,7 +111,9 @@ def serve_path(n: int, way: str, folder: Path) -> None:
     credentials = Credentials()
     credentials.place(scopes)
     # this process holds no task's files: every descriptor but the reserve may be a connection
-    server = HeartbeatServer(store, credentials, max_connections=connection_cap(0)).start()
+    # unix: the local backend's tasks in a network namespace of their own post to a Unix socket
+    where = f"unix:{folder / 'hb'}" if way == "unix" else "127.0.0.1"
+    server = HeartbeatServer(store, credentials, host=where, max_connections=connection_cap(0)).start()
     _announce(
         {
             "url": server.url,
@@ -335,10 +339,14 @@ async def _sender(
 ) -> None:
     """One connection: every `period_s`, one request with the heartbeats of `ids` (one of them
     when direct, with the task's own credential; a host's due tasks when relayed, with its relay's)."""
-    host, port = url.removeprefix("http://").split(":")
+    unix = url.startswith("unix:")
+    host, port = ("localhost", "80") if unix else url.removeprefix("http://").split(":")
     await asyncio.sleep(random.random() * period_s)  # spread over the period, as real ones drift
     try:
-        reader, writer = await asyncio.open_connection(host, int(port))
+        if unix:
+            reader, writer = await asyncio.open_unix_connection(url.removeprefix("unix:"))
+        else:
+            reader, writer = await asyncio.open_connection(host, int(port))
     except OSError as exc:
         stats.errors.append(f"connect: {exc}")
         return
@@ -417,7 +425,7 @@ async def _page(status_path: Path, until: float, stats: _Stats) -> None:
 def _senders(way: str, n: int, info: dict[str, Any]) -> list[tuple[str, list[int], float, str]]:
     """(path, the tasks whose heartbeats it carries, period, credential) per connection."""
     tokens, scopes = info["tokens"], info["scopes"]
-    if way == "direct":
+    if way in ("direct", "unix"):
         return [("/v1/heartbeat", [i], 1.0, tokens[f"worker-{i}"]) for i in range(n)]
     # a relay's tasks post just before its flush (it tells them when), so each flush carries all
     # of them: one batch per host and interval (tests/unit/test_relay.py checks that alignment)

@@ -33,7 +33,8 @@ def bare() -> tuple[float, float]:
     return _first_step(outs[0]) - t0, total
 
 
-def orchestrate() -> tuple[float, float]:
+def orchestrate(extra: str = "") -> tuple[float, float]:
+    """`extra`: spec lines added (scripts/bench/netns.py: `local: {isolate_network: off}`)."""
     folder = tmpdir()
     spec = write_spec(
         folder,
@@ -43,7 +44,7 @@ def orchestrate() -> tuple[float, float]:
         job:
           script: {JOB}
           env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
-        """,
+        {extra}""",
     )
     t0 = time.time()
     out = orchestrate_up(spec, folder / "run")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_processes, tmpfs_disk, wait_until
+from worker.dial import dial
 
 pytestmark = pytest.mark.e2e
 
@@ -56,14 +57,15 @@ def test_a_flood_of_idle_connections_cannot_stop_a_run(job_factory):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))  # room for the flood
     try:
-        host, port = coordinator_url(job).removeprefix("http://").split(":")
+        url = coordinator_url(job)  # the run's Unix socket (its tasks in a network namespace of their own)
+        assert url.startswith("unix:"), url
         assert wait_until(lambda: job.status().get("state") == "RUNNING", 60), job.status()
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:  # 3,000 open at all times
             held = [s for s in held if not _closed(s)]
             for _ in range(3000 - len(held)):
                 with contextlib.suppress(OSError):
-                    held.append(socket.create_connection((host, int(port)), timeout=2))
+                    held.append(dial(url, 2.0))
             time.sleep(0.2)
         out, _ = proc.communicate(timeout=60)
     finally:

@@ -242,3 +242,14 @@ def test_plan_and_check_say_where_the_ports_are_reachable(tmp_path: Path) -> Non
     assert (
         "warning: TF ports reachable from every address of this machine, by every user of it" in plan.stdout
     )
+
+
+def test_the_socket_folder_of_a_coordinator_killed_before_goes(tmp_path: Path) -> None:
+    """A resumed run's directory: the folder its killed coordinator left is removed (the run's
+    lock is the new coordinator's), a folder not ours or not a folder is left alone."""
+    old = tmp_path / ".heartbeats-old"
+    old.mkdir(mode=0o700)
+    (old / "hb").write_text("")
+    (tmp_path / ".heartbeats-file").write_text("not a folder")
+    folder = netns.socket_folder(tmp_path)
+    assert not old.exists() and folder.is_dir() and (tmp_path / ".heartbeats-file").exists()

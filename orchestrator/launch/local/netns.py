@@ -26,6 +26,7 @@ import itertools
 import os
 import select
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,11 @@ def socket_folder(run_dir: Path) -> Path:
     if len(os.fsencode(base)) + len("/.heartbeats-XXXXXXXX/hb") > _SUN_PATH_MAX:
         runtime = os.environ.get("XDG_RUNTIME_DIR", "")
         base = Path(runtime if os.path.isabs(runtime) and os.path.isdir(runtime) else tempfile.gettempdir())
+    for stale in base.glob(".heartbeats-*") if base == run_dir.resolve() else ():
+        with contextlib.suppress(OSError):  # a coordinator's before this one, killed (the run's lock is ours)
+            st = os.lstat(stale)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                shutil.rmtree(stale)
     return Path(tempfile.mkdtemp(prefix=".heartbeats-", dir=base))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from orchestrator.launch.exposure import PRIVATE_NETWORK, Exposure
 from orchestrator.launch.kind import Kind, Where
 from orchestrator.launch.slurm import spec as slurm_spec
 
@@ -62,6 +63,11 @@ class SlurmKind(Kind):
 
     def tasks_key(self, spec: ClusterSpec, host: int) -> Where:
         return slurm_spec.tasks_key(spec, host)
+
+    def reach(self, spec: ClusterSpec) -> Exposure:
+        return Exposure(
+            False, "every address of the allocated nodes, by whoever can reach them", PRIVATE_NETWORK
+        )
 
     def spec_problems(self, spec: ClusterSpec) -> list[SpecProblem]:
         return slurm_spec.problems(spec)
