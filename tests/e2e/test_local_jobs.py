@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,17 +184,35 @@ def test_signal_to_coordinator_stops_everything_and_exits_130(job_factory, sig):
     assert json.loads((job.run_dir / "status.json").read_text())["state"] == "INTERRUPTED"
 
 
+def namespace_holders(network: str) -> list[str]:
+    """Every process in the network namespace `network` (net:[inode]) or holding a descriptor of it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/net") == network:
+                found.append(f"{pid} in it")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == network:
+                        found.append(f"{pid} holds it")
+    return found
+
+
 def test_tasks_exit_by_themselves_when_coordinator_is_killed(job_factory):
     job = job_factory(SLEEPER, "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\n")
     proc = job.start()
     try:
         assert wait_until(lambda: len(run_processes(job.run_id)) == 2, 30)
         assert wait_until(lambda: '"state": "RUNNING"' in _read(job.run_dir / "status.json"), 30)
+        network = os.readlink(f"/proc/{job.task('worker-0')['pid']}/ns/net")
+        assert network != os.readlink("/proc/self/ns/net")  # the run's own network namespace
+        assert namespace_holders(network), "the namespace is held"
         proc.kill()  # SIGKILL: no teardown at all
         proc.wait(timeout=10)
         t0 = time.monotonic()
         assert wait_until(lambda: run_processes(job.run_id) == [], 15), "orphans survived their coordinator"
         assert time.monotonic() - t0 < 3 + 5
+        assert namespace_holders(network) == []  # no holder process, no descriptor: it is gone
     finally:
         proc.kill()
     log = (job.run_dir / "logs" / "worker-0.log").read_text()
