@@ -13,6 +13,7 @@ from orchestrator.plan import LaunchPlan
 from orchestrator.spec.load import key_lines
 from orchestrator.supervise import restores
 from orchestrator.supervise.policy import Failure, FailureKind
+from worker import wire
 
 #: What Keras 3 raises under tf.distribute where tf-keras trains (docs/architecture.md §7: five of the six
 #: official tutorials, keras-team/keras#20585), matched in the error's message or traceback.
@@ -32,10 +33,37 @@ def hints(
     """The hints for a run's failures (each said once)."""
     out: list[str] = []
     for failure in failures:
-        for hint in (keras3_hint(failure, plan, run_dir, spec_name), diverged_hint(failure)):
+        for hint in (
+            keras3_hint(failure, plan, run_dir, spec_name),
+            diverged_hint(failure),
+            network_hint(failure, plan),
+        ):
             if hint is not None and hint not in out:
                 out.append(hint)
     return out
+
+
+#: What a program says when it reaches for a network it does not have (a name to resolve, an
+#: address with no route): in a local run's own network namespace there is its loopback alone.
+NO_NETWORK_SIGNS = re.compile(
+    r"Temporary failure in name resolution|Name or service not known|No address associated with hostname"
+    r"|Network is unreachable|No route to host|Errno -[235]\]|Errno 101\]"
+)
+
+
+def network_hint(failure: Failure, plan: LaunchPlan) -> str | None:
+    """A task of a run in its own network namespace that reached for the network outside."""
+    error = failure.error
+    if error is None or not NO_NETWORK_SIGNS.search(f"{error.message}\n{error.traceback}"):
+        return None
+    if not any(t.env.get(wire.ENV_COORDINATOR, "").startswith(wire.UNIX_SCHEME) for t in plan.tasks):
+        return None  # on the machine's own network: the network itself is down
+    return (
+        "hint: the tasks run in a network namespace of the run's own (local.isolate_network), which "
+        "reaches nothing outside it: fetch what the job downloads before the run (a dataset into "
+        "~/.keras/datasets, say), or set `local: {isolate_network: off}` (its TF ports are then "
+        "open to every user of this machine)"
+    )
 
 
 def diverged_hint(failure: Failure) -> str | None:

@@ -105,8 +105,8 @@ FORGER = """
             # its own credential, another task's name (a pid and seq meant to drown the real one's);
             # then its own name, with a point that names another task
             for name, point in (("worker-0", {"step": 999}), ("worker-1", {"step": 999, "task": "worker-0"})):
-                forged = json.dumps({"task": name, "attempt": 0, "seq": 10**9, "sent_at": time.time(), "pid": 1,
-                                     "points": [point]}).encode()
+                forged = json.dumps({"task": name, "attempt": 0, "seq": 10**9, "sent_at": time.time(),
+                                     "pid": 1, "points": [point]}).encode()
                 sock = dial(os.environ["ORCHESTRATE_COORDINATOR"], 5)
                 head = (f"POST /v1/heartbeat HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: {len(forged)}\\r\\n"
                         f"X-Orchestrate-Token: {os.environ['ORCHESTRATE_TOKEN']}\\r\\n\\r\\n")

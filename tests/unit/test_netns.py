@@ -253,3 +253,88 @@ def test_the_socket_folder_of_a_coordinator_killed_before_goes(tmp_path: Path) -
     (tmp_path / ".heartbeats-file").write_text("not a folder")
     folder = netns.socket_folder(tmp_path)
     assert not old.exists() and folder.is_dir() and (tmp_path / ".heartbeats-file").exists()
+
+
+REACH_OUT = """
+import json, socket, traceback, urllib.request
+said = []
+for reach in (lambda: urllib.request.urlopen("http://example.com/", timeout=5),
+              lambda: socket.create_connection(("192.0.2.1", 80), timeout=5)):
+    try:
+        reach()
+        said.append(None)
+    except Exception as exc:
+        said.append([type(exc).__name__, str(exc), traceback.format_exc()])
+print(json.dumps(said))
+"""
+
+
+def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_does_not(
+    tmp_path: Path,
+) -> None:
+    """What a download says in the namespace (run there for real), and the hint that follows."""
+    from orchestrator.hints import network_hint
+    from orchestrator.launch.local.placement import local_placements
+    from orchestrator.plan import make_plan
+    from orchestrator.supervise.policy import Failure, FailureKind
+    from worker.wire import TaskError
+
+    made = netns.make()
+    assert isinstance(made, netns.Namespace), made
+    try:
+        out = subprocess.run(
+            made.enter([sys.executable, "-c", REACH_OUT]),
+            pass_fds=made.fds,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        made.close()
+    said = json.loads(out.stdout)
+    assert None not in said, said  # nothing outside is reached
+    spec = spec_of(tmp_path)
+    for url, hinted in (("unix:/run/x/hb", True), ("http://127.0.0.1:1", False)):
+        places = local_placements(
+            spec,
+            {"worker-0": 1, "worker-1": 2},
+            run_dir=tmp_path,
+            spec_dir=tmp_path,
+            coordinator_url=url,
+            python="p",
+        )
+        plan = make_plan(spec, "t-1", places)  # type: ignore[arg-type]
+        for name, message, trace in said:
+            failure = Failure(
+                ("worker-0",),
+                FailureKind.EXCEPTION,
+                0,
+                f"raised {name}",
+                error=TaskError(name, message, trace),
+            )
+            hint = network_hint(failure, plan)
+            assert (hint is not None) == hinted, (message, hint)
+            assert hint is None or "isolate_network: off" in hint
+    print([m for _, m, _ in said])
+
+
+@pytest.mark.parametrize(
+    ("script", "wanted"),
+    [
+        ("echo 'something else'; sleep 60", "something else"),  # talks, then hangs
+        ("sleep 60", "no answer from unshare in 1 s"),  # says nothing at all
+        ("exit 3", "unshare exited 3"),
+    ],
+)
+def test_a_tool_that_misbehaves_is_said_in_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, wanted: str
+) -> None:
+    fake = tmp_path / "unshare"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    (tmp_path / "nsenter").symlink_to(shutil.which("nsenter") or "/usr/bin/nsenter")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t0 = time.monotonic()
+    said = netns.make(timeout_s=1.0)
+    assert isinstance(said, str) and said.startswith(wanted), said
+    assert time.monotonic() - t0 < 5

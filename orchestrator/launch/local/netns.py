@@ -26,6 +26,7 @@ import itertools
 import os
 import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -82,7 +83,8 @@ OPEN = "every address of this machine, by every user of it"
 
 
 def isolated() -> Exposure:
-    return Exposure(True, ISOLATED, "a private network namespace: its loopback alone")
+    why = "a private network namespace, its loopback alone: the tasks reach nothing outside the run either"
+    return Exposure(True, ISOLATED, why)
 
 
 def open_because(why: str) -> Exposure:
@@ -140,7 +142,10 @@ def make(timeout_s: float = _READY_S) -> Namespace | str:
     try:
         said = _first_line(holder, timeout_s)
         if said != "ready":
-            holder.wait(timeout=timeout_s)
+            try:
+                holder.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill(holder)  # said something else and went on: not our holder's way
             rest = holder.stdout.read().decode(errors="replace").strip()
             return refusal(" ".join(x for x in (said, rest) if x) or f"unshare exited {holder.returncode}")
         try:
@@ -158,9 +163,15 @@ def make(timeout_s: float = _READY_S) -> Namespace | str:
         try:
             holder.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait()
+            _kill(holder)
         holder.stdout.close()
+
+
+def _kill(holder: subprocess.Popen[bytes]) -> None:
+    """The holder and whatever it started (its own session): nothing of it may hold our pipe."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait()
 
 
 def _first_line(holder: subprocess.Popen[bytes], timeout_s: float) -> str:
