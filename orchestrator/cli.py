@@ -97,7 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for warning in warnings:  # the plan is shown all the same: it launches nothing
         print(f"orchestrate: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps({**plan.to_json(), "network": launch.reach(spec).to_json()}, indent=2))
         return EXIT_OK
     print(f"{plan.name}: {plan.strategy.value} on the {plan.backend} backend, {len(plan.tasks)} tasks")
     print(f"cluster: {json.dumps(dict(plan.cluster))}")

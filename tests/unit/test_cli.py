@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from orchestrator import cli, rundir
+from orchestrator.launch.exposure import PRIVATE_NETWORK
 from tests.unit.test_spec import MINIMAL, REPO, y
 from worker import stacks
 
@@ -146,6 +147,7 @@ def test_plan_json_of_a_local_spec(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 0
     plan = json.loads(out)
     assert plan["name"] == "demo" and plan["backend"] == "local"
+    assert plan["network"]["isolated"] is True  # where its TF ports are reachable: its own namespace
     tasks = plan["tasks"]
     assert [t["name"] for t in tasks] == ["worker-0", "worker-1"]
     addresses = plan["cluster"]["worker"]
@@ -174,6 +176,11 @@ def test_plan_json_of_an_ssh_spec(
     assert code == 0
     plan = json.loads(out)
     assert plan["backend"] == "ssh"
+    assert plan["network"] == {
+        "isolated": False,
+        "reachable_from": "every address of 10.255.255.1, by whoever can reach them",
+        "why": PRIVATE_NETWORK,
+    }
     assert all(t["host"] == "10.255.255.1" for t in plan["tasks"])
     assert all(t["tf_config"]["cluster"] == plan["cluster"] for t in plan["tasks"])
 
