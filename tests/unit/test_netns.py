@@ -338,3 +338,79 @@ def test_a_tool_that_misbehaves_is_said_in_bounded_time(
     said = netns.make(timeout_s=1.0)
     assert isinstance(said, str) and said.startswith(wanted), said
     assert time.monotonic() - t0 < 5
+
+
+SHARED = """
+import os, socket, sys
+from multiprocessing import shared_memory
+name, abstract = sys.argv[1], sys.argv[2]
+if sys.argv[3] == "make":
+    block = shared_memory.SharedMemory(name=name, create=True, size=16)  # /dev/shm, as NCCL's and CUDA IPC's
+    block.buf[:5] = b"inner"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("\\0" + abstract)  # an abstract socket (NCCL's proxy): per network namespace
+    server.listen()
+    print("ready", flush=True)
+    conn, _ = server.accept()
+    conn.sendall(b"peer")
+    sys.stdin.read()
+    block.close(); block.unlink()
+else:
+    client = socket.socket(socket.AF_UNIX)
+    client.connect("\\0" + abstract)
+    devices = open("/dev/null", "rb").read(), len(open("/dev/zero", "rb").read(8))
+    print(client.recv(4).decode(), *devices, flush=True)
+"""
+
+
+def test_tasks_of_a_run_share_shared_memory_with_the_host_and_abstract_sockets_among_themselves() -> None:
+    """What NCCL and CUDA IPC between a machine's tasks use: /dev/shm (not network-namespaced: the
+    host sees it too), abstract Unix sockets (network-namespaced: every task of the run shares
+    them, the host does not), device nodes (opened as before)."""
+    from multiprocessing import shared_memory
+
+    name, abstract = f"orchestrate-{os.getpid()}", f"orchestrate-test-{os.getpid()}"
+    made = netns.make()
+    assert isinstance(made, netns.Namespace), made
+    maker = subprocess.Popen(
+        made.enter([sys.executable, "-c", SHARED, name, abstract, "make"]),
+        pass_fds=made.fds,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert maker.stdout is not None and maker.stdout.readline().strip() == "ready"
+        block = shared_memory.SharedMemory(name=name)
+        assert bytes(block.buf[:5]) == b"inner"
+        block.close()
+        with socket.socket(socket.AF_UNIX) as outside, pytest.raises(ConnectionRefusedError):
+            outside.connect("\0" + abstract)  # the host's namespace has no such socket
+        peer = subprocess.run(
+            made.enter([sys.executable, "-c", SHARED, name, abstract, "use"]),
+            pass_fds=made.fds,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert peer.stdout.strip() == "peer b'' 8", peer.stderr
+    finally:
+        assert maker.stdin is not None
+        maker.stdin.close()
+        maker.wait(timeout=10)
+        made.close()
+    nvidia = Path("/dev/nvidiactl")
+    if nvidia.exists():  # a GPU machine: its device nodes open inside as outside
+        made = netns.make()
+        assert isinstance(made, netns.Namespace), made
+        try:
+            opened = subprocess.run(
+                made.enter([sys.executable, "-c", f"open({str(nvidia)!r}, 'rb').close()"]),
+                pass_fds=made.fds,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        finally:
+            made.close()
+        assert opened.returncode == 0, opened.stderr
