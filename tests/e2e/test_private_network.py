@@ -19,10 +19,13 @@ import pytest
 from tests.conftest import run_processes, wait_until
 from tests.e2e.test_strategies import LoopJob
 
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one `nobody` may run
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to act as nobody"
+        os.geteuid() != 0 or not shutil.which("runuser") or not SYSTEM_PYTHON,
+        reason="needs root (to act as nobody) and the system's python3",
     ),
 ]
 
@@ -97,7 +100,7 @@ def attack(job: LoopJob) -> dict:
     heartbeats = heartbeats.removeprefix("unix:")  # where isolation is off: a TCP URL, no such file
     args = [json.dumps(every_address()), json.dumps(ports), heartbeats]
     out = subprocess.run(
-        ["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-I", "-c", ATTACK, *args],
+        ["runuser", "-u", "nobody", "--", str(SYSTEM_PYTHON), "-I", "-c", ATTACK, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -165,3 +168,16 @@ def test_where_the_kernel_refuses_the_run_says_so_and_goes_on(tmp_path):
     # the attack works: the same user reaches the ports of a run that could not close them
     assert seen["connected"] and set(seen["listening_here"]) == set(seen["ports"]), seen
     assert seen["while_training"], seen
+
+
+def test_on_refuses_to_run_without_the_namespace(tmp_path):
+    """`local: {isolate_network: on}` where the kernel refuses: exit 3 with the reason, nothing started."""
+    job = RefusedJob(tmp_path, "parameter_server", TASKS, steps=10, extra="local: {isolate_network: on}\n")
+    res = subprocess.run(job.command(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert (
+        "local.isolate_network is on, but no private network namespace can be made here: unshare: unshare "
+        "failed: No space left on device: user.max_user_namespaces=0 on this machine"
+    ) in res.stderr + res.stdout
+    assert "Traceback" not in res.stderr + res.stdout
+    assert not (job.run_dir / "logs" / "chief-0.log").exists()
