@@ -28,6 +28,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
+from orchestrator.launch import registry
 from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.exposure import Exposure
 from orchestrator.logtail import LogTailer
@@ -310,9 +311,8 @@ def _heartbeat_server(
         ).start()
     except OSError as exc:
         key = f" ({backend.listen_key})" if backend.listen_key else ""
-        raise LaunchError(
-            f"cannot listen for heartbeats on {host}:{port}{key}: {exc.strerror or exc}"
-        ) from None
+        where = host.removeprefix("unix:") if host.startswith("unix:") else f"{host}:{port}"
+        raise LaunchError(f"cannot listen for heartbeats on {where}{key}: {exc.strerror or exc}") from None
     try:
         yield server
     finally:
@@ -320,13 +320,17 @@ def _heartbeat_server(
 
 
 def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure:
-    """From where the run's TF ports can be reached; where the backend made them the run's own
-    (local) and could not, said once."""
+    """From where the run's TF ports can be reached, as its backend says; where it could have
+    closed them and could not (local), said once."""
     network = backend.exposure()
-    if network is not None and not network.isolated:
+    if network is None:  # as its kind says of the spec (asked of no host), where that asks nothing
+        kind = registry.get(spec.backend)
+        unsaid = Exposure(False, "wherever the backend's hosts can be reached", "the backend does not say")
+        return unsaid if kind.reach_makes else kind.reach(spec)
+    if network.warn and not network.isolated:
         why = f"this run's TF ports are open to every user of this machine ({network.why})"
         record.event(kind="warning", reason=why)
-    return network or launch.reach(spec)
+    return network
 
 
 @contextlib.contextmanager

@@ -332,7 +332,8 @@ class Reporter:
         at once, not at its next flush. Head and body go in one write (http.client sends them
         apart: two segments, two wake-ups of the coordinator per heartbeat)."""
         assert self._config is not None
-        url = urllib.parse.urlsplit(self._config.url)
+        unix = self._config.url.startswith(wire.UNIX_SCHEME)
+        url = urllib.parse.urlsplit("http://localhost" if unix else self._config.url)
         host, port = url.hostname or "127.0.0.1", url.port or 80
         request = (
             f"POST {wire.HEARTBEAT_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\n"

@@ -16,6 +16,7 @@ class Exposure:
     isolated: bool  # in a network of the run's own
     reachable_from: str
     why: str
+    warn: bool = False  # said once on the console when a run opens (not in status.json)
 
     def to_json(self) -> dict[str, object]:
         return {"isolated": self.isolated, "reachable_from": self.reachable_from, "why": self.why}

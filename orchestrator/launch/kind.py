@@ -46,6 +46,9 @@ class Kind(abc.ABC):
     #: `hosts:` may list spare ones (`spare: true`) for them (docs/architecture.md §6).
     loses_hosts: ClassVar[bool] = False
     spare_hosts: ClassVar[bool] = False
+    #: Whether `reach` makes something to find out (local: a network namespace): a run asks its
+    #: backend's `exposure()` instead.
+    reach_makes: ClassVar[bool] = False
 
     @abc.abstractmethod
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:

@@ -158,7 +158,8 @@ def test_where_the_kernel_refuses_the_run_says_so_and_goes_on(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     said = (
         "orchestrate: this run's TF ports are open to every user of this machine (no private network "
-        "namespace: unshare: unshare failed: No space left on device: user.max_user_namespaces=0 "
+        "namespace: unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: No space left on device: "
+        "user.max_user_namespaces=0 "
         "on this machine)"
     )
     assert out.count(said) == 1, out[-3000:]
@@ -176,8 +177,9 @@ def test_on_refuses_to_run_without_the_namespace(tmp_path):
     res = subprocess.run(job.command(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 3, res.stdout + res.stderr
     assert (
-        "local.isolate_network is on, but no private network namespace can be made here: unshare: unshare "
-        "failed: No space left on device: user.max_user_namespaces=0 on this machine"
+        "local.isolate_network is on, but no private network namespace can be made here: "
+        "unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: No space left on device: user.max_user_namespaces=0 "
+        "on this machine"
     ) in res.stderr + res.stdout
     assert "Traceback" not in res.stderr + res.stdout
     assert not (job.run_dir / "logs" / "chief-0.log").exists()

@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,23 +114,13 @@ def test_the_kernels_refusal_is_said_in_its_words(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     said = out.stdout.strip()
-    assert "unshare failed: No space left on device" in said, said
+    assert said.startswith("unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: No space left on device"), said
     assert said.endswith(": user.max_user_namespaces=0 on this machine"), said
 
 
 def test_a_missing_tool_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither unshare nor nsenter there
-    assert netns.make() == "unshare and nsenter (util-linux) not found on PATH"
-
-
-def test_a_tool_that_fails_is_said_with_its_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = tmp_path / "unshare"
-    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    (tmp_path / "nsenter").symlink_to(shutil.which("nsenter") or "/usr/bin/nsenter")
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    said = netns.make()
-    assert isinstance(said, str) and said.startswith("unshare: unshare failed: Operation not permitted"), said
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nsenter there
+    assert netns.make() == "nsenter (util-linux) not found on PATH"
 
 
 def test_the_spec_decides_and_on_refuses_to_run_without(
@@ -169,15 +160,56 @@ def test_the_spec_decides_and_on_refuses_to_run_without(
     on.close()
 
 
-def test_a_long_run_directory_gets_its_socket_in_a_private_folder_elsewhere(tmp_path: Path) -> None:
+def test_a_long_run_directory_gets_its_socket_in_a_private_folder_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    folder = netns.socket_folder(deep)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(deep))  # a temp folder as long: the next one that fits
+    tempfile.tempdir = None  # read TMPDIR again
     try:
-        assert len(os.fsencode(folder / "hb")) <= 107 and not folder.is_relative_to(deep)
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+        folder = netns.socket_folder(deep)
     finally:
-        folder.rmdir()
+        tempfile.tempdir = None
+    try:
+        assert len(os.fsencode(folder / "hb")) <= 107 and folder.parent == Path("/tmp")
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+        # elsewhere, a folder is another run's until its socket no longer answers
+        live = HeartbeatServer(HealthStore(time.monotonic), unit_credentials(), host=f"unix:{folder / 'hb'}")
+        dead = Path(tempfile.mkdtemp(prefix=".heartbeats-", dir="/tmp"))
+        with socket.socket(socket.AF_UNIX) as gone:
+            gone.bind(str(dead / "hb"))  # bound, never listening: as a killed coordinator's
+        try:
+            again = netns.socket_folder(deep)
+            assert folder.exists() and not dead.exists()
+            again.rmdir()
+        finally:
+            live.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(dead, ignore_errors=True)
+
+
+def test_no_folder_for_the_socket_runs_on_the_hosts_network_under_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_room(run_dir: Path) -> Path:
+        raise OSError("no folder whose path leaves room for a Unix socket (107 bytes)")
+
+    monkeypatch.setattr(netns, "socket_folder", no_room)
+    auto = netns.Network(spec_of(tmp_path))  # type: ignore[arg-type]
+    assert auto.make(tmp_path) is None and auto.namespace is None
+    assert (
+        auto.exposure is not None
+        and auto.exposure.warn
+        and "no folder for the heartbeat socket" in auto.exposure.why
+    )
+    on = netns.Network(spec_of(tmp_path, "local: {isolate_network: on}\n"))  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="no folder for the heartbeat socket"):
+        on.make(tmp_path)
+    off = netns.Network(spec_of(tmp_path, "local: {isolate_network: off}\n"))  # type: ignore[arg-type]
+    assert off.make(tmp_path) is None and off.exposure is not None and not off.exposure.warn
 
 
 def test_heartbeats_over_the_unix_socket(tmp_path: Path) -> None:
@@ -319,25 +351,27 @@ def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_d
 
 
 @pytest.mark.parametrize(
-    ("script", "wanted"),
+    ("holder", "wanted"),
     [
-        ("echo 'something else'; sleep 60", "something else"),  # talks, then hangs
-        ("sleep 60", "no answer from unshare in 1 s"),  # says nothing at all
-        ("exit 3", "unshare exited 3"),
+        ("import time; print('something else', flush=True); time.sleep(60)", "something else"),  # then hangs
+        ("import time; time.sleep(60)", "no answer from the namespace's holder in 1 s"),  # says nothing
+        ("import sys; sys.exit(3)", "the holder exited 3"),
+        (
+            "print('unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: Operation not permitted')",
+            "unshare(CLONE_NEWUSER",
+        ),
     ],
 )
-def test_a_tool_that_misbehaves_is_said_in_bounded_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, wanted: str
+def test_a_holder_that_cannot_make_it_is_said_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch, holder: str, wanted: str
 ) -> None:
-    fake = tmp_path / "unshare"
-    fake.write_text(f"#!/bin/sh\n{script}\n")
-    fake.chmod(0o755)
-    (tmp_path / "nsenter").symlink_to(shutil.which("nsenter") or "/usr/bin/nsenter")
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(netns, "_HOLDER", holder)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
     said = netns.make(timeout_s=1.0)
     assert isinstance(said, str) and said.startswith(wanted), said
     assert time.monotonic() - t0 < 5
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing of it left
 
 
 SHARED = """

@@ -23,6 +23,7 @@ class LocalKind(Kind):
 
     name: ClassVar[str] = "local"
     section = LocalSpec
+    reach_makes = True  # it makes a namespace to see whether one can be made
 
     def open(self, spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
         from orchestrator.launch.local.backend import LocalBackend

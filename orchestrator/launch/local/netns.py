@@ -2,31 +2,36 @@
 exist only inside it (TF's gRPC servers listen on *:PORT, unauthenticated: on a shared machine any
 other user could run TensorFlow operations as the person training).
 
-Made without root: `unshare --user --map-current-user --net` starts a holder that brings the new
-namespace's loopback up (`--keep-caps`: the namespace's own CAP_NET_ADMIN, nothing on the host)
-and waits. The coordinator opens the holder's namespace files (/proc/PID/ns/user, /ns/net) and lets
-the holder go: those descriptors keep the namespace while the run lasts, and close with the
-coordinator however it ends (even SIGKILL) — no holder process is left to stop. Each task enters
-with `nsenter --preserve-credentials` (its own uid, so its files on disk are owned as before), which
-then executes the task: the task's pid is the one started. Heartbeats come back over a Unix socket
-(a path in the filesystem crosses network namespaces; an abstract one would not).
+Made without root: a holder (Python, -S) calls unshare(CLONE_NEWUSER | CLONE_NEWNET) itself, maps
+its own uid and gid into the new user namespace (as `unshare --map-current-user` does, with no
+util-linux version to depend on), brings the new namespace's loopback up (with the namespace's own
+CAP_NET_ADMIN, nothing on the host) and waits. The coordinator opens the holder's namespace files
+(/proc/PID/ns/user, /ns/net) and lets the holder go: those descriptors keep the namespace while the
+run lasts, and close with the coordinator however it ends (even SIGKILL) — no holder process is
+left to stop. Each task enters with `nsenter --preserve-credentials` (util-linux ≥ 2.28; its own
+uid, so its files on disk are owned as before), which then executes the task: the task's pid is
+the one started. Heartbeats come back over a Unix socket (a path in the filesystem crosses network
+namespaces; an abstract one would not).
 
 Files, /dev/nvidia* and /dev/shm are not network-namespaced: a task sees them as it did. Every task
 shares the one namespace, so NCCL and TF between them work over its loopback.
 
 Where the kernel refuses user namespaces (kernel.unprivileged_userns_clone=0, AppArmor's
 apparmor_restrict_unprivileged_userns, user.max_user_namespaces=0, a container whose seccomp
-profile forbids them) or util-linux is missing, `make` says why, read from the kernel's answer.
+profile forbids them) or nsenter is missing, `make` says why, read from the kernel's answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import itertools
 import os
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -41,23 +46,34 @@ from orchestrator.launch.exposure import Exposure
 from orchestrator.spec.model import ClusterSpec, Strict
 from orchestrator.spec.roles import task_slots
 
-#: The holder: loopback up (SIOCGIFFLAGS, SIOCSIFFLAGS | IFF_UP), "ready", then wait for its stdin
-#: to close. Run with -S: no site import, ~20 ms.
+#: The holder: its own user and network namespace, its uid and gid mapped (one line each, as an
+#: unprivileged process may), loopback up (SIOCGIFFLAGS, SIOCSIFFLAGS | IFF_UP), "ready", then it
+#: waits for its stdin to close. Single-threaded (unshare of a user namespace requires it).
 _HOLDER = r"""
-import fcntl, socket, struct, sys
+import ctypes, fcntl, os, socket, struct, sys
+def fail(what, err):
+    print(f"{what}: {os.strerror(err)}", flush=True)
+    sys.exit(1)
+uid, gid = os.geteuid(), os.getegid()
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
+    fail("unshare(CLONE_NEWUSER|CLONE_NEWNET) refused", ctypes.get_errno())
+for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+    try:
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    except OSError as exc:
+        fail(f"cannot map the user into its namespace ({name})", exc.errno)
 try:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
     fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 1))
 except OSError as exc:
-    print(f"cannot bring up the namespace's loopback: {exc.strerror or exc}", flush=True)
-    sys.exit(1)
+    fail("cannot bring up the namespace's loopback", exc.errno)
 print("ready", flush=True)
 sys.stdin.read()
 """
 
 _READY_S = 10.0
-_TOOLS = ("unshare", "nsenter")
 
 
 class LocalSpec(Strict):
@@ -87,8 +103,9 @@ def isolated() -> Exposure:
     return Exposure(True, ISOLATED, why)
 
 
-def open_because(why: str) -> Exposure:
-    return Exposure(False, OPEN, why)
+def open_because(why: str, warn: bool = True) -> Exposure:
+    """Open to every user; `warn`: said on the console (not where the spec asked for it: off)."""
+    return Exposure(False, OPEN, why, warn=warn)
 
 
 class Namespace:
@@ -123,48 +140,59 @@ class Namespace:
 
 def make(timeout_s: float = _READY_S) -> Namespace | str:
     """A new namespace, or why none can be made (the kernel's or the tool's own words)."""
-    tools = {name: shutil.which(name) for name in _TOOLS}
-    missing = [name for name, path in tools.items() if path is None]
-    if missing:
-        return f"{' and '.join(missing)} (util-linux) not found on PATH"
-    argv = [tools["unshare"], "--user", "--map-current-user", "--net", "--keep-caps", "--"]
+    nsenter = shutil.which("nsenter")
+    if nsenter is None:
+        return "nsenter (util-linux) not found on PATH"
     try:
         holder = subprocess.Popen(
-            [*argv, sys.executable, "-S", "-c", _HOLDER],  # type: ignore[list-item]
+            [sys.executable, "-S", "-c", _HOLDER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     except OSError as exc:
-        return f"cannot run unshare: {exc.strerror or exc}"
+        return f"cannot start the namespace's holder: {exc.strerror or exc}"
     assert holder.stdin is not None and holder.stdout is not None
     try:
         said = _first_line(holder, timeout_s)
         if said != "ready":
+            holder.stdin.close()
             try:
-                holder.wait(timeout=timeout_s)
+                holder.wait(timeout=min(timeout_s, 2.0))
             except subprocess.TimeoutExpired:
-                _kill(holder)  # said something else and went on: not our holder's way
+                _kill(holder)  # said nothing, or something else and went on: not our holder's way
             rest = holder.stdout.read().decode(errors="replace").strip()
-            return refusal(" ".join(x for x in (said, rest) if x) or f"unshare exited {holder.returncode}")
+            return refusal(" ".join(x for x in (said, rest) if x) or f"the holder exited {holder.returncode}")
         try:
-            user = os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            user = _above_stdio(os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
         except OSError as exc:
             return f"cannot open the namespace: {exc.strerror or exc}"
         try:
-            net = os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            net = _above_stdio(os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC))
         except OSError as exc:
             os.close(user)
             return f"cannot open the namespace: {exc.strerror or exc}"
-        return Namespace(user, net, tools["nsenter"])  # type: ignore[arg-type]
+        return Namespace(user, net, nsenter)
     finally:
-        holder.stdin.close()  # the holder's signal to go (the namespace stays with our descriptors)
+        if not holder.stdin.closed:
+            holder.stdin.close()  # the holder's signal to go (the namespace stays with our descriptors)
         try:
             holder.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill(holder)
         holder.stdout.close()
+
+
+def _above_stdio(fd: int) -> int:
+    """`fd` moved above 0-2 (a coordinator started with one of them closed would get one; a task's
+    stdin or output would then take its place in the child)."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
 
 
 def _kill(holder: subprocess.Popen[bytes]) -> None:
@@ -182,7 +210,10 @@ def _first_line(holder: subprocess.Popen[bytes], timeout_s: float) -> str:
     while b"\n" not in got:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return got.decode(errors="replace").strip() or f"no answer from unshare in {timeout_s:g} s"
+            return (
+                got.decode(errors="replace").strip()
+                or f"no answer from the namespace's holder in {timeout_s:g} s"
+            )
         chunk = os.read(fd, 4096)
         if not chunk:
             break
@@ -191,9 +222,11 @@ def _first_line(holder: subprocess.Popen[bytes], timeout_s: float) -> str:
 
 
 def refusal(said: str) -> str:
-    """The tool's words, with the kernel setting that explains them where one does."""
+    """The holder's words, with the kernel setting that explains them where one does (a refusal:
+    not permitted, or a limit reached)."""
     said = " ".join(said.split())[:300]
-    cause = kernel_setting()
+    refused = any(w in said for w in ("Operation not permitted", "Permission denied", "No space left"))
+    cause = kernel_setting() if refused else None
     return f"{said}: {cause}" if cause else said
 
 
@@ -222,17 +255,35 @@ _SUN_PATH_MAX = 107
 
 def socket_folder(run_dir: Path) -> Path:
     """A new private (0700) folder for the run's heartbeat socket: in the run directory where the
-    socket's path fits a Unix socket address, else in the user's runtime folder or the temp one."""
-    base = run_dir.resolve()
-    if len(os.fsencode(base)) + len("/.heartbeats-XXXXXXXX/hb") > _SUN_PATH_MAX:
-        runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-        base = Path(runtime if os.path.isabs(runtime) and os.path.isdir(runtime) else tempfile.gettempdir())
-    for stale in base.glob(".heartbeats-*") if base == run_dir.resolve() else ():
-        with contextlib.suppress(OSError):  # a coordinator's before this one, killed (the run's lock is ours)
+    socket's path fits a Unix socket address, else in the user's runtime folder or the temp one
+    (OSError where none fits). Folders left there by coordinators killed before are removed."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    for base in (run_dir.resolve(), Path(runtime), Path(tempfile.gettempdir()), Path("/tmp")):
+        if not base.is_absolute() or not base.is_dir():
+            continue
+        if len(os.fsencode(base)) + len("/.heartbeats-XXXXXXXX/hb") <= _SUN_PATH_MAX:
+            _sweep(base, in_run=base == run_dir.resolve())
+            return Path(tempfile.mkdtemp(prefix=".heartbeats-", dir=base))
+    raise OSError(f"no folder whose path leaves room for a Unix socket ({_SUN_PATH_MAX} bytes)")
+
+
+def _sweep(base: Path, in_run: bool) -> None:
+    """Our socket folders in `base` whose coordinator is gone: in the run directory, any (the run's
+    lock is this coordinator's); elsewhere, those whose socket no longer answers (another run's
+    coordinator, alive, keeps its own)."""
+    for stale in base.glob(".heartbeats-*"):
+        with contextlib.suppress(OSError):
             st = os.lstat(stale)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-                shutil.rmtree(stale)
-    return Path(tempfile.mkdtemp(prefix=".heartbeats-", dir=base))
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if not in_run:
+                with socket.socket(socket.AF_UNIX) as probe:
+                    try:
+                        probe.connect(str(stale / "hb"))
+                        continue  # a live coordinator's
+                    except ConnectionRefusedError:
+                        pass  # its coordinator is gone
+            shutil.rmtree(stale)
 
 
 class Network:
@@ -251,39 +302,31 @@ class Network:
         """The namespace, and the path of the heartbeat socket the tasks post to from it; None
         where they run on this machine's network (`exposure` says why). LaunchError where the
         spec says `on` and no namespace can be made."""
+        assert self.namespace is None, "one namespace a run"
         if self.mode == "off":
-            self.exposure = open_because("the spec's local.isolate_network is off")
+            self.exposure = open_because("the spec's local.isolate_network is off", warn=False)
             return None
         made = make()
-        if isinstance(made, str):
-            if self.mode == "on":
-                raise LaunchError(
-                    f"local.isolate_network is on, but no private network namespace can be made here: {made}"
-                )
-            self.exposure = open_because(f"no private network namespace: {made}")
-            return None
-        try:
-            self._folder = socket_folder(run_dir)
-        except OSError as exc:
-            made.close()
-            raise LaunchError(f"cannot make the heartbeat socket's folder: {exc}") from None
-        self.namespace, self.exposure = made, isolated()
-        return self._folder / "hb"
+        if not isinstance(made, str):
+            try:
+                self._folder = socket_folder(run_dir)
+            except OSError as exc:
+                made.close()
+                made = f"no folder for the heartbeat socket: {exc}"
+            else:
+                self.namespace, self.exposure = made, isolated()
+                return self._folder / "hb"
+        if self.mode == "on":
+            raise LaunchError(
+                f"local.isolate_network is on, but no private network namespace can be made here: {made}"
+            )
+        self.exposure = open_because(f"no private network namespace: {made}")
+        return None
 
     def probe(self) -> Exposure:
-        """What `make` would give now (`orchestrate plan` and `check`), holding nothing."""
-        if self.mode == "off":
-            return open_because("the spec's local.isolate_network is off")
-        made = make()
-        if isinstance(made, str):
-            stop = (
-                "; `orchestrate up` would stop (exit 3): local.isolate_network is on"
-                if self.mode == "on"
-                else ""
-            )
-            return open_because(f"no private network namespace: {made}{stop}")
-        made.close()
-        return isolated()
+        """What `make` would give now (`orchestrate plan` and `check`), holding nothing; asked
+        once a process (plan asks for the placements and for its line)."""
+        return _probe(self.mode)
 
     def ports(self) -> dict[str, int] | None:
         """Every task's TF port inside the namespace (None: there is none)."""
@@ -302,6 +345,18 @@ class Network:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+@functools.cache
+def _probe(mode: str) -> Exposure:
+    if mode == "off":
+        return open_because("the spec's local.isolate_network is off", warn=False)
+    made = make()
+    if isinstance(made, str):
+        stop = "; `orchestrate up` would stop (exit 3): local.isolate_network is on" if mode == "on" else ""
+        return open_because(f"no private network namespace: {made}{stop}")
+    made.close()
+    return isolated()
 
 
 _FIRST_PORT = 20000
