@@ -53,6 +53,7 @@ from orchestrator.supervise.records import SupervisorResult
 from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
 from orchestrator.view import LiveView, PlainView, View
+from worker import wire
 
 if TYPE_CHECKING:
     from orchestrator.web.server import WebServer
@@ -311,7 +312,7 @@ def _heartbeat_server(
         ).start()
     except OSError as exc:
         key = f" ({backend.listen_key})" if backend.listen_key else ""
-        where = host.removeprefix("unix:") if host.startswith("unix:") else f"{host}:{port}"
+        where = host.removeprefix(wire.UNIX_SCHEME) if host.startswith(wire.UNIX_SCHEME) else f"{host}:{port}"
         raise LaunchError(f"cannot listen for heartbeats on {where}{key}: {exc.strerror or exc}") from None
     try:
         yield server

@@ -43,10 +43,11 @@ class LocalKind(Kind):
         from orchestrator.launch.local import netns
         from orchestrator.launch.local.placement import local_placements
         from orchestrator.launch.local.ports import preview_ports
+        from worker import wire
 
         if self.reach(spec).isolated:  # every port is the run's own, in its network namespace
             ports, busy = netns.inside_ports(spec), list[str]()
-            url = f"unix:{run_dir}/.heartbeats-<chosen at launch>/hb"
+            url = f"{wire.UNIX_SCHEME}{run_dir}/.heartbeats-<chosen at launch>/hb"
             note = "every task in the run's own network namespace: its TF ports exist there alone"
         else:
             (ports, busy), url = preview_ports(spec), "http://127.0.0.1:<chosen at launch>"

@@ -100,15 +100,14 @@ class LocalBackend(Backend):
         self._python = python
         self._ports: PortReservation | None = None
         self._placements: dict[str, Placement] = {}
-        self._standbys = LocalStandbys(
-            spec.restart.standby, standby.for_run(spec), run_dir / "logs" / "standby"
-        )
         self._network = netns.Network(spec)  # the tasks' own network namespace, made by `listen`
+        self._standbys = LocalStandbys(
+            spec.restart.standby, standby.for_run(spec), run_dir / "logs" / "standby", self._network
+        )
 
     def listen(self) -> tuple[str, int]:
         """In a namespace of their own, the tasks reach the coordinator's Unix socket alone."""
         path = self._network.make(self._run_dir)
-        self._standbys.namespace = self._network.namespace
         return (f"{wire.UNIX_SCHEME}{path}", 0) if path is not None else super().listen()
 
     def exposure(self) -> Exposure | None:

@@ -278,6 +278,7 @@ def _sweep(base: Path, in_run: bool) -> None:
                 continue
             if not in_run:
                 with socket.socket(socket.AF_UNIX) as probe:
+                    probe.settimeout(1.0)  # a live one's backlog full: a wait, then kept
                     try:
                         probe.connect(str(stale / "hb"))
                         continue  # a live coordinator's

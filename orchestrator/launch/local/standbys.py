@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from orchestrator.launch import standby
-from orchestrator.launch.local.netns import Namespace
+from orchestrator.launch.local.netns import Network
 from orchestrator.plan import TaskPlan
 from orchestrator.record import now_iso, private_open
 from orchestrator.spec.model import Standby
@@ -67,13 +67,13 @@ class _One:
 
 
 class LocalStandbys:
-    def __init__(self, mode: Standby, run: standby.Verdict, logs: Path):
+    def __init__(self, mode: Standby, run: standby.Verdict, logs: Path, network: Network | None = None):
         self._mode = mode
         self._run = run  # whether the run may have standbys at all
         self._logs = logs  # each standby's output before its handover
+        self._network = network  # the tasks' (a standby starts where its task would)
         self._ready: dict[str, _One] = {}
         self.said: str | None = None  # why there are none, once said
-        self.namespace: Namespace | None = None  # the tasks' network namespace: standbys start in it
 
     def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
         """A standby for each task that has none; lines for the record (why none, said once)."""
@@ -104,10 +104,10 @@ class LocalStandbys:
         with private_open(path) as out:
             out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
             out.flush()
-            ns = self.namespace
+            net = self._network
             popen = subprocess.Popen(
-                ns.enter(list(command)) if ns is not None else list(command),
-                pass_fds=ns.fds if ns is not None else (),
+                net.enter(list(command)) if net is not None else list(command),
+                pass_fds=net.fds if net is not None else (),  # in the tasks' network namespace, if any
                 cwd=task.cwd,
                 env=env,
                 stdin=subprocess.PIPE,
