@@ -58,7 +58,12 @@ def spec_of(tmp_path: Path, local: str = "") -> object:
     return parse_spec(text, file="s.yaml", base_dir=tmp_path)
 
 
+def children() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
 def test_a_task_inside_has_its_loopback_alone_and_its_ports_are_out_of_reach(tmp_path: Path) -> None:
+    before = children()
     made = netns.make()
     assert isinstance(made, netns.Namespace), made
     port = 20000
@@ -86,18 +91,19 @@ def test_a_task_inside_has_its_loopback_alone_and_its_ports_are_out_of_reach(tmp
         assert inside.wait(timeout=10) == 0
     finally:
         made.close()
-    assert not psutil.Process().children()  # the holder is gone: the descriptors held it
+    assert children() <= before  # the holder is gone: the descriptors held it
 
 
 def test_a_namespace_gone_with_its_descriptors_leaves_no_process(tmp_path: Path) -> None:
-    before = set(psutil.pids())
+    before = children()
     made = netns.make()
     assert isinstance(made, netns.Namespace), made
+    assert children() <= before  # made, and its holder already gone
+    network = os.readlink(f"/proc/self/fd/{made.fds[1]}")
+    assert network.startswith("net:[") and network != os.readlink("/proc/self/ns/net")
     made.close()
     made.close()  # twice is harmless
-    time.sleep(0.1)
-    left = [p for p in set(psutil.pids()) - before if psutil.pid_exists(p)]
-    assert not [psutil.Process(p).cmdline() for p in left if psutil.Process(p).ppid() == os.getpid()]
+    assert made.fds == (-1, -1)
 
 
 def test_the_kernels_refusal_is_said_in_its_words(tmp_path: Path) -> None:
@@ -366,12 +372,12 @@ def test_a_holder_that_cannot_make_it_is_said_in_bounded_time(
     monkeypatch: pytest.MonkeyPatch, holder: str, wanted: str
 ) -> None:
     monkeypatch.setattr(netns, "_HOLDER", holder)
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = children()
     t0 = time.monotonic()
     said = netns.make(timeout_s=1.0)
     assert isinstance(said, str) and said.startswith(wanted), said
     assert time.monotonic() - t0 < 5
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing of it left
+    assert children() <= before  # nothing of it left
 
 
 SHARED = """
