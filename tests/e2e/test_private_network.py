@@ -118,12 +118,9 @@ def attack(job: LoopJob) -> dict:
     return seen
 
 
-def test_no_other_user_reaches_a_runs_tf_ports_or_its_heartbeats(tmp_path):
-    base = free_port()  # a port free here now: what connects there later would be ours
-    job = LoopJob(tmp_path, "parameter_server", TASKS, steps=300)
-    job.spec.write_text(
-        job.spec.read_text().replace("tasks: {chief", f"base_port: {base}\n    tasks: {{chief")
-    )
+def attacked(job: LoopJob) -> tuple[dict, int, str]:
+    """The job run to its end, attacked while it trains: what the attacker saw, the exit code and
+    the console; nothing of the run left whatever happens."""
     proc = job.start()
     try:
         seen = attack(job)
@@ -133,12 +130,22 @@ def test_no_other_user_reaches_a_runs_tf_ports_or_its_heartbeats(tmp_path):
             proc.kill()
         for left in run_processes(job.run_id):
             left.kill()
+    return seen, proc.returncode, out
+
+
+def test_no_other_user_reaches_a_runs_tf_ports_or_its_heartbeats(tmp_path):
+    base = free_port()  # a port free here now: what connects there later would be ours
+    job = LoopJob(tmp_path, "parameter_server", TASKS, steps=300)
+    job.spec.write_text(
+        job.spec.read_text().replace("tasks: {chief", f"base_port: {base}\n    tasks: {{chief")
+    )
+    seen, code, out = attacked(job)
     print(f"nobody tried {seen['tried']} address:port pairs and the heartbeat socket")
     assert seen["ports"] == [base, base + 1, base + 2]
     assert seen["tried"] >= 2 * len(seen["ports"]) and seen["connected"] == [], seen
     assert seen["heartbeats"] == "PermissionError" and seen["listening_here"] == [], seen
     assert seen["while_training"], seen
-    assert proc.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["network"]["isolated"] is True
     assert "open to every user" not in out
@@ -146,16 +153,8 @@ def test_no_other_user_reaches_a_runs_tf_ports_or_its_heartbeats(tmp_path):
 
 def test_where_the_kernel_refuses_the_run_says_so_and_goes_on(tmp_path):
     job = RefusedJob(tmp_path, "parameter_server", TASKS, steps=300)
-    proc = job.start()
-    try:
-        seen = attack(job)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for left in run_processes(job.run_id):
-            left.kill()
-    assert proc.returncode == 0, out[-3000:]
+    seen, code, out = attacked(job)
+    assert code == 0, out[-3000:]
     said = (
         "orchestrate: this run's TF ports are open to every user of this machine (no private network "
         "namespace: unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: No space left on device: "

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -60,6 +61,27 @@ def spec_of(tmp_path: Path, local: str = "") -> object:
 
 def children() -> set[int]:
     return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def namespace() -> Iterator[netns.Namespace]:
+    made = netns.make()
+    assert isinstance(made, netns.Namespace), made
+    yield made
+    made.close()
+
+
+def run_in(
+    made: netns.Namespace, code: str, *args: str, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Python `code` run to its end inside the namespace, as a task is started there."""
+    return subprocess.run(
+        made.enter([sys.executable, "-c", code, *args]),
+        pass_fds=made.fds,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_task_inside_has_its_loopback_alone_and_its_ports_are_out_of_reach(tmp_path: Path) -> None:
@@ -308,7 +330,7 @@ print(json.dumps(said))
 
 
 def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_does_not(
-    tmp_path: Path,
+    tmp_path: Path, namespace: netns.Namespace
 ) -> None:
     """What a download says in the namespace (run there for real), and the hint that follows."""
     from orchestrator.hints import network_hint
@@ -317,19 +339,7 @@ def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_d
     from orchestrator.supervise.policy import Failure, FailureKind
     from worker.wire import TaskError
 
-    made = netns.make()
-    assert isinstance(made, netns.Namespace), made
-    try:
-        out = subprocess.run(
-            made.enter([sys.executable, "-c", REACH_OUT]),
-            pass_fds=made.fds,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        made.close()
-    said = json.loads(out.stdout)
+    said = json.loads(run_in(namespace, REACH_OUT, timeout=60).stdout)
     assert None not in said, said  # nothing outside is reached
     spec = spec_of(tmp_path)
     for url, hinted in (("unix:/run/x/hb", True), ("http://127.0.0.1:1", False)):
@@ -403,18 +413,18 @@ else:
 """
 
 
-def test_tasks_of_a_run_share_shared_memory_with_the_host_and_abstract_sockets_among_themselves() -> None:
+def test_tasks_of_a_run_share_shared_memory_with_the_host_and_abstract_sockets_among_themselves(
+    namespace: netns.Namespace,
+) -> None:
     """What NCCL and CUDA IPC between a machine's tasks use: /dev/shm (not network-namespaced: the
     host sees it too), abstract Unix sockets (network-namespaced: every task of the run shares
     them, the host does not), device nodes (opened as before)."""
     from multiprocessing import shared_memory
 
     name, abstract = f"orchestrate-{os.getpid()}", f"orchestrate-test-{os.getpid()}"
-    made = netns.make()
-    assert isinstance(made, netns.Namespace), made
     maker = subprocess.Popen(
-        made.enter([sys.executable, "-c", SHARED, name, abstract, "make"]),
-        pass_fds=made.fds,
+        namespace.enter([sys.executable, "-c", SHARED, name, abstract, "make"]),
+        pass_fds=namespace.fds,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -426,31 +436,13 @@ def test_tasks_of_a_run_share_shared_memory_with_the_host_and_abstract_sockets_a
         block.close()
         with socket.socket(socket.AF_UNIX) as outside, pytest.raises(ConnectionRefusedError):
             outside.connect("\0" + abstract)  # the host's namespace has no such socket
-        peer = subprocess.run(
-            made.enter([sys.executable, "-c", SHARED, name, abstract, "use"]),
-            pass_fds=made.fds,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        peer = run_in(namespace, SHARED, name, abstract, "use")
         assert peer.stdout.strip() == "peer b'' 8", peer.stderr
     finally:
         assert maker.stdin is not None
         maker.stdin.close()
         maker.wait(timeout=10)
-        made.close()
     nvidia = Path("/dev/nvidiactl")
     if nvidia.exists():  # a GPU machine: its device nodes open inside as outside
-        made = netns.make()
-        assert isinstance(made, netns.Namespace), made
-        try:
-            opened = subprocess.run(
-                made.enter([sys.executable, "-c", f"open({str(nvidia)!r}, 'rb').close()"]),
-                pass_fds=made.fds,
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-        finally:
-            made.close()
+        opened = run_in(namespace, f"open({str(nvidia)!r}, 'rb').close()")
         assert opened.returncode == 0, opened.stderr
