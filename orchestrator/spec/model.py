@@ -89,6 +89,11 @@ MAX_TASKS = 1024  # in all: every task's TF_CONFIG lists the whole cluster (the 
 MAX_HOSTS = 1024
 
 
+def yaml_switch(value: Any) -> Any:
+    """An `auto | on | off` key's value: YAML 1.1 reads a bare `on` / `off` as a boolean."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class Strict(BaseModel):
     """A spec section: unknown keys are errors, values frozen."""
 
@@ -238,11 +243,7 @@ class RestartSpec(Strict):
         default=1, ge=1, le=MAX_TASKS, description="shrinking stops at this many worker tasks"
     )
 
-    @field_validator("standby", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare `on` / `off` as a boolean
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    _yaml_switch = field_validator("standby", mode="before")(yaml_switch)
 
 
 class RolePolicySpec(Strict):

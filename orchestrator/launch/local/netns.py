@@ -43,7 +43,7 @@ from pydantic import Field, field_validator
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.exposure import Exposure
-from orchestrator.spec.model import ClusterSpec, Strict
+from orchestrator.spec.model import ClusterSpec, Strict, yaml_switch
 from orchestrator.spec.roles import task_slots
 
 #: The holder: its own user and network namespace, its uid and gid mapped (one line each, as an
@@ -87,11 +87,7 @@ class LocalSpec(Strict):
         "without it, exit 3)",
     )
 
-    @field_validator("isolate_network", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: object) -> object:
-        # YAML 1.1 reads a bare `on` / `off` as a boolean
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    _yaml_switch = field_validator("isolate_network", mode="before")(yaml_switch)
 
 
 ISOLATED = "this run's own network namespace only"
@@ -106,6 +102,10 @@ def isolated() -> Exposure:
 def open_because(why: str, warn: bool = True) -> Exposure:
     """Open to every user; `warn`: said on the console (not where the spec asked for it: off)."""
     return Exposure(False, OPEN, why, warn=warn)
+
+
+#: What the spec's `isolate_network: off` gives (asked for: not warned of).
+OFF = open_because("the spec's local.isolate_network is off", warn=False)
 
 
 class Namespace:
@@ -305,7 +305,7 @@ class Network:
         spec says `on` and no namespace can be made."""
         assert self.namespace is None, "one namespace a run"
         if self.mode == "off":
-            self.exposure = open_because("the spec's local.isolate_network is off", warn=False)
+            self.exposure = OFF
             return None
         made = make()
         if not isinstance(made, str):
@@ -351,7 +351,7 @@ class Network:
 @functools.cache
 def _probe(mode: str) -> Exposure:
     if mode == "off":
-        return open_because("the spec's local.isolate_network is off", warn=False)
+        return OFF
     made = make()
     if isinstance(made, str):
         stop = "; `orchestrate up` would stop (exit 3): local.isolate_network is on" if mode == "on" else ""
