@@ -127,7 +127,7 @@ def network_line(spec: ClusterSpec) -> str:
     from orchestrator import launch
 
     reach = launch.reach(spec)
-    return f"network: {reach.line}" if reach.isolated else f"warning: {reach.line}"
+    return f"network: {reach.line}" if reach.isolated and not reach.warn else f"warning: {reach.line}"
 
 
 def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:

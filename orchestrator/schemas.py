@@ -147,6 +147,11 @@ class NetworkStatus(BaseModel):
         description="who can connect to the tasks' TF ports (TensorFlow's are unauthenticated)"
     )
     why: str = Field(description="why so: where isolation was not possible, the kernel's or the tool's words")
+    outbound: str | None = Field(
+        default=None,
+        description="what the tasks reach outside the run: `pasta: …` (local.outbound), `offline: …` "
+        "and why (install passt), this machine's own network; null where the backend does not say",
+    )
 
 
 class CoordinatorStatus(BaseModel):

@@ -17,13 +17,24 @@ class Exposure:
     reachable_from: str
     why: str
     warn: bool = False  # said once on the console when a run opens (not in status.json)
+    outbound: str | None = None  # what the tasks reach outside the run ("offline: …" where nothing)
 
     def to_json(self) -> dict[str, object]:
-        return {"isolated": self.isolated, "reachable_from": self.reachable_from, "why": self.why}
+        return {
+            "isolated": self.isolated,
+            "reachable_from": self.reachable_from,
+            "why": self.why,
+            "outbound": self.outbound,
+        }
+
+    @property
+    def offline(self) -> bool:
+        return (self.outbound or "").startswith("offline")
 
     @property
     def line(self) -> str:
-        return f"TF ports reachable from {self.reachable_from} ({self.why})"
+        out = f"; outgoing: {self.outbound}" if self.outbound else ""
+        return f"TF ports reachable from {self.reachable_from} ({self.why}){out}"
 
 
 #: The advice for backends whose tasks listen on lab hosts' addresses.

@@ -156,7 +156,7 @@ class LocalBackend(Backend):
                 out.flush()
             try:
                 popen = subprocess.Popen(
-                    self._network.enter(list(task.argv)),
+                    self._network.enter(list(task.argv), task.cwd),
                     cwd=task.cwd,
                     env=env,
                     stdin=subprocess.DEVNULL,

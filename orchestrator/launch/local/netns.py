@@ -31,18 +31,20 @@ import os
 import select
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.exposure import Exposure
+from orchestrator.launch.local import outbound
+from orchestrator.launch.local.socketdir import socket_folder
 from orchestrator.spec.model import ClusterSpec, Strict, yaml_switch
 from orchestrator.spec.roles import task_slots
 
@@ -51,11 +53,14 @@ from orchestrator.spec.roles import task_slots
 #: waits for its stdin to close. Single-threaded (unshare of a user namespace requires it).
 _HOLDER = r"""
 import ctypes, fcntl, os, socket, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
 def fail(what, err):
     print(f"{what}: {os.strerror(err)}", flush=True)
     sys.exit(1)
 uid, gid = os.geteuid(), os.getegid()
-if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
+resolv = sys.argv[1] if len(sys.argv) > 1 else None  # the namespace's own resolv.conf: a mount namespace too
+new = 0x10000000 | 0x40000000 | (0x00020000 if resolv else 0)  # CLONE_NEWUSER | CLONE_NEWNET (| CLONE_NEWNS)
+if libc.unshare(new) != 0:
     fail("unshare(CLONE_NEWUSER|CLONE_NEWNET) refused", ctypes.get_errno())
 for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
     try:
@@ -63,6 +68,8 @@ for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_m
             f.write(text)
     except OSError as exc:
         fail(f"cannot map the user into its namespace ({name})", exc.errno)
+if resolv and libc.mount(resolv.encode(), b"/etc/resolv.conf", None, 4096, None) != 0:  # MS_BIND
+    fail("cannot give the namespace its own /etc/resolv.conf", ctypes.get_errno())
 try:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
@@ -86,22 +93,44 @@ class LocalSpec(Strict):
         "out of every other user's reach (auto: where the kernel allows it; on: refuse to run "
         "without it, exit 3)",
     )
+    outbound: str = Field(
+        default="auto",
+        pattern="^(auto|on|off)$",
+        description="auto | on | off: outgoing network from the run's namespace (pasta, of the "
+        "passt package; auto: where installed, else the tasks are offline, said; on: refuse to "
+        "run without it, exit 3)",
+    )
+    reach_host_loopback: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
+        default=(),
+        max_length=64,
+        description="ports of this machine's loopback the tasks may reach from their namespace "
+        "(a local MLflow, a data server); the rest of it stays out of reach: other users' "
+        "unauthenticated services listen there",
+    )
 
-    _yaml_switch = field_validator("isolate_network", mode="before")(yaml_switch)
+    _yaml_switch = field_validator("isolate_network", "outbound", mode="before")(yaml_switch)
+
+    @field_validator("reach_host_loopback")
+    @classmethod
+    def _once(cls, ports: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(set(ports)))
 
 
 ISOLATED = "this run's own network namespace only"
 OPEN = "every address of this machine, by every user of it"
+ONLINE_OPEN = "this machine's own network"
 
 
-def isolated() -> Exposure:
-    why = "a private network namespace, its loopback alone: the tasks reach nothing outside the run either"
-    return Exposure(True, ISOLATED, why)
+def isolated(outgoing: str, warn: bool = False) -> Exposure:
+    """In the run's namespace; `outgoing`: what it reaches (`warn`: said on the console, offline
+    where the spec did not ask for it)."""
+    why = "a private network namespace: nothing outside the run connects in"
+    return Exposure(True, ISOLATED, why, warn=warn, outbound=outgoing)
 
 
 def open_because(why: str, warn: bool = True) -> Exposure:
     """Open to every user; `warn`: said on the console (not where the spec asked for it: off)."""
-    return Exposure(False, OPEN, why, warn=warn)
+    return Exposure(False, OPEN, why, warn=warn, outbound=ONLINE_OPEN)
 
 
 #: What the spec's `isolate_network: off` gives (asked for: not warned of).
@@ -109,23 +138,27 @@ OFF = open_because("the spec's local.isolate_network is off", warn=False)
 
 
 class Namespace:
-    """A made namespace, held by two descriptors (closed by `close`, or by the process ending)."""
+    """A made namespace, held by its descriptors (user, network and, where it has a resolv.conf
+    of its own, mount), closed by `close` or by the process ending."""
 
-    def __init__(self, user_fd: int, net_fd: int, nsenter: str):
-        self._fds = (user_fd, net_fd)
+    def __init__(self, user_fd: int, net_fd: int, nsenter: str, mount_fd: int | None = None):
+        self._fds = (user_fd, net_fd) + ((mount_fd,) if mount_fd is not None else ())
         self._nsenter = nsenter
 
     @property
-    def fds(self) -> tuple[int, int]:
+    def fds(self) -> tuple[int, ...]:
         return self._fds
 
-    def enter(self, argv: list[str]) -> list[str]:
-        """`argv` run inside the namespace (start it with `pass_fds=self.fds`)."""
-        user, net = self._fds
+    def enter(self, argv: list[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        """`argv` run inside the namespace, in `cwd` (default: ours), started with
+        `pass_fds=self.fds` (entering a mount namespace moves to its root: nsenter moves back)."""
+        user, net, *mount = self._fds
+        into = [f"--mount=/proc/self/fd/{mount[0]}", f"--wd={os.fspath(cwd or os.getcwd())}"] if mount else []
         return [
             self._nsenter,
             f"--user=/proc/self/fd/{user}",
             f"--net=/proc/self/fd/{net}",
+            *into,
             "--preserve-credentials",
             "--",
             *argv,
@@ -135,17 +168,18 @@ class Namespace:
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._fds = (-1, -1)
+        self._fds = tuple(-1 for _ in self._fds)
 
 
-def make(timeout_s: float = _READY_S) -> Namespace | str:
-    """A new namespace, or why none can be made (the kernel's or the tool's own words)."""
+def make(timeout_s: float = _READY_S, resolv: Path | None = None) -> Namespace | str:
+    """A new namespace (with `resolv` as its /etc/resolv.conf: a mount namespace too), or why none
+    can be made (the kernel's or the tool's own words)."""
     nsenter = shutil.which("nsenter")
     if nsenter is None:
         return "nsenter (util-linux) not found on PATH"
     try:
         holder = subprocess.Popen(
-            [sys.executable, "-S", "-c", _HOLDER],
+            [sys.executable, "-S", "-c", _HOLDER, *([str(resolv)] if resolv else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -154,6 +188,7 @@ def make(timeout_s: float = _READY_S) -> Namespace | str:
     except OSError as exc:
         return f"cannot start the namespace's holder: {exc.strerror or exc}"
     assert holder.stdin is not None and holder.stdout is not None
+    opened: list[int] = []
     try:
         said = _first_line(holder, timeout_s)
         if said != "ready":
@@ -164,16 +199,15 @@ def make(timeout_s: float = _READY_S) -> Namespace | str:
                 _kill(holder)  # said nothing, or something else and went on: not our holder's way
             rest = holder.stdout.read().decode(errors="replace").strip()
             return refusal(" ".join(x for x in (said, rest) if x) or f"the holder exited {holder.returncode}")
-        try:
-            user = _above_stdio(os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError as exc:
-            return f"cannot open the namespace: {exc.strerror or exc}"
-        try:
-            net = _above_stdio(os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError as exc:
-            os.close(user)
-            return f"cannot open the namespace: {exc.strerror or exc}"
-        return Namespace(user, net, nsenter)
+        for kind in ("user", "net", "mnt")[: 3 if resolv else 2]:
+            try:
+                ns = os.open(f"/proc/{holder.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                for fd in opened:
+                    os.close(fd)
+                return f"cannot open the namespace: {exc.strerror or exc}"
+            opened.append(_above_stdio(ns))
+        return Namespace(opened[0], opened[1], nsenter, opened[2] if resolv else None)
     finally:
         if not holder.stdin.closed:
             holder.stdin.close()  # the holder's signal to go (the namespace stays with our descriptors)
@@ -249,98 +283,71 @@ def kernel_setting() -> str | None:
     return None
 
 
-#: sun_path holds 108 bytes with its terminating NUL.
-_SUN_PATH_MAX = 107
-
-
-def socket_folder(run_dir: Path) -> Path:
-    """A new private (0700) folder for the run's heartbeat socket: in the run directory where the
-    socket's path fits a Unix socket address, else in the user's runtime folder or the temp one
-    (OSError where none fits). Folders left there by coordinators killed before are removed."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    for base in (run_dir.resolve(), Path(runtime), Path(tempfile.gettempdir()), Path("/tmp")):
-        if not base.is_absolute() or not base.is_dir():
-            continue
-        if len(os.fsencode(base)) + len("/.heartbeats-XXXXXXXX/hb") <= _SUN_PATH_MAX:
-            _sweep(base, in_run=base == run_dir.resolve())
-            return Path(tempfile.mkdtemp(prefix=".heartbeats-", dir=base))
-    raise OSError(f"no folder whose path leaves room for a Unix socket ({_SUN_PATH_MAX} bytes)")
-
-
-def _sweep(base: Path, in_run: bool) -> None:
-    """Our socket folders in `base` whose coordinator is gone: in the run directory, any (the run's
-    lock is this coordinator's); elsewhere, those whose socket no longer answers (another run's
-    coordinator, alive, keeps its own)."""
-    for stale in base.glob(".heartbeats-*"):
-        with contextlib.suppress(OSError):
-            st = os.lstat(stale)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            if not in_run:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.settimeout(1.0)  # a live one's backlog full: a wait, then kept
-                    try:
-                        probe.connect(str(stale / "hb"))
-                        continue  # a live coordinator's
-                    except ConnectionRefusedError:
-                        pass  # its coordinator is gone
-            shutil.rmtree(stale)
-
-
 class Network:
     """A run's network as its local tasks see it: a namespace of their own (the spec's
-    `local.isolate_network` and the kernel allowing), or this machine's."""
+    `local.isolate_network` and the kernel allowing), connected outward (`local.outbound`, pasta
+    installed), or this machine's."""
 
     def __init__(self, spec: ClusterSpec):
         section = spec.section("local")
-        self.mode = section.isolate_network if isinstance(section, LocalSpec) else "auto"
+        self.local = section if isinstance(section, LocalSpec) else LocalSpec()
+        self.mode = self.local.isolate_network
         self._spec = spec
         self.namespace: Namespace | None = None
         self.exposure: Exposure | None = None  # said once `make` was asked
+        self._stack: outbound.Outbound | None = None
         self._folder: Path | None = None
 
     def make(self, run_dir: Path) -> Path | None:
         """The namespace, and the path of the heartbeat socket the tasks post to from it; None
         where they run on this machine's network (`exposure` says why). LaunchError where the
-        spec says `on` and no namespace can be made."""
+        spec says `on` and no namespace (or, for `outbound`, no outgoing network) can be made."""
         assert self.namespace is None, "one namespace a run"
         if self.mode == "off":
             self.exposure = OFF
             return None
-        made = make()
-        if not isinstance(made, str):
+        try:
+            self._folder = socket_folder(run_dir)
+        except OSError as exc:
+            made: _Made | str = f"no folder for the heartbeat socket: {exc}"
+        else:
             try:
-                self._folder = socket_folder(run_dir)
-            except OSError as exc:
-                made.close()
-                made = f"no folder for the heartbeat socket: {exc}"
-            else:
-                self.namespace, self.exposure = made, isolated()
-                return self._folder / "hb"
-        if self.mode == "on":
-            raise LaunchError(
-                f"local.isolate_network is on, but no private network namespace can be made here: {made}"
-            )
-        self.exposure = open_because(f"no private network namespace: {made}")
-        return None
+                made = _connect(self.local, self._folder)
+            except LaunchError:
+                self.close()
+                raise
+        if isinstance(made, str):
+            self.close()
+            if self.mode == "on":
+                raise LaunchError(
+                    f"local.isolate_network is on, but no private network namespace can be made here: {made}"
+                )
+            self.exposure = open_because(f"no private network namespace: {made}")
+            return None
+        self.namespace, self._stack, self.exposure = made.namespace, made.stack, made.exposure
+        assert self._folder is not None
+        return self._folder / "hb"
 
     def probe(self) -> Exposure:
         """What `make` would give now (`orchestrate plan` and `check`), holding nothing; asked
         once a process (plan asks for the placements and for its line)."""
-        return _probe(self.mode)
+        return _probe(self.local)
 
     def ports(self) -> dict[str, int] | None:
         """Every task's TF port inside the namespace (None: there is none)."""
         return inside_ports(self._spec) if self.namespace is not None else None
 
-    def enter(self, argv: list[str]) -> list[str]:
-        return self.namespace.enter(argv) if self.namespace is not None else argv
+    def enter(self, argv: list[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        return self.namespace.enter(argv, cwd) if self.namespace is not None else argv
 
     @property
     def fds(self) -> tuple[int, ...]:
         return self.namespace.fds if self.namespace is not None else ()
 
     def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
         if self.namespace is not None:
             self.namespace.close()
         if self._folder is not None:
@@ -348,16 +355,61 @@ class Network:
             self._folder = None
 
 
-@functools.cache
-def _probe(mode: str) -> Exposure:
-    if mode == "off":
-        return OFF
-    made = make()
+@dataclass
+class _Made:
+    namespace: Namespace
+    stack: outbound.Outbound | None
+    exposure: Exposure
+
+
+def _connect(local: LocalSpec, folder: Path) -> _Made | str:
+    """A namespace connected outward as `local` says, its files (resolv.conf, pasta's pid and
+    log) in the private `folder`; or why no namespace can be made. LaunchError where
+    `local.outbound` is on and there is no outgoing network."""
+    pasta = outbound.find() if local.outbound != "off" else None
+    if pasta is None and local.outbound == "on":
+        raise LaunchError(f"local.outbound is on, but pasta is not installed: {outbound.INSTALL}")
+    resolv = None
+    if pasta is not None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            own = outbound.resolv_conf(Path("/etc/resolv.conf").read_text())
+            if own is not None:
+                resolv = folder / "resolv.conf"
+                resolv.write_text(own)
+    made = make(resolv=resolv)
     if isinstance(made, str):
-        stop = "; `orchestrate up` would stop (exit 3): local.isolate_network is on" if mode == "on" else ""
-        return open_because(f"no private network namespace: {made}{stop}")
-    made.close()
-    return isolated()
+        return made
+    if pasta is None:
+        asked = local.outbound == "off"
+        said = "the spec's local.outbound is off" if asked else f"{outbound.INSTALL} (pasta not found)"
+        return _Made(made, None, isolated(f"offline: {said}", warn=not asked))
+    user, net, *_ = made.fds
+    stack = outbound.start(pasta, (user, net), folder, local.reach_host_loopback, dns=resolv is not None)
+    if isinstance(stack, str):
+        if local.outbound == "on":
+            made.close()
+            raise LaunchError(f"local.outbound is on, but {stack}")
+        return _Made(made, None, isolated(f"offline: {stack}", warn=True))
+    return _Made(made, stack, isolated(outbound.reached(local.reach_host_loopback)))
+
+
+@functools.cache
+def _probe(local: LocalSpec) -> Exposure:
+    if local.isolate_network == "off":
+        return OFF
+    with tempfile.TemporaryDirectory(prefix="orchestrate-probe-") as folder:
+        try:
+            made = _connect(local, Path(folder))
+        except LaunchError as exc:  # local.outbound is on, and there is none to be had
+            return isolated(f"offline: {exc}; `orchestrate up` would stop (exit 3)", warn=True)
+        if isinstance(made, str):
+            on = local.isolate_network == "on"
+            stop = "; `orchestrate up` would stop (exit 3): local.isolate_network is on" if on else ""
+            return open_because(f"no private network namespace: {made}{stop}")
+        if made.stack is not None:
+            made.stack.close()
+        made.namespace.close()
+        return made.exposure
 
 
 _FIRST_PORT = 20000

@@ -106,7 +106,7 @@ class LocalStandbys:
             out.flush()
             net = self._network
             popen = subprocess.Popen(
-                net.enter(list(command)) if net is not None else list(command),
+                net.enter(list(command), task.cwd) if net is not None else list(command),
                 pass_fds=net.fds if net is not None else (),  # in the tasks' network namespace, if any
                 cwd=task.cwd,
                 env=env,
