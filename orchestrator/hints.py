@@ -5,10 +5,13 @@ Only failures recognised for certain get one; a hint never replaces the cause, i
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from orchestrator.launch.local import outbound as outbound_words
 from orchestrator.plan import LaunchPlan
 from orchestrator.spec.load import key_lines
 from orchestrator.supervise import restores
@@ -32,38 +35,68 @@ def hints(
 ) -> list[str]:
     """The hints for a run's failures (each said once)."""
     out: list[str] = []
+    network = _network(run_dir)
     for failure in failures:
         for hint in (
             keras3_hint(failure, plan, run_dir, spec_name),
             diverged_hint(failure),
-            network_hint(failure, plan),
+            network_hint(failure, plan, network),
         ):
             if hint is not None and hint not in out:
                 out.append(hint)
     return out
 
 
+def _network(run_dir: Path) -> Mapping[str, Any]:
+    """status.json's `network` (what the run's tasks could reach), as recorded."""
+    try:
+        network = json.loads((run_dir / "status.json").read_text()).get("network")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return network if isinstance(network, dict) else {}
+
+
 #: What a program says when it reaches for a network it does not have (a name to resolve, an
-#: address with no route): in a local run's own network namespace there is its loopback alone.
+#: address with no route): in a local run's own network namespace offline, its loopback alone.
 NO_NETWORK_SIGNS = re.compile(
     r"Temporary failure in name resolution|Name or service not known|No address associated with hostname"
     r"|Network is unreachable|No route to host|Errno -[235]\]|Errno 101\]"
 )
+#: A connection to the loopback refused: in the run's namespace, its own loopback, not the machine's.
+LOOPBACK_REFUSED = re.compile(r"Connection refused|Errno 111\]")
+LOOPBACK = re.compile(r"\b(127\.\d+\.\d+\.\d+|localhost|\[::1\])\b")
 
 
-def network_hint(failure: Failure, plan: LaunchPlan) -> str | None:
-    """A task of a run in its own network namespace that reached for the network outside."""
+def network_hint(failure: Failure, plan: LaunchPlan, network: Mapping[str, Any]) -> str | None:
+    """A task of a run in its own network namespace that reached for the network outside (the
+    namespace offline: `network`, status.json's, says so), or for this machine's loopback."""
     error = failure.error
-    if error is None or not NO_NETWORK_SIGNS.search(f"{error.message}\n{error.traceback}"):
+    if error is None:
         return None
     if not any(t.env.get(wire.ENV_COORDINATOR, "").startswith(wire.UNIX_SCHEME) for t in plan.tasks):
         return None  # on the machine's own network: the network itself is down
-    return (
-        "hint: the tasks run in a network namespace of the run's own (local.isolate_network), which "
-        "reaches nothing outside it: fetch what the job downloads before the run (a dataset into "
-        "~/.keras/datasets, say), or set `local: {isolate_network: off}` (its TF ports are then "
-        "open to every user of this machine)"
-    )
+    text = f"{error.message}\n{error.traceback}"
+    outbound = str(network.get("outbound") or "")
+    if outbound.startswith("offline") and NO_NETWORK_SIGNS.search(text):
+        fix = (
+            "install passt (`apt install passt`: outgoing network, nothing published), "
+            if outbound_words.INSTALL in outbound
+            else "set `local: {outbound: auto}`, "
+            if "local.outbound is off" in outbound
+            else ""
+        )
+        return (
+            f"hint: the tasks run in a network namespace of the run's own, {outbound}: {fix}fetch what "
+            "the job downloads before the run, or set `local: {isolate_network: off}` (its TF ports are "
+            "then open to every user of this machine)"
+        )
+    if LOOPBACK_REFUSED.search(text) and LOOPBACK.search(text):
+        return (
+            "hint: the tasks run in a network namespace of the run's own: its loopback is not this "
+            "machine's, where other users' services listen too; a service of this machine's loopback "
+            "the job needs is reached by its port: `local: {reach_host_loopback: [PORT]}`"
+        )
+    return None
 
 
 def diverged_hint(failure: Failure) -> str | None:

@@ -170,10 +170,12 @@ def start(
 
 
 def said(log: Path) -> str:
-    """pasta's words (its last lines; its complaint that there is no system logger left out)."""
+    """pasta's words (its last lines; its complaint that there is no system logger left out), or
+    its guard's where it said none."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return ""
     lines = [x.strip() for x in text.splitlines() if x.strip() and "to syslog" not in x]
-    return " ".join(lines[-3:])[:300]
+    own = [x for x in lines if not x.startswith("orchestrate:")]  # the guard's word, where pasta said none
+    return " ".join((own or lines)[-3:])[:300]
