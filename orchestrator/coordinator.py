@@ -332,7 +332,9 @@ def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure
         why = f"this run's TF ports are open to every user of this machine ({network.why})"
         record.event(kind="warning", reason=why)
     elif network.warn and network.offline:
-        record.event(kind="warning", reason=f"this run's tasks reach no network outside it ({network.outbound})")
+        record.event(
+            kind="warning", reason=f"this run's tasks reach no network outside it ({network.outbound})"
+        )
     return network
 
 

@@ -37,6 +37,9 @@ class Exposure:
         return f"TF ports reachable from {self.reachable_from} ({self.why}){out}"
 
 
+#: What the tasks of a backend whose hosts are lab machines reach: whatever their hosts do.
+HOSTS_OWN = "each host's own network"
+
 #: The advice for backends whose tasks listen on lab hosts' addresses.
 PRIVATE_NETWORK = (
     "TensorFlow listens on every address, unauthenticated: keep the hosts on a private network, "

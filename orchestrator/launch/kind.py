@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orchestrator.launch.exposure import PRIVATE_NETWORK, Exposure
+from orchestrator.launch.exposure import HOSTS_OWN, PRIVATE_NETWORK, Exposure
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -90,7 +90,9 @@ class Kind(abc.ABC):
     def reach(self, spec: ClusterSpec) -> Exposure:
         """From where the tasks' TF ports will be reachable (asks nothing of the hosts)."""
         hosts = ", ".join(dict.fromkeys(h.address for h in spec.hosts)) or "the hosts"
-        return Exposure(False, f"every address of {hosts}, by whoever can reach them", PRIVATE_NETWORK)
+        return Exposure(
+            False, f"every address of {hosts}, by whoever can reach them", PRIVATE_NETWORK, outbound=HOSTS_OWN
+        )
 
     def spec_problems(self, spec: ClusterSpec) -> list[SpecProblem]:
         """The backend's own checks of a spec that names it. At a key where it finds a problem,

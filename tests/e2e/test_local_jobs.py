@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -198,6 +199,13 @@ def namespace_holders(network: str) -> list[str]:
     return found
 
 
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def test_tasks_exit_by_themselves_when_coordinator_is_killed(job_factory):
     job = job_factory(SLEEPER, "health: {heartbeat_interval_s: 0.5, heartbeat_timeout_s: 3}\n")
     proc = job.start()
@@ -207,11 +215,16 @@ def test_tasks_exit_by_themselves_when_coordinator_is_killed(job_factory):
         network = os.readlink(f"/proc/{job.task('worker-0')['pid']}/ns/net")
         assert network != os.readlink("/proc/self/ns/net")  # the run's own network namespace
         assert namespace_holders(network), "the namespace is held"
+        # its outgoing network (pasta, where installed) and the guard that holds it: the coordinator's
+        stack = psutil.Process(proc.pid).children(recursive=True)
+        stack = [p for p in stack if "--no-map-gw" in p.cmdline() or "--no-map-gw" in p.parent().cmdline()]
+        assert len(stack) == (2 if shutil.which("pasta") else 0), stack
         proc.kill()  # SIGKILL: no teardown at all
         proc.wait(timeout=10)
         t0 = time.monotonic()
         assert wait_until(lambda: run_processes(job.run_id) == [], 15), "orphans survived their coordinator"
         assert time.monotonic() - t0 < 3 + 5
+        assert wait_until(lambda: [p for p in stack if alive(p)] == [], 5), "its network outlived it"
         assert namespace_holders(network) == []  # no holder process, no descriptor: it is gone
     finally:
         proc.kill()

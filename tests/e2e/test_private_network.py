@@ -149,6 +149,8 @@ def test_no_other_user_reaches_a_runs_tf_ports_or_its_heartbeats(tmp_path):
     status = job.status()
     assert status["state"] == "SUCCEEDED" and status["network"]["isolated"] is True
     assert "open to every user" not in out
+    if shutil.which("pasta"):  # and the tasks online all the while: nothing published
+        assert status["network"]["outbound"].startswith("pasta: TCP, UDP"), status["network"]
 
 
 def test_where_the_kernel_refuses_the_run_says_so_and_goes_on(tmp_path):

@@ -25,7 +25,7 @@ import pytest
 from orchestrator.errors import LaunchError
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.local import netns
+from orchestrator.launch.local import netns, section
 from orchestrator.launch.local.backend import LocalBackend
 from orchestrator.spec.load import parse_spec
 from tests.unit.conftest import unit_credentials
@@ -180,7 +180,7 @@ def test_the_spec_decides_and_on_refuses_to_run_without(
     assert auto.listen() == ("127.0.0.1", 0)
     exposure = auto.exposure()
     assert exposure is not None and not exposure.isolated
-    assert exposure.reachable_from == netns.OPEN and "not found on PATH" in exposure.why
+    assert exposure.reachable_from == section.OPEN and "not found on PATH" in exposure.why
     auto.close()
     on = LocalBackend(spec_of(tmp_path, "local: {isolate_network: on}\n"), run_dir, tmp_path)  # type: ignore[arg-type]
     with pytest.raises(LaunchError, match="local.isolate_network is on, but no private network namespace"):
@@ -360,9 +360,18 @@ def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_d
                 f"raised {name}",
                 error=TaskError(name, message, trace),
             )
-            hint = network_hint(failure, plan)
+            offline = {"outbound": "offline: install passt for outgoing network (pasta not found)"}
+            hint = network_hint(failure, plan, offline)
             assert (hint is not None) == hinted, (message, hint)
-            assert hint is None or "isolate_network: off" in hint
+            assert hint is None or ("isolate_network: off" in hint and "install passt (`apt" in hint)
+            online = {"outbound": "pasta: TCP, UDP and ping to wherever this machine reaches; …"}
+            assert network_hint(failure, plan, online) is None  # the network itself is down
+        refused = TaskError(
+            "URLError", "<urlopen error [Errno 111] Connection refused>", 'urlopen("http://127.0.0.1:5000/x")'
+        )
+        failure = Failure(("worker-0",), FailureKind.EXCEPTION, 0, "raised URLError", error=refused)
+        hint = network_hint(failure, plan, {"outbound": "pasta: …"})
+        assert (hint is not None) == hinted and (hint is None or "reach_host_loopback: [PORT]" in hint), hint
     print([m for _, m, _ in said])
 
 

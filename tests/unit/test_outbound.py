@@ -301,9 +301,17 @@ def test_names_resolve_through_a_resolver_on_this_machines_loopback_and_a_killed
 ) -> None:
     """The coordinator on a machine whose /etc/resolv.conf names 127.x.y.z (systemd-resolved's
     kind: bind-mounted in a mount namespace of the test's own); SIGKILL'd afterwards."""
-    resolver = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}.{random.randint(2, 254)}"
+    with resolver() as address:
+        coordinator_on_a_machine_resolving_at(address, tmp_path)
+
+
+@contextlib.contextmanager
+def resolver(answer: str = "192.0.2.77") -> Iterator[str]:
+    """A DNS resolver on this machine's loopback (127.x.y.z, port 53: root) answering `answer` to
+    every name, as systemd-resolved's 127.0.0.53 answers for a machine; its address."""
+    address = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}.{random.randint(2, 254)}"
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind((resolver, 53))
+    udp.bind((address, 53))
     udp.settimeout(0.1)
     stop = threading.Event()
 
@@ -311,9 +319,19 @@ def test_names_resolve_through_a_resolver_on_this_machines_loopback_and_a_killed
         while not stop.is_set():
             with contextlib.suppress(TimeoutError, OSError):
                 query, peer = udp.recvfrom(512)
-                udp.sendto(dns_answer(query, "192.0.2.77"), peer)
+                udp.sendto(dns_answer(query, answer), peer)
 
-    threading.Thread(target=serve, daemon=True).start()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(5)
+        udp.close()
+
+
+def coordinator_on_a_machine_resolving_at(resolver: str, tmp_path: Path) -> None:
     (tmp_path / "resolv.conf").write_text(f"nameserver {resolver}\noptions timeout:2\n")
     (tmp_path / "job.py").write_text("")
     mount = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
@@ -352,6 +370,4 @@ def test_names_resolve_through_a_resolver_on_this_machines_loopback_and_a_killed
 
         assert wait_until(lambda: alive() == [], 5), f"outlived their coordinator: {alive()}"
     finally:
-        stop.set()
         coordinator.kill()
-        udp.close()

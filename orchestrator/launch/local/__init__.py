@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from orchestrator.launch.exposure import Exposure
 from orchestrator.launch.kind import Kind
-from orchestrator.launch.local.netns import LocalSpec
+from orchestrator.launch.local.section import LocalSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, Leftovers

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from orchestrator.launch.exposure import PRIVATE_NETWORK, Exposure
+from orchestrator.launch.exposure import HOSTS_OWN, PRIVATE_NETWORK, Exposure
 from orchestrator.launch.kind import Kind, Where
 from orchestrator.launch.slurm import spec as slurm_spec
 
@@ -66,7 +66,10 @@ class SlurmKind(Kind):
 
     def reach(self, spec: ClusterSpec) -> Exposure:
         return Exposure(
-            False, "every address of the allocated nodes, by whoever can reach them", PRIVATE_NETWORK
+            False,
+            "every address of the allocated nodes, by whoever can reach them",
+            PRIVATE_NETWORK,
+            outbound=HOSTS_OWN,
         )
 
     def spec_problems(self, spec: ClusterSpec) -> list[SpecProblem]:
