@@ -30,7 +30,7 @@ from orchestrator.health.server import HeartbeatServer, connection_cap, connecti
 from orchestrator.health.store import HealthStore
 from orchestrator.launch import registry
 from orchestrator.launch.api import Backend, Heartbeats
-from orchestrator.launch.exposure import Exposure
+from orchestrator.launch.exposure import OFFLINE, Exposure
 from orchestrator.logtail import LogTailer
 from orchestrator.plan import LaunchPlan
 from orchestrator.planner import Planner
@@ -332,9 +332,7 @@ def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure
         why = f"this run's TF ports are open to every user of this machine ({network.why})"
         record.event(kind="warning", reason=why)
     elif network.warn and network.offline:
-        record.event(
-            kind="warning", reason=f"this run's tasks reach no network outside it ({network.outbound})"
-        )
+        record.event(kind="warning", reason=f"{OFFLINE} ({network.outbound})")
     return network
 
 

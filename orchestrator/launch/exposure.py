@@ -37,6 +37,9 @@ class Exposure:
         return f"TF ports reachable from {self.reachable_from} ({self.why}){out}"
 
 
+#: Said where a run's tasks are in a network of their own with no way out (the console, plan, check).
+OFFLINE = "this run's tasks reach no network outside it"
+
 #: What the tasks of a backend whose hosts are lab machines reach: whatever their hosts do.
 HOSTS_OWN = "each host's own network"
 

@@ -25,7 +25,7 @@ import pytest
 from orchestrator.errors import LaunchError
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.local import netns, section
+from orchestrator.launch.local import netns, outbound, section
 from orchestrator.launch.local.backend import LocalBackend
 from orchestrator.spec.load import parse_spec
 from tests.unit.conftest import unit_credentials
@@ -282,6 +282,9 @@ def test_plan_and_check_say_where_the_ports_are_reachable(tmp_path: Path) -> Non
         [*orchestrate, "check", str(spec)], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert "network: TF ports reachable from this run's own network namespace only" in check.stdout
+    if outbound.find():  # the stack a local run would use
+        online = "; outgoing: pasta: TCP, UDP and ping to wherever this machine reaches; its loopback: none"
+        assert online in check.stdout and online in plan.stdout and "warning" not in check.stdout
     ssh = tmp_path / "ssh.yaml"
     ssh.write_text(
         spec.read_text().replace("127.0.0.1", "10.255.255.1").replace("name: t", "name: t\nbackend: ssh")

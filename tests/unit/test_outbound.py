@@ -130,8 +130,13 @@ def test_without_pasta_the_run_is_offline_and_says_so(
 
     netns._probe.cache_clear()
     line = network_line(spec_of(tmp_path))  # type: ignore[arg-type]
-    assert line.startswith("warning: TF ports reachable from this run's own network namespace only")
-    assert line.endswith("outgoing: offline: install passt for outgoing network (pasta not found)")
+    first, warning = line.splitlines()
+    assert first.startswith("network: TF ports reachable from this run's own network namespace only")
+    assert first.endswith("outgoing: offline: install passt for outgoing network (pasta not found)")
+    assert warning == (
+        "warning: this run's tasks reach no network outside it "
+        "(offline: install passt for outgoing network (pasta not found))"
+    )
     netns._probe.cache_clear()
 
 
