@@ -125,13 +125,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def network_line(spec: ClusterSpec) -> str:
     """`plan`'s and `check`'s word on who can reach the tasks' TF ports (unauthenticated)."""
     from orchestrator import launch
-    from orchestrator.launch.exposure import OFFLINE
 
-    reach = launch.reach(spec)
-    if not reach.isolated:
-        return f"warning: {reach.line}"
-    offline = f"\nwarning: {OFFLINE} ({reach.outbound})" if reach.warn and reach.offline else ""
-    return f"network: {reach.line}{offline}"
+    return launch.reach(spec).said
 
 
 def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:

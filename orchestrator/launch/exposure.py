@@ -32,6 +32,15 @@ class Exposure:
         return (self.outbound or "").startswith("offline")
 
     @property
+    def said(self) -> str:
+        """`plan`'s and `check`'s lines: `network: …`, or `warning: …` where the ports are open to
+        others, and a warning of its own where the tasks are offline without the spec's asking."""
+        if not self.isolated:
+            return f"warning: {self.line}"
+        offline = f"\nwarning: {OFFLINE} ({self.outbound})" if self.warn and self.offline else ""
+        return f"network: {self.line}{offline}"
+
+    @property
     def line(self) -> str:
         out = f"; outgoing: {self.outbound}" if self.outbound else ""
         return f"TF ports reachable from {self.reachable_from} ({self.why}){out}"
