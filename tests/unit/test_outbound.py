@@ -376,3 +376,26 @@ def coordinator_on_a_machine_resolving_at(resolver: str, tmp_path: Path) -> None
         assert wait_until(lambda: alive() == [], 5), f"outlived their coordinator: {alive()}"
     finally:
         coordinator.kill()
+
+
+@needs_pasta
+def test_where_no_mount_namespace_can_be_made_the_run_stays_private_and_online(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine whose resolver is on its loopback, where the resolv.conf of the run's own cannot
+    be mounted: the namespace is made without it (its TF ports private still), online."""
+    monkeypatch.setattr(outbound, "resolv_conf", lambda text: "nameserver 169.254.1.1\n")
+    real, asked = netns.make, []
+
+    def make(timeout_s: float = 10.0, resolv: Path | None = None) -> netns.Namespace | str:
+        asked.append(resolv)
+        return "cannot give the namespace its own /etc/resolv.conf: Permission denied" if resolv else real()
+
+    monkeypatch.setattr(netns, "make", make)
+    made = netns.Network(spec_of(tmp_path))  # type: ignore[arg-type]
+    try:
+        assert made.make(tmp_path) is not None
+        assert made.exposure is not None and made.exposure.isolated and not made.exposure.offline
+        assert len(made.fds) == 2 and asked[0] is not None and asked[1:] == [None]
+    finally:
+        made.close()

@@ -321,6 +321,8 @@ def _connect(local: LocalSpec, folder: Path) -> _Made | str:
                 resolv = folder / "resolv.conf"
                 resolv.write_text(own)
     made = make(resolv=resolv)
+    if isinstance(made, str) and resolv is not None:  # no mount namespace here: private still,
+        made, resolv = make(), None  # its names resolved as the machine's file says (may fail)
     if isinstance(made, str):
         return made
     if pasta is None:
