@@ -390,15 +390,23 @@ class SlurmLab:
         _run(["ip", "-n", self.node(name).netns, "link", "set", "eth0", "up"])
 
     def rejoin(self, name: str, timeout_s: float = 15) -> None:
-        """After `restore`, return a node to service as an admin would (`scontrol update
-        State=RESUME` when DOWN), and wait until it is idle (measured: ~1 s)."""
-        if self.node_states().get(name, "").startswith("down"):
-            self.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout_s=10, check=True)
+        """After `restore`, return a node to service as an admin would, and wait until it is idle:
+        its slurmd told to register again (SIGHUP: it reconfigures and registers) rather than
+        waiting for slurmctld's next ping of a node it thinks gone; a node still COMPLETING a job
+        whose end it was cut off from set DOWN (what ends it there), and a DOWN one resumed
+        (`scontrol update State=RESUME`). Measured: 0.2 s, where waiting for Slurm took 45-55 s."""
+        os.kill(self.node(name).pid, signal.SIGHUP)
         states: dict[str, str] = {}
 
         def idle() -> bool:
             nonlocal states
             states = self.node_states()
+            if states.get(name, "").startswith("comp"):  # still ending a job it was cut off from
+                update = [f"NodeName={name}", "State=DOWN", "Reason=rejoined after a cut"]
+                self.run(["scontrol", "update", *update], timeout_s=10)
+                states[name] = "down"
+            if states.get(name, "").startswith("down"):
+                self.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout_s=10)
             return states.get(name) == "idle"
 
         if not wait_until(idle, timeout_s, interval_s=0.2):

@@ -152,7 +152,13 @@ def runs(lab: SlurmLab, tmp_path: Path) -> Iterator[list[SlurmRun]]:
     made: list[SlurmRun] = []
     yield made
     left = [p for r in made for p in run_processes(r.run_id)]
-    ours = [j for j in lab.jobs() if " orchestrate-" in j]
+
+    def queued() -> list[str]:
+        return [j for j in lab.jobs() if " orchestrate-" in j]
+
+    # a job that ended while a node was cut off is COMPLETING until that node (rejoined) says so
+    wait_until(lambda: all(not j.endswith(" COMPLETING") for j in queued()), 20, interval_s=0.2)
+    ours = queued()
     for proc in left:
         proc.kill()
     for job in ours:
