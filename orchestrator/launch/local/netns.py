@@ -14,7 +14,9 @@ the one started. Heartbeats come back over a Unix socket (a path in the filesyst
 namespaces; an abstract one would not).
 
 Files, /dev/nvidia* and /dev/shm are not network-namespaced: a task sees them as it did. Every task
-shares the one namespace, so NCCL and TF between them work over its loopback.
+shares the one namespace, so NCCL and TF between them work over its loopback. Its way out (pasta,
+nothing published; a resolv.conf of its own where the machine's resolver is on its loopback, in a
+mount namespace the holder makes too) is outbound.py's; `Network` puts the two together.
 
 Where the kernel refuses user namespaces (kernel.unprivileged_userns_clone=0, AppArmor's
 apparmor_restrict_unprivileged_userns, user.max_user_namespaces=0, a container whose seccomp
