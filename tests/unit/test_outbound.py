@@ -10,13 +10,14 @@ import contextlib
 import json
 import os
 import random
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -196,30 +197,42 @@ def servers(address: str, count: int = 1) -> Iterator[list[socket.socket]]:
         made.append(s)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((address, made[0].getsockname()[1]))
-    stop = threading.Event()
 
     def serve() -> None:
-        import select
+        for ready in select.select([*made, udp], [], [], 0.1)[0]:
+            if ready is udp:
+                data, peer = udp.recvfrom(100)
+                udp.sendto(b"echo " + data, peer)
+            else:
+                conn, _ = ready.accept()
+                conn.sendall(b"hello")
+                conn.close()
 
+    try:
+        with serving(serve):
+            yield made
+    finally:
+        for s in [*made, udp]:
+            s.close()
+
+
+@contextlib.contextmanager
+def serving(step: Callable[[], None]) -> Iterator[None]:
+    """`step` (a server's turn, bounded: 0.1 s) over and over on a thread of its own, while the
+    block lasts."""
+    stop = threading.Event()
+
+    def run() -> None:
         while not stop.is_set():
-            for ready in select.select([*made, udp], [], [], 0.1)[0]:
-                if ready is udp:
-                    data, peer = udp.recvfrom(100)
-                    udp.sendto(b"echo " + data, peer)
-                else:
-                    conn, _ = ready.accept()
-                    conn.sendall(b"hello")
-                    conn.close()
+            step()
 
-    thread = threading.Thread(target=serve, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        yield made
+        yield
     finally:
         stop.set()
         thread.join(5)
-        for s in [*made, udp]:
-            s.close()
 
 
 REACH = """
@@ -318,21 +331,16 @@ def resolver(answer: str = "192.0.2.77") -> Iterator[str]:
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((address, 53))
     udp.settimeout(0.1)
-    stop = threading.Event()
 
     def serve() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError, OSError):
-                query, peer = udp.recvfrom(512)
-                udp.sendto(dns_answer(query, answer), peer)
+        with contextlib.suppress(TimeoutError, OSError):
+            query, peer = udp.recvfrom(512)
+            udp.sendto(dns_answer(query, answer), peer)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     try:
-        yield address
+        with serving(serve):
+            yield address
     finally:
-        stop.set()
-        thread.join(5)
         udp.close()
 
 
