@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.launch.local import outbound
 from tests.conftest import Job, run_processes
-from tests.unit.test_outbound import machine_address, resolver, servers
+from tests.machine_services import machine_address, resolver, servers
 
 pytestmark = [
     pytest.mark.e2e,

@@ -6,18 +6,11 @@ only at the ports the spec lists, and nothing of the stack outlives its coordina
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
-import select
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -27,6 +20,7 @@ from orchestrator.errors import LaunchError, SpecError
 from orchestrator.launch.local import netns, outbound
 from orchestrator.spec.load import parse_spec
 from tests.conftest import wait_until
+from tests.machine_services import machine_address, resolver, servers
 
 needs_pasta = pytest.mark.skipif(outbound.find() is None, reason="pasta (Debian's passt) is not installed")
 
@@ -178,63 +172,6 @@ def test_a_stack_that_fails_or_hangs_leaves_the_run_offline_said_in_bounded_time
 # --- the real stack ------------------------------------------------------------------------------
 
 
-def machine_address() -> str:
-    """An address of this machine's that is not on its loopback (skipped where there is none)."""
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                return a.address
-    pytest.skip("this machine has no address outside its loopback")
-
-
-@contextlib.contextmanager
-def servers(address: str, count: int = 1) -> Iterator[list[socket.socket]]:
-    """TCP listeners on `address` that answer every connection with b"hello"; UDP on the first
-    one's port echoes."""
-    made = []
-    for _ in range(count):
-        s = socket.create_server((address, 0))
-        made.append(s)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind((address, made[0].getsockname()[1]))
-
-    def serve() -> None:
-        for ready in select.select([*made, udp], [], [], 0.1)[0]:
-            if ready is udp:
-                data, peer = udp.recvfrom(100)
-                udp.sendto(b"echo " + data, peer)
-            else:
-                conn, _ = ready.accept()
-                conn.sendall(b"hello")
-                conn.close()
-
-    try:
-        with serving(serve):
-            yield made
-    finally:
-        for s in [*made, udp]:
-            s.close()
-
-
-@contextlib.contextmanager
-def serving(step: Callable[[], None]) -> Iterator[None]:
-    """`step` (a server's turn, bounded: 0.1 s) over and over on a thread of its own, while the
-    block lasts."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.is_set():
-            step()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(5)
-
-
 REACH = """
 import json, socket, sys
 address, port, *loopback = sys.argv[1:]
@@ -280,13 +217,6 @@ def test_a_task_reaches_this_machines_address_and_the_loopback_only_at_the_ports
             assert children() <= before  # the guard and pasta gone with `close`
 
 
-def dns_answer(query: bytes, address: str) -> bytes:
-    """An answer (A record, `address`) to a DNS query: a resolver of this machine's, on its loopback."""
-    end = query.index(b"\0", 12) + 5
-    record = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(address)
-    return query[:2] + b"\x81\x80" + struct.pack(">HHHH", 1, 1, 0, 0) + query[12:end] + record
-
-
 RESOLVE = """
 import json, os, socket
 print(json.dumps({"name": socket.gethostbyname("data.lab.test"), "cwd": os.getcwd(),
@@ -321,27 +251,6 @@ def test_names_resolve_through_a_resolver_on_this_machines_loopback_and_a_killed
     kind: bind-mounted in a mount namespace of the test's own); SIGKILL'd afterwards."""
     with resolver() as address:
         coordinator_on_a_machine_resolving_at(address, tmp_path)
-
-
-@contextlib.contextmanager
-def resolver(answer: str = "192.0.2.77") -> Iterator[str]:
-    """A DNS resolver on this machine's loopback (127.x.y.z, port 53: root) answering `answer` to
-    every name, as systemd-resolved's 127.0.0.53 answers for a machine; its address."""
-    address = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}.{random.randint(2, 254)}"
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind((address, 53))
-    udp.settimeout(0.1)
-
-    def serve() -> None:
-        with contextlib.suppress(TimeoutError, OSError):
-            query, peer = udp.recvfrom(512)
-            udp.sendto(dns_answer(query, answer), peer)
-
-    try:
-        with serving(serve):
-            yield address
-    finally:
-        udp.close()
 
 
 def coordinator_on_a_machine_resolving_at(resolver: str, tmp_path: Path) -> None:
