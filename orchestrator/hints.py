@@ -82,7 +82,7 @@ def network_hint(failure: Failure, plan: LaunchPlan, network: Mapping[str, Any])
             "install passt (`apt install passt`: outgoing network, nothing published), "
             if outbound_words.INSTALL in outbound
             else "set `local: {outbound: auto}`, "
-            if "local.outbound is off" in outbound
+            if outbound_words.OFF_BY_SPEC in outbound
             else ""
         )
         return (

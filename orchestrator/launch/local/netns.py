@@ -329,7 +329,7 @@ def _connect(local: LocalSpec, folder: Path) -> _Made | str:
         return made
     if pasta is None:
         asked = local.outbound == "off"
-        said = "the spec's local.outbound is off" if asked else f"{outbound.INSTALL} (pasta not found)"
+        said = outbound.OFF_BY_SPEC if asked else f"{outbound.INSTALL} (pasta not found)"
         return _Made(made, None, isolated(f"offline: {said}", warn=not asked))
     user, net, *_ = made.fds
     stack = outbound.start(pasta, (user, net), folder, local.reach_host_loopback, dns=resolv is not None)

@@ -33,12 +33,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.record import private_open
+
 #: The namespace's side: its address, its gateway (pasta), which also answers DNS where the
 #: machine's resolver is on its loopback.
 ADDRESS, PREFIX, GATEWAY = "169.254.1.2", 30, "169.254.1.1"
 ADDRESS6, GATEWAY6 = "fd74:666f:7263::2", "fe80::1"
 
 INSTALL = "install passt for outgoing network"
+#: What an offline run says where the spec asked for it (`local: {outbound: off}`).
+OFF_BY_SPEC = "the spec's local.outbound is off"
 _READY_S = 10.0
 
 #: The guard: pasta as its child (bound to it by PR_SET_PDEATHSIG), stopped when the
@@ -146,7 +150,7 @@ def start(
     pid_file, log = folder / "pasta.pid", folder / "pasta.log"
     line = argv(pasta, *fds, pid_file=pid_file, reach=reach, dns=dns)
     try:
-        with open(log, "wb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o600)) as out:
+        with private_open(log, "wb") as out:
             guard = subprocess.Popen(
                 [sys.executable, "-S", "-c", _GUARD, *line],
                 stdin=subprocess.PIPE,
