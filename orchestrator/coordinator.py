@@ -109,7 +109,7 @@ def up(
         _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the job trains
         page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
-        placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
+        placements = backend.open(_heartbeats(server.port, server.url, credentials, record))
         planner = Planner(spec, run_id, placements, record, credentials, backend)
         plan = planner({})
         if record.broken:
@@ -138,6 +138,14 @@ def up(
         home = _bring_home(backend, supervisor.plan, record)
         tailer.stop()  # the last lines, before the count of those held back
         return RunResult(run_dir, result, supervisor.plan, tuple(home), supervisor.status(), console.hidden)
+
+
+def _heartbeats(port: int, url: str, credentials: Credentials, record: RunRecord) -> Heartbeats:
+    """The heartbeat server as the backend sees it (tunnels end on loopback); what it tells people
+    while opening (an environment's making) is an event of the run's."""
+    return Heartbeats(
+        "127.0.0.1", port, url, credentials, lambda text: record.event(kind="environment", reason=text)
+    )
 
 
 def _answer_stacks(cleanup: contextlib.ExitStack, run_dir: Path, supervisor: Supervisor) -> None:

@@ -154,7 +154,9 @@ def progress_of(status: Mapping[str, Any], now: float | None = None) -> Progress
 
 _NOTABLE_RUN = frozenset({"STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"})
 _NOTABLE_TASK = frozenset({"FAILED", "LOST"})
-_NOTABLE_KINDS = frozenset({"task_restart", "warning", "unconfirmed", "port", "results", "resume", "error"})
+_NOTABLE_KINDS = frozenset(
+    {"task_restart", "warning", "unconfirmed", "port", "results", "resume", "error", "environment"}
+)
 
 
 def notable(event: Mapping[str, Any]) -> bool:

@@ -232,7 +232,8 @@ class Event(BaseModel):
     kind: str = Field(
         description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · standby · "
         "stacks (a hung job's, read before its stop: where each task was; `seconds`: how long; the "
-        "documents in stacks/attempt-N/) · warning · unconfirmed · port · results · resume · state · error"
+        "documents in stacks/attempt-N/) · environment (its making, per host) · warning · unconfirmed · "
+        "port · results · resume · state · error"
     )
     reason: str = ""
     attempt: int | None = None

@@ -8,10 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
-from worker import runtime
+from worker import environment, runtime
 
 
 def main(argv: list[str] | None = None) -> int:
+    environment.hold()  # the job's environment (`environment:`), kept while this task lives
     parser = argparse.ArgumentParser(prog="python -m worker", description="tf-orchestrate task runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a TF program (mode 1) with heartbeats and progress reporting")

@@ -106,6 +106,7 @@ class Heartbeats:
     port: int
     url: str
     credentials: Credentials  # a relay's (ssh backend) come from here
+    notify: Callable[[str], None] = print  # lines for people while opening (an environment's progress)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ RUNTIME_ROOT = Path(__file__).resolve().parents[2]  # the folder holding worker/
 SHIM = RUNTIME_ROOT / "worker" / "shim.py"
 PROBE_SOURCE = (RUNTIME_ROOT / "worker" / "probe.py").read_text(encoding="utf-8")
 FOLDERS_SOURCE = (RUNTIME_ROOT / "worker" / "folders.py").read_text(encoding="utf-8")
+ENVIRONMENT_SOURCE = (RUNTIME_ROOT / "worker" / "environment.py").read_text(encoding="utf-8")
 #: worker/folders.py's modes (the others are worker/probe.py's).
 FOLDER_MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
 

@@ -8,7 +8,6 @@ in `checks.py`, so each problem can be reported at the key the user must change.
 from __future__ import annotations
 
 import enum
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,13 +16,14 @@ from typing import Annotated, Any
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
+
+from orchestrator.spec.base import Strict, resolve_path
+from orchestrator.spec.environment import EnvironmentSpec
 
 
 class Strategy(str, enum.Enum):
@@ -72,19 +72,6 @@ EnvValue = Annotated[str, BeforeValidator(_env_value)]
 EnvMap = dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], EnvValue]
 
 
-def resolve_path(value: Path | None, info: ValidationInfo) -> Path | None:
-    if value is None:
-        return None
-    try:
-        value = value.expanduser()
-    except RuntimeError:  # `~name/…` of a user this machine does not have
-        raise ValueError(f"{value}: {str(value).split('/')[0]} names no user of this machine") from None
-    base = (info.context or {}).get("base_dir")
-    if base is not None and not value.is_absolute():
-        value = Path(base) / value
-    return Path(os.path.normpath(value))
-
-
 MAX_TASKS = 1024  # in all: every task's TF_CONFIG lists the whole cluster (the plan grows as N²)
 MAX_HOSTS = 1024
 
@@ -92,12 +79,6 @@ MAX_HOSTS = 1024
 def yaml_switch(value: Any) -> Any:
     """An `auto | on | off` key's value: YAML 1.1 reads a bare `on` / `off` as a boolean."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
-class Strict(BaseModel):
-    """A spec section: unknown keys are errors, values frozen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
 class HostSpec(Strict):
@@ -289,6 +270,10 @@ class ClusterSpec(Strict):
         default_factory=dict, description="per role: decides, on_failure, at_end (defaults per strategy)"
     )
     record: RecordSpec = RecordSpec()
+    environment: EnvironmentSpec | None = Field(
+        default=None,
+        description="the job's Python environment, made by us on every host (default: the hosts' own)",
+    )
 
     #: The sections of backends (`ssh:`, `slurm:`, a plugin's), validated by their backends
     #: (spec/sections.py): name -> model. Not a field: the spec's keys are the backends' names.

@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from orchestrator.environment.prepare import HostEnvironment
 from orchestrator.errors import LaunchError
 from orchestrator.launch import standby
 from orchestrator.launch.api import (
@@ -98,6 +99,7 @@ class LocalBackend(Backend):
         self._run_dir = run_dir
         self._spec_dir = spec_dir  # the tasks' working folder: relative paths mean what they meant there
         self._python = python
+        self._environment: list[HostEnvironment] = []
         self._ports: PortReservation | None = None
         self._placements: dict[str, Placement] = {}
         self._network = netns.Network(spec)  # the tasks' own network namespace, made by `listen`
@@ -114,6 +116,17 @@ class LocalBackend(Backend):
         return self._network.exposure
 
     def open(self, heartbeats: Heartbeats) -> dict[str, Placement]:
+        pythonpath: tuple[str, ...] = ()
+        if self._spec.environment is not None:  # the job's own, made here (orchestrator/environment/)
+            from orchestrator.environment import local as env_local
+            from orchestrator.environment.prepare import prepare
+            from orchestrator.environment.resolve import cache_root
+
+            site = env_local.LocalSite(self._spec.environment.python, cache_root())
+            self._environment = prepare(self._spec.environment, [site], heartbeats.notify)
+            assert self._environment[0].python is not None
+            self._python = self._environment[0].python
+            pythonpath = (str(env_local.runtime_copy(self._run_dir.resolve())),)
         ports = self._network.ports()  # inside the namespace every port is the run's own
         if ports is None:
             self._ports = reserve_ports(self._spec)
@@ -125,6 +138,7 @@ class LocalBackend(Backend):
             spec_dir=self._spec_dir,
             coordinator_url=heartbeats.url,
             python=self._python,
+            pythonpath=pythonpath,
         )
         return dict(self._placements)
 
@@ -181,7 +195,10 @@ class LocalBackend(Backend):
 
     def record(self) -> dict[str, Any]:
         # The tasks' process groups are in status.json (pid, pgid, start time) as they start.
-        return {"backend": self.name}
+        record: dict[str, Any] = {"backend": self.name}
+        if self._environment:
+            record["environment"] = [h.as_data() for h in self._environment]
+        return record
 
     def close(self) -> None:
         self._standbys.close()

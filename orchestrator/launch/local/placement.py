@@ -18,6 +18,7 @@ def local_placements(
     spec_dir: Path,
     coordinator_url: str,
     python: str,
+    pythonpath: tuple[str, ...] = (),
 ) -> dict[str, Placement]:
     """Every task on this machine, in the run directory, with this Python."""
     return {
@@ -29,6 +30,7 @@ def local_placements(
             cwd=str(spec_dir),
             coordinator_url=coordinator_url,
             host_index=slot.host_index,
+            pythonpath=pythonpath,
         )
         for slot in task_slots(spec)
     }

@@ -9,7 +9,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from orchestrator.launch.exposure import Exposure
-from orchestrator.spec.model import Strict, yaml_switch
+from orchestrator.spec.base import Strict
+from orchestrator.spec.model import yaml_switch
 
 
 class LocalSpec(Strict):

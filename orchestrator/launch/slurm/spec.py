@@ -10,7 +10,8 @@ from pydantic import Field, model_validator
 
 from orchestrator.errors import SpecProblem
 from orchestrator.launch.kind import Where
-from orchestrator.spec.model import MAX_HOSTS, MAX_TASKS, ClusterSpec, HostSpec, Role, Strict
+from orchestrator.spec.base import Strict
+from orchestrator.spec.model import MAX_HOSTS, MAX_TASKS, ClusterSpec, HostSpec, Role
 
 #: Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 SLURM_TIME = r"^([0-9]{1,5}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|[0-9]{1,7}(:[0-9]{1,2}){0,2})$"

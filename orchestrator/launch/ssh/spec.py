@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from orchestrator.spec.model import ClusterSpec, Strict, resolve_path
+from orchestrator.spec.base import Strict, resolve_path
+from orchestrator.spec.model import ClusterSpec
 
 
 class HostKeyPolicy(str, enum.Enum):

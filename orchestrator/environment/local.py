@@ -1,0 +1,95 @@
+"""The local backend's site: this machine, its environments under the cache (`cache_root()`, where
+the wheels already are: nothing is sent), worker/environment.py run as a child process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from orchestrator.errors import LaunchError
+from orchestrator.launch.runtime import ENVIRONMENT_SOURCE, RUNTIME_ROOT
+from orchestrator.record import make_private_dir
+
+BUILD_TIMEOUT_S = 1800.0  # a build that takes longer is stuck (TensorFlow: ~6 s here)
+
+
+class LocalSite:
+    label = "this machine"
+
+    def __init__(self, python: str | None, workdir: Path):
+        self.python = python or sys.executable
+        self._workdir = workdir
+
+    def ask(
+        self, mode: str, key: str, manifest: str, on_line: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        make_private_dir(self._workdir)
+        argv = [self.python, "-S", "-c", ENVIRONMENT_SOURCE, mode, str(self._workdir), key]
+        try:
+            child = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            raise LaunchError(f"environment.python {self.python}: {exc.strerror or exc}") from None
+        assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+        err: list[bytes] = []
+        reader = threading.Thread(target=lambda: err.append(child.stderr.read()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        try:
+            child.stdin.write(manifest.encode() or b"\n")
+            child.stdin.flush()
+            answer = read_answer(child.stdout, on_line)
+            child.stdin.close()  # the lifeline: a build stops when it closes
+            code = child.wait(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise LaunchError(f"{self.label}: environment {mode} took over {BUILD_TIMEOUT_S:g} s") from None
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        reader.join(timeout=5.0)
+        return answered(self.label, mode, code, answer, b"".join(err).decode(errors="replace"))
+
+    def send(self, files: Mapping[str, Path], missing: Sequence[str], progress: Callable[[int], None]) -> int:
+        return 0  # built from the cache the wheels were downloaded into
+
+
+def read_answer(out: IO[bytes], on_line: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+    """worker/environment.py's JSON lines: steps to `on_line`, the last line is the answer."""
+    answer = None
+    for raw in out:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and "step" in line:
+            on_line(line)
+        elif isinstance(line, dict):
+            answer = line
+    return answer
+
+
+def answered(label: str, mode: str, code: int, answer: dict[str, Any] | None, err: str) -> dict[str, Any]:
+    if code == 0 and answer is not None:
+        return answer
+    said = err.strip().splitlines()[-1] if err.strip() else f"exit code {code}"
+    what = "building the environment" if mode == "build" else "asking for the environment"
+    raise LaunchError(f"{label}: {what} failed: {said[-2000:]}")
+
+
+def runtime_copy(run_dir: Path) -> Path:
+    """The worker runtime copied into the run's folder (`lib/worker`), for an environment that
+    has only the job's packages; the folder to put on PYTHONPATH."""
+    lib = run_dir / "lib"
+    target = lib / "worker"
+    if not target.is_dir():
+        make_private_dir(lib)
+        shutil.copytree(RUNTIME_ROOT / "worker", target, ignore=shutil.ignore_patterns("__pycache__"))
+    return lib
