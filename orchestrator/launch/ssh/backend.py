@@ -23,6 +23,7 @@ from typing import Any
 import fabric
 import paramiko
 
+from orchestrator.environment.prepare import HostEnvironment
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch import standby
@@ -39,6 +40,7 @@ from orchestrator.launch.shim import shim_job
 from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
 from orchestrator.launch.ssh import preflight
 from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
+from orchestrator.launch.ssh.environment import ssh_environments
 from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of
 from orchestrator.launch.ssh.machines import SshMachines
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_ports
@@ -84,6 +86,8 @@ class SshBackend(Backend):
         # hosts with several tasks: their heartbeats go through a relay
         self._shared_hosts = {i for i in set(per_host) if per_host.count(i) > 1}
         self._files: list[FileEntry] = []
+        self._environment: list[HostEnvironment] = []  # each host's (`environment:`)
+        self._pythons: dict[int, str] = {}  # its interpreter, per host index
         # a copy between hosts gives up on a host silent this long (it was cut off meanwhile)
         io_timeout_s = max(10.0, 3 * ssh_section(spec).connect_timeout_s)
         folders = SshFolders(self._hosts, self._connection, self._suspect.add, io_timeout_s=io_timeout_s)
@@ -130,6 +134,11 @@ class SshBackend(Backend):
                 workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
             )
         self._upload({r.host.index: (r.facts or {}).get("missing", []) for r in reports})
+        if self._spec.environment is not None:  # every host's (spares too): its Python runs the tasks
+            workdirs = {i: c.workdir for i, c in self._contexts.items()}
+            self._environment, self._pythons = ssh_environments(
+                self._spec.environment, self._conns, self._hosts, workdirs, heartbeats.notify
+            )
         self._machines.opened({i: c.workdir for i, c in self._contexts.items()})
         return self._placements(self._spec)
 
@@ -139,6 +148,7 @@ class SshBackend(Backend):
             self._run_id,
             {i: c.workdir for i, c in self._contexts.items()},
             {i: c.coordinator_url for i, c in self._contexts.items()},
+            self._pythons,
         )
 
     def machines(self, plan: LaunchPlan, suspects: Mapping[str, tuple[str, str | None]]) -> list[Machine]:
@@ -177,6 +187,7 @@ class SshBackend(Backend):
             ],
             "shim_sha256": shim_entry(self._files).sha256,  # the copy in each host's cache
             "tasks": [s.name for s in task_slots(self._spec)],  # every name a task of the run may have
+            "environment": [h.as_data() for h in self._environment] or None,
         }
 
     def _upload(self, missing: dict[int, list[str]]) -> None:

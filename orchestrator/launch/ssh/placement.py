@@ -13,6 +13,7 @@ from orchestrator.launch.placement import Placement
 from orchestrator.launch.ssh.spec import section
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
+from worker.stacks import ENV_PY_SPY
 
 SSH_DEFAULT_BASE_PORT = 23456  # remote hosts: free ports are checked there (`orchestrate check`)
 SSH_DEFAULT_WORKDIR = "~/.orchestrate"
@@ -30,27 +31,35 @@ def ssh_ports(spec: ClusterSpec) -> dict[str, int]:
 
 
 def ssh_placements(
-    spec: ClusterSpec, run_id: str, workdirs: Mapping[int, str], urls: Mapping[int, str]
+    spec: ClusterSpec,
+    run_id: str,
+    workdirs: Mapping[int, str],
+    urls: Mapping[int, str],
+    pythons: Mapping[int, str] | None = None,
 ) -> dict[str, Placement]:
     """Each task on its host, in WORKDIR/runs/<run id>, the job's folder copied to code/ and the
     worker runtime to lib/. `workdirs` and `urls` per host index (the absolute folder learned by
-    connecting, and where its heartbeats go)."""
+    connecting, and where its heartbeats go); `pythons`: each host's environment's interpreter
+    (`environment:`), else the host's own."""
     ports = ssh_ports(spec)
     out = {}
     for slot in task_slots(spec):
         host = spec.hosts[slot.host_index]
         folder = posixpath.join(workdirs[slot.host_index], "runs", run_id)
         code = posixpath.join(folder, "code")
+        made = (pythons or {}).get(slot.host_index)
         out[slot.name] = Placement(
             host=host.address,
             port=ports[slot.name],
             run_folder=folder,
-            python=tuple(shlex.split(host.python)),
+            python=(made,) if made else tuple(shlex.split(host.python)),
             cwd=code,
             coordinator_url=urls[slot.host_index],
             host_index=slot.host_index,
             code_root=code,
             pythonpath=(posixpath.join(folder, "lib"),),
+            # the stacks reader of the environment's
+            env={ENV_PY_SPY: posixpath.join(posixpath.dirname(made), "py-spy")} if made else {},
         )
     return out
 
@@ -61,4 +70,6 @@ def ssh_preview(spec: ClusterSpec, run_id: str) -> dict[str, Placement]:
     url = f"http://{direct}" if direct else "http://127.0.0.1:<port forwarded through SSH>"
     indexes = range(len(spec.hosts))
     workdirs = {i: spec.hosts[i].workdir or SSH_DEFAULT_WORKDIR for i in indexes}
-    return ssh_placements(spec, run_id, workdirs, {i: url for i in indexes})
+    made = "envs/<made from environment: at launch>/bin/python"
+    pythons = {i: posixpath.join(workdirs[i], made) for i in indexes} if spec.environment else None
+    return ssh_placements(spec, run_id, workdirs, {i: url for i in indexes}, pythons)

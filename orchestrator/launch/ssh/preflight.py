@@ -46,6 +46,7 @@ class HostReport:
     facts: dict[str, Any] | None = None
     peers: dict[str, str | None] = field(default_factory=dict)  # "addr:port" -> error or None
     shared: list[str] = field(default_factory=list)  # problems with the folders declared shared
+    environment: bool = False  # the spec's `environment:` makes the tasks' Python: the host's needs none
 
     @property
     def own_problems(self) -> list[str]:
@@ -58,11 +59,11 @@ class HostReport:
             out.append(
                 f"{label}: {python} is Python {f.get('python')}; the worker needs 3.10+ (hosts[{i}].python)"
             )
-        if f.get("tensorflow") is None:
+        if f.get("tensorflow") is None and not self.environment:
             out.append(
                 f"{label}: TensorFlow is not installed for {python} (install it, or set hosts[{i}].python)"
             )
-        if f.get("psutil") is None:
+        if f.get("psutil") is None and not self.environment:
             out.append(f"{label}: psutil is not installed for {python} (the worker runtime needs it)")
         gpus = f.get("gpus") or {}
         if gpus.get("error"):
@@ -93,7 +94,11 @@ def inspect(
     wanted = json.dumps(sorted(set(files)))
     slots = task_slots(spec)
     reports = [
-        HostReport(host, {ports[s.name]: s.name for s in slots if s.host_index == host.index})
+        HostReport(
+            host,
+            {ports[s.name]: s.name for s in slots if s.host_index == host.index},
+            environment=spec.environment is not None,
+        )
         for host in hosts_of(spec)
     ]
 

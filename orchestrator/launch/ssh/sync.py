@@ -13,7 +13,7 @@ import os
 import posixpath
 import secrets
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,15 +86,34 @@ def runtime_entry(entries: Sequence[FileEntry], name: str) -> FileEntry:
     return next(e for e in entries if e.rel == f"lib/worker/{name}")
 
 
+def _deltas(progress: Callable[[int], None] | None) -> Callable[[int, int], None] | None:
+    """paramiko's callback (bytes so far, total) as the bytes of each part."""
+    if progress is None:
+        return None
+    seen = [0]
+
+    def told(done: int, total: int) -> None:
+        progress(done - seen[0])
+        seen[0] = done
+
+    return told
+
+
 def _entry(rel: str, path: Path) -> FileEntry:
     st = path.stat()
     return FileEntry(rel, sha256_file(path), stat.S_IMODE(st.st_mode), st.st_size, path)
 
 
 def upload(
-    conn: fabric.Connection, host: Host, workdir: str, entries: Sequence[FileEntry], missing: Collection[str]
+    conn: fabric.Connection,
+    host: Host,
+    workdir: str,
+    entries: Sequence[FileEntry],
+    missing: Collection[str],
+    progress: Callable[[int], None] | None = None,
 ) -> SyncResult:
-    """Send the files whose checksum the host's cache lacks (`missing`, from the preflight)."""
+    """Send the files whose checksum the host's cache lacks (`missing`, from the preflight);
+    `progress` is told the bytes of each part as it goes."""
     cache = posixpath.join(workdir, "cache")
     todo = {e.sha256: e for e in entries if e.sha256 in missing}
     if todo:
@@ -106,7 +125,7 @@ def upload(
         for digest, entry in todo.items():
             tmp = posixpath.join(cache, f".{digest}.{secrets.token_hex(4)}")
             try:
-                sftp.put(str(entry.source), tmp)
+                sftp.put(str(entry.source), tmp, callback=_deltas(progress))
                 sftp.posix_rename(tmp, posixpath.join(cache, digest))
             except OSError as exc:
                 raise LaunchError(f"{host.label}: cannot copy {entry.source} to {cache}: {exc}") from None
