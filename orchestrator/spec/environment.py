@@ -51,6 +51,8 @@ class EnvironmentSpec(Strict):
                         f"{item!r}: pip's options do not go in the list (use index_url, find_links, no_index)"
                     )
             return value
+        if isinstance(value, Path):
+            value = str(value)
         if not isinstance(value, str) or not value.strip():
             raise ValueError("a requirements file or a list of requirements")
         path = resolve_path(Path(value), info)  # type: ignore[arg-type]

@@ -1,0 +1,68 @@
+"""The coordinator's side of `environment:` (orchestrator/environment/): what pip is asked for, the
+tags of a host's interpreter, and real pip resolving from the tests' wheelhouse (no index)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.environment.request import request_of
+from orchestrator.environment.resolve import resolve
+from orchestrator.environment.target import Target, platform_tags
+from orchestrator.errors import LaunchError
+from orchestrator.spec.environment import EnvironmentSpec
+from tests import wheelhouse
+from worker import environment
+
+
+def test_a_hosts_tags_widen_to_every_older_manylinux():
+    tags = platform_tags("linux-x86_64", "2.36")
+    assert tags[0] == "manylinux_2_36_x86_64" and tags[-1] == "linux_x86_64"
+    assert {"manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert platform_tags("linux-aarch64", None) == ("linux_aarch64",)  # musl or unknown: its own tag only
+    assert platform_tags("macosx-11.0-arm64", None) == ("macosx_11_0_arm64",)
+
+
+def test_the_runtime_needs_are_added_unless_named(tmp_path):
+    plain = request_of(EnvironmentSpec(requirements=["numpy<3"]))
+    assert plain.added == ("tensorflow", "psutil", "py-spy")
+    named = request_of(EnvironmentSpec(requirements=["tensorflow_cpu==2.21.0", "PSUTIL>=5"]))
+    assert named.added == ("py-spy",)
+    (tmp_path / "base.txt").write_text("tensorflow==2.21.0\n")
+    top = tmp_path / "requirements.txt"
+    top.write_text("# ours\n-r base.txt\nnumpy  # pinned by TF\n")
+    from_file = request_of(EnvironmentSpec(requirements=top))
+    assert from_file.requirements == ("-r", str(top)) and from_file.added == ("psutil", "py-spy")
+    (tmp_path / "base.txt").write_text("tensorflow==2.20.0\n")  # an include changed: resolved again
+    assert request_of(EnvironmentSpec(requirements=top)).digest != from_file.digest
+
+
+def test_pips_options_go_in_keys_of_their_own():
+    with pytest.raises(ValueError, match="use index_url, find_links, no_index"):
+        EnvironmentSpec(requirements=["--index-url=http://x", "numpy"])
+
+
+def _here() -> Target:
+    return Target.of(environment.target())  # this interpreter's, as a host reports its own
+
+
+def test_resolved_once_then_from_the_cache_alone(tmp_path):
+    links = wheelhouse.ensure()
+    env = EnvironmentSpec(requirements=[wheelhouse.requirements()[0]], find_links=[links], no_index=True)
+    first = resolve(request_of(env), _here(), tmp_path, who="h0")
+    names = {w.name.lower().replace("_", "-") for w in first.wheels}
+    assert {"psutil", "py-spy", "tensorflow-cpu"} <= names and first.uv.file.startswith("uv-")
+    assert set(first.seconds) == {"resolve", "download"} and first.downloaded == first.size + first.uv.size
+    assert all((tmp_path / "cache" / w.sha256).stat().st_size == w.size for w in first.wheels)
+    again = resolve(request_of(env), _here(), tmp_path, who="h0")
+    assert again == first and again.seconds == {} and again.downloaded == 0  # no pip at all
+    assert again.key("/usr/bin/python3") != again.key("/opt/python3.11/bin/python3")
+
+
+def test_a_host_whose_platform_has_no_wheel_stops_the_launch_naming_it(tmp_path):
+    env = EnvironmentSpec(requirements=["psutil"], find_links=[wheelhouse.ensure()], no_index=True)
+    arm = Target("cp", "3.11", "cp311", platform_tags("linux-aarch64", "2.36"))
+    with pytest.raises(LaunchError) as caught:
+        resolve(request_of(env), arm, tmp_path, who="pi-1, pi-2")
+    said = str(caught.value)
+    assert "pi-1, pi-2" in said and "manylinux_2_36_aarch64" in said and "nothing was started" in said
+    assert "No matching distribution found for" in said, said
