@@ -159,6 +159,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     spec = _load(args)
     report = launch.check(spec)
     if report is None:
+        from orchestrator.environment.local import check_line
         from orchestrator.launch.ssh.preflight import stacks_warning
         from worker import probe
 
@@ -167,7 +168,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         found = probe.stacks()
         said = stacks_warning("this machine", {"stacks": found})
         print(f"warning: {said}" if said else f"a hung task's stacks: native frames too ({found['py_spy']})")
-        return EXIT_OK
+        line, ready = check_line(spec.environment) if spec.environment else ("", True)
+        print(line, end="\n" if line else "")
+        return EXIT_OK if ready else EXIT_LAUNCH
     table = Table(title=report.title)
     for column in report.rows[0]:
         table.add_column(column)

@@ -15,6 +15,7 @@ from typing import IO, Any
 from orchestrator.errors import LaunchError
 from orchestrator.launch.runtime import ENVIRONMENT_SOURCE, RUNTIME_ROOT
 from orchestrator.record import make_private_dir
+from orchestrator.spec.environment import EnvironmentSpec
 
 BUILD_TIMEOUT_S = 1800.0  # a build that takes longer is stuck (TensorFlow: ~6 s here)
 
@@ -93,3 +94,18 @@ def runtime_copy(run_dir: Path) -> Path:
         make_private_dir(lib)
         shutil.copytree(RUNTIME_ROOT / "worker", target, ignore=shutil.ignore_patterns("__pycache__"))
     return lib
+
+
+def check_line(env: EnvironmentSpec) -> tuple[str, bool]:
+    """`orchestrate check` on this machine: the environment ready, or what `up` would build
+    (resolved and downloaded now); False where it cannot be made."""
+    from orchestrator.environment.prepare import survey
+    from orchestrator.environment.resolve import cache_root
+
+    try:
+        (host,) = survey(env, [LocalSite(env.python, cache_root())], lambda _: None)
+    except LaunchError as exc:
+        return f"problem: {exc}", False
+    if host.state == "ready":
+        return f"environment: ready ({host.packages} packages, {host.target}): {host.python}", True
+    return f"environment: to build ({host.packages} wheels, {host.target}) at the first `up`", True

@@ -52,8 +52,20 @@ class LocalKind(Kind):
         else:
             (ports, busy), url = preview_ports(spec), "http://127.0.0.1:<chosen at launch>"
             note = "local ports are free now and chosen again at launch unless the spec fixes base_port"
+        python, pythonpath = sys.executable, tuple[str, ...]()
+        if spec.environment is not None:  # its name is known once this machine's Python is asked
+            from orchestrator.environment.resolve import cache_root
+
+            python = str(cache_root() / "envs" / "<made from environment: at launch>" / "bin" / "python")
+            pythonpath = (str(run_dir / "lib"),)
         places = local_placements(
-            spec, ports, run_dir=run_dir, spec_dir=spec_dir, coordinator_url=url, python=sys.executable
+            spec,
+            ports,
+            run_dir=run_dir,
+            spec_dir=spec_dir,
+            coordinator_url=url,
+            python=python,
+            pythonpath=pythonpath,
         )
         return places, "\n".join([note, *(f"warning: {b}" for b in busy)])
 

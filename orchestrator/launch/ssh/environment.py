@@ -10,18 +10,22 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fabric
 import paramiko
 
 from orchestrator.environment.local import answered, read_answer
-from orchestrator.environment.prepare import HostEnvironment, prepare
+from orchestrator.environment.prepare import HostEnvironment, prepare, survey
 from orchestrator.errors import LaunchError
 from orchestrator.launch.runtime import ENVIRONMENT_SOURCE
 from orchestrator.launch.ssh.hosts import Host
 from orchestrator.launch.ssh.sync import FileEntry, upload
+from orchestrator.launch.transfer import size_text
 from orchestrator.spec.environment import EnvironmentSpec
+
+if TYPE_CHECKING:
+    from orchestrator.launch.ssh.preflight import HostReport
 
 ASK_TIMEOUT_S = 60.0  # a question: the host answers at once
 BUILD_TIMEOUT_S = 1800.0  # silence this long during a build: the host is stuck (TensorFlow: seconds)
@@ -77,3 +81,23 @@ def ssh_environments(
     used = sorted(workdirs)
     made = prepare(env, [SshSite(conns[i], hosts[i], workdirs[i], env.python) for i in used], notify)
     return made, {i: h.python for i, h in zip(used, made, strict=True) if h.python}
+
+
+def survey_cells(env: EnvironmentSpec, reports: Sequence[HostReport], problems: list[str]) -> dict[int, str]:
+    """`orchestrate check`'s environment column, per host index: `ready`, or `to build (N wheels,
+    X MB to send)`; what stops it goes to `problems`."""
+    sites = [SshSite(r.conn, r.host, str((r.facts or {})["workdir"]), env.python) for r in reports if r.conn]
+    try:
+        found = survey(env, sites, lambda text: None)
+    except LaunchError as exc:
+        problems.append(str(exc))
+        return {}
+    cells = {}
+    for site_report, host in zip([r for r in reports if r.conn], found, strict=True):
+        if host.state == "ready":
+            cells[site_report.host.index] = "ready"
+        else:
+            cells[site_report.host.index] = (
+                f"to build ({host.packages} wheels, {size_text(host.to_send)} to send)"
+            )
+    return cells

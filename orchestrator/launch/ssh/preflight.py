@@ -126,12 +126,20 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
         for r, found in on_all(ready, lambda r: probe(r.conn, r.host, "stacks")):
             assert r.facts is not None
             r.facts["stacks"] = found if isinstance(found, dict) else {"native": False, "why": str(found)}
+        rows = table_rows(reports, shared_declared=bool(declared_shared(spec)), spec=spec)
+        found = problems(reports)
+        if spec.environment is not None and not found:
+            from orchestrator.launch.ssh.environment import survey_cells
+
+            cells = survey_cells(spec.environment, ready, found)
+            for row, r in zip(rows, reports, strict=True):
+                row["tensorflow"], row["environment"] = "(environment)", cells.get(r.host.index, "-")
         return CheckReport(
             f"{spec.name}: {len(reports)} host(s)",
-            table_rows(reports, shared_declared=bool(declared_shared(spec)), spec=spec),
+            rows,
             warnings(reports)
             + [w for r in ready if (w := stacks_warning(r.host.label, r.facts)) is not None],
-            problems(reports),
+            found,
         )
     finally:
         close(reports)
