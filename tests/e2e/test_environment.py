@@ -101,6 +101,12 @@ def test_hosts_without_tensorflow_train_in_the_environment_made_for_them(lab, wh
     tf = wheelhouse.requirements()[0]
 
     first = _job(lab, tmp_path / "first", cache, [tf], [wheels])
+    check = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "check", str(first.spec)],
+        capture_output=True, text=True, timeout=300, env=first.env(), cwd=first.root,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("to build (") == 2 and "MB to send)" in check.stdout, check.stdout
     res = first.up(timeout_s=600)
     assert res.returncode == 0, res.stdout + res.stderr
     said = _environment_events(first)

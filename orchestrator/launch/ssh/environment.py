@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fabric
 import paramiko
@@ -23,9 +23,6 @@ from orchestrator.launch.ssh.hosts import Host
 from orchestrator.launch.ssh.sync import FileEntry, upload
 from orchestrator.launch.transfer import size_text
 from orchestrator.spec.environment import EnvironmentSpec
-
-if TYPE_CHECKING:
-    from orchestrator.launch.ssh.preflight import HostReport
 
 ASK_TIMEOUT_S = 60.0  # a question: the host answers at once
 BUILD_TIMEOUT_S = 1800.0  # silence this long during a build: the host is stuck (TensorFlow: seconds)
@@ -83,21 +80,25 @@ def ssh_environments(
     return made, {i: h.python for i, h in zip(used, made, strict=True) if h.python}
 
 
-def survey_cells(env: EnvironmentSpec, reports: Sequence[HostReport], problems: list[str]) -> dict[int, str]:
+def survey_cells(
+    env: EnvironmentSpec, reached: Sequence[tuple[fabric.Connection, Host, str]], problems: list[str]
+) -> dict[int, str]:
     """`orchestrate check`'s environment column, per host index: `ready`, or `to build (N wheels,
-    X MB to send)`; what stops it goes to `problems`."""
-    sites = [SshSite(r.conn, r.host, str((r.facts or {})["workdir"]), env.python) for r in reports if r.conn]
+    X MB to send)`, for each host reached (its connection, itself, its work folder); what stops
+    it goes to `problems`."""
     try:
-        found = survey(env, sites, lambda text: None)
+        found = survey(
+            env, [SshSite(conn, host, workdir, env.python) for conn, host, workdir in reached], _quiet
+        )
     except LaunchError as exc:
         problems.append(str(exc))
         return {}
     cells = {}
-    for site_report, host in zip([r for r in reports if r.conn], found, strict=True):
-        if host.state == "ready":
-            cells[site_report.host.index] = "ready"
-        else:
-            cells[site_report.host.index] = (
-                f"to build ({host.packages} wheels, {size_text(host.to_send)} to send)"
-            )
+    for (_, host, _), made in zip(reached, found, strict=True):
+        to_build = f"to build ({made.packages} wheels, {size_text(made.to_send)} to send)"
+        cells[host.index] = "ready" if made.state == "ready" else to_build
     return cells
+
+
+def _quiet(_: str) -> None:
+    pass

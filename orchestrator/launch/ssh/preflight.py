@@ -131,7 +131,8 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
         if spec.environment is not None and not found:
             from orchestrator.launch.ssh.environment import survey_cells
 
-            cells = survey_cells(spec.environment, ready, found)
+            reached = [(r.conn, r.host, str((r.facts or {})["workdir"])) for r in ready if r.conn]
+            cells = survey_cells(spec.environment, reached, found)
             for row, r in zip(rows, reports, strict=True):
                 row["tensorflow"], row["environment"] = "(environment)", cells.get(r.host.index, "-")
         return CheckReport(
