@@ -113,12 +113,28 @@ def ready(workdir: str, key: str) -> dict[str, Any]:
     workdir = os.path.abspath(os.path.expanduser(workdir))
     env = os.path.join(workdir, "envs", key)
     out: dict[str, Any] = {"target": target(), "python": os.path.join(env, "bin", "python")}
+    out["folder"] = _folder_id(_own_dir(os.path.join(_own_dir(workdir), "envs")))
     marker = os.path.join(env, MARKER)
     if key != "-" and os.path.isfile(marker) and not os.path.islink(marker):
         with contextlib.suppress(OSError):
             os.utime(marker)  # its last use: removal keeps the newest
         return {**out, "ready": True, "missing": []}
     return {**out, "ready": False, "missing": _missing(workdir, manifest) if manifest else []}
+
+
+def _folder_id(root: str) -> str:
+    """The environments folder's own id: hosts that share it (an NFS home, a cluster's shared
+    work folder) report the same one, and the coordinator builds there once."""
+    path = os.path.join(root, ".id")
+    if not os.path.isfile(path):
+        part = os.path.join(root, f".id-{secrets.token_hex(4)}")
+        with open(part, "x", encoding="utf-8") as f:
+            f.write(secrets.token_hex(16))
+        with contextlib.suppress(FileExistsError):
+            os.link(part, path)  # the first host's id stays: a link never replaces
+        os.unlink(part)
+    with open(path, encoding="utf-8") as f:
+        return f.read(64)
 
 
 def _say(**fields: Any) -> None:

@@ -83,19 +83,43 @@ def prepare(
         else:
             todo.append(i)
     if todo:
-        sets = _resolved(
-            request, [sites[i] for i in todo], [answers[i]["target"] for i in todo], root, notify
-        )
-        for i, resolved in zip(todo, sets, strict=True):
-            hosts[i].key = resolved.key(str(answers[i]["target"].get("executable")))
-            hosts[i].target, hosts[i].packages = Target.of(answers[i]["target"]).said, len(resolved.wheels)
-        work = dict(zip(todo, sets, strict=True))
-        on_all(todo, lambda i: _ready(sites[i], hosts[i], work[i], env, root, notify)).raise_if_failed(
-            "making the environment"
-        )
+        _make(env, request, [sites[i] for i in todo], [hosts[i] for i in todo], [answers[i] for i in todo],
+              root, notify)  # fmt: skip
         for i in todo:
             known.put(sites[i], request.digest, answers[i]["target"], hosts[i])
     return hosts
+
+
+def _make(
+    env: EnvironmentSpec,
+    request: Request,
+    sites: Sequence[Site],
+    hosts: Sequence[HostEnvironment],
+    answers: Sequence[Mapping[str, Any]],
+    root: Path,
+    notify: Notify,
+) -> None:
+    """Resolved (once per target), sent and built where missing. Hosts that share their
+    environments' folder (an NFS home, a cluster's shared work folder) and would make the same
+    environment: built there once, by the first of them."""
+    sets = _resolved(request, sites, [a["target"] for a in answers], root, notify)
+    builders: dict[tuple[Any, str | None], int] = {}
+    for i, resolved in enumerate(sets):
+        hosts[i].key = resolved.key(str(answers[i]["target"].get("executable")))
+        hosts[i].target, hosts[i].packages = Target.of(answers[i]["target"]).said, len(resolved.wheels)
+        builders.setdefault((answers[i].get("folder") or i, hosts[i].key), i)
+    first = sorted(builders.values())
+    on_all(first, lambda i: _ready(sites[i], hosts[i], sets[i], env, root, notify)).raise_if_failed(
+        "making the environment"
+    )
+    for i, site in enumerate(sites):
+        if i not in first:
+            answer = site.ask("ready", hosts[i].key or "-", "", _ignore)
+            if not answer.get("ready"):
+                raise LaunchError(
+                    f"{site.label}: the environment built on a host that shares its folder is not there"
+                )
+            hosts[i].state, hosts[i].python = "ready", answer.get("python")
 
 
 def survey(

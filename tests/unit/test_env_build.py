@@ -111,7 +111,7 @@ def test_a_build_killed_halfway_leaves_nothing_a_later_run_uses(host, tmp_path):
     # a later build of another environment sweeps the part away, and works
     wheel = host.put(wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", "1.0"))
     assert host.run("build", "k3", host.manifest([wheel]))["ready"]
-    assert host.envs() == [".k2.lock", ".k3.lock", ".uv-cache.lock", "k3"]
+    assert host.envs() == [".id", ".k2.lock", ".k3.lock", ".uv-cache.lock", "k3"]
 
 
 def test_the_coordinator_gone_stops_the_build_and_removes_the_part(host, tmp_path):

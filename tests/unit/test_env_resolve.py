@@ -66,3 +66,53 @@ def test_a_host_whose_platform_has_no_wheel_stops_the_launch_naming_it(tmp_path)
     said = str(caught.value)
     assert "pi-1, pi-2" in said and "manylinux_2_36_aarch64" in said and "nothing was started" in said
     assert "No matching distribution found for" in said, said
+
+
+class FakeSite:
+    """A host for `prepare`'s policy: answers as worker/environment.py would, records what it did."""
+
+    def __init__(self, label: str, folder: str):
+        self.label, self.python, self.folder = label, "python3", folder
+        self.did: list[str] = []
+        self.built: set[str] = set()
+
+    def ask(self, mode, key, manifest, on_line):
+        self.did.append(mode)
+        if mode == "build":
+            self.built.add(key)
+            SHARED.setdefault(self.folder, set()).add(key)
+        ready = key in SHARED.get(self.folder, set())
+        target = {**environment.target(), "executable": "/usr/bin/python3"}
+        return {"target": target, "ready": ready, "python": f"/{self.folder}/envs/{key}/bin/python",
+                "missing": [] if ready else ["x"], "folder": self.folder}  # fmt: skip
+
+    def send(self, files, missing, progress):
+        self.did.append("send")
+        return 0
+
+
+SHARED: dict[str, set[str]] = {}
+
+
+def test_hosts_that_share_their_folder_build_there_once_and_a_second_run_asks_once(tmp_path, monkeypatch):
+    from orchestrator.environment import prepare as module
+    from orchestrator.environment.resolve import Resolved, Wheel
+
+    wheel = Wheel(
+        "tensorflow-cpu", "2.21.0", "tensorflow_cpu-2.21.0-cp311-cp311-manylinux_2_27_x86_64.whl", "a" * 64, 9
+    )
+    uv = Wheel("uv", "0.13.9", "uv.whl", "b" * 64, 1)
+    monkeypatch.setattr(module, "resolve", lambda *a, **k: Resolved((wheel,), uv, {"resolve": 0.1}))
+    sites = [FakeSite("n1", "nfs"), FakeSite("n2", "nfs"), FakeSite("n3", "local-3")]
+    env = EnvironmentSpec(requirements=["tensorflow-cpu"])
+    said: list[str] = []
+    hosts = module.prepare(env, sites, said.append, tmp_path)
+    assert [h.state for h in hosts] == ["ready", "ready", "ready"]
+    assert len({h.key for h in hosts}) == 1
+    assert sites[0].did == ["ready", "ready", "send", "build"] and sites[2].did == sites[0].did
+    assert sites[1].did == ["ready", "ready"] and not sites[1].built  # n1 built it for both
+    for site in sites:
+        site.did.clear()
+    again = module.prepare(env, sites, said.append, tmp_path)
+    assert [s.did for s in sites] == [["ready"]] * 3  # one question each, no resolution
+    assert [h.python for h in again] == [h.python for h in hosts]
