@@ -4,6 +4,7 @@ the wheels already are: nothing is sent), worker/environment.py run as a child p
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,24 +21,47 @@ from orchestrator.spec.environment import EnvironmentSpec
 BUILD_TIMEOUT_S = 1800.0  # a build that takes longer is stuck (TensorFlow: ~6 s here)
 
 
-class LocalSite:
-    label = "this machine"
+class CommandSite:
+    """A host reached by running a command here: this machine (`LocalSite`), or a Slurm node
+    through a job step (`prefix`: srun's words)."""
 
-    def __init__(self, python: str | None, workdir: Path):
-        self.python = python or sys.executable
-        self._workdir = workdir
+    def __init__(
+        self,
+        label: str,
+        python: str,
+        workdir: str | Path,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ):
+        self.label, self.python = label, python
+        self._workdir, self._prefix, self._env = str(workdir), list(prefix), env
 
     def ask(
         self, mode: str, key: str, manifest: str, on_line: Callable[[dict[str, Any]], None]
     ) -> dict[str, Any]:
-        make_private_dir(self._workdir)
-        argv = [self.python, "-S", "-c", ENVIRONMENT_SOURCE, mode, str(self._workdir), key]
+        argv = [
+            *self._prefix,
+            *shlex.split(self.python),
+            "-S",
+            "-c",
+            ENVIRONMENT_SOURCE,
+            mode,
+            self._workdir,
+            key,
+        ]
         try:
             child = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self._env,
+                start_new_session=True,  # a Ctrl-C in the terminal is the coordinator's to handle
             )
         except OSError as exc:
-            raise LaunchError(f"environment.python {self.python}: {exc.strerror or exc}") from None
+            raise LaunchError(
+                f"{self.label}: {argv[0]}: {exc.strerror or exc} (environment.python)"
+            ) from None
         assert child.stdin is not None and child.stdout is not None and child.stderr is not None
         err: list[bytes] = []
         reader = threading.Thread(target=lambda: err.append(child.stderr.read()), daemon=True)  # type: ignore[union-attr]
@@ -49,14 +73,20 @@ class LocalSite:
             child.stdin.close()  # the lifeline: a build stops when it closes
             code = child.wait(timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            child.kill()
             raise LaunchError(f"{self.label}: environment {mode} took over {BUILD_TIMEOUT_S:g} s") from None
+        except BrokenPipeError:
+            answer, code = None, child.wait(timeout=BUILD_TIMEOUT_S)
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
         reader.join(timeout=5.0)
         return answered(self.label, mode, code, answer, b"".join(err).decode(errors="replace"))
+
+
+class LocalSite(CommandSite):
+    def __init__(self, python: str | None, workdir: Path):
+        super().__init__("this machine", shlex.quote(python or sys.executable), workdir)
 
     def send(self, files: Mapping[str, Path], missing: Sequence[str], progress: Callable[[int], None]) -> int:
         return 0  # built from the cache the wheels were downloaded into

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from orchestrator.launch.slurm.step import port_lock
+from tests import wheelhouse
 from tests.conftest import CliRun, run_processes, wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
 from worker.probe import port_locked
@@ -183,9 +184,32 @@ def node_address(lab: SlurmLab, name: str) -> str:
 def test_mwms_script_runs_a_task_per_node_and_releases_its_allocation(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
-    run = make(runs, lab, tmp_path, spec("mwms", {"nodes": 2, "tasks_per_node": {"worker": 1}}), MWMS)
-    res = run.up(timeout_s=240)
+    """In the environment `environment:` makes from the nodes' own Python (Debian's, without
+    TensorFlow): the nodes share the work folder (under this machine's /tmp, as every lab node
+    sees it), so it is built there once."""
+    wheels = wheelhouse.ensure()
+    environment = {
+        "requirements": wheelhouse.requirements()[:1],
+        "find_links": [str(wheels)],
+        "no_index": True,
+    }
+    if Path("/usr/bin/python3").exists():
+        environment["python"] = "/usr/bin/python3"
+    work = tmp_path / "work"
+    mwms = spec(
+        "mwms", {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(work)}, environment=environment
+    )
+    run = make(runs, lab, tmp_path, mwms, MWMS, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    res = run.up(timeout_s=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    made = run.backend()["environment"]
+    assert [h["state"] for h in made] == ["ready", "ready"] and made[0]["python"] == made[1]["python"]
+    assert made[0]["python"].startswith(f"{work}/envs/"), made
+    sent = [
+        e["reason"] for e in run.events() if "wheels (" in e.get("reason", "") and "sending" in e["reason"]
+    ]
+    built = [e["reason"] for e in run.events() if "environment built" in e.get("reason", "")]
+    assert len(sent) == 1 and len(built) == 1, (sent, built)  # by one node, for both
     plan = json.loads((run.run_dir / "plan.json").read_text())
     assert plan["cluster"]["worker"][0].split(":")[0] == node_address(lab, "n1")  # the real node addresses
     assert plan["cluster"]["worker"][1].split(":")[0] == node_address(lab, "n2")

@@ -161,6 +161,29 @@ class Allocation:
             with contextlib.suppress(LaunchError):
                 slurm.run(["scancel", job], "releasing the allocation")
 
+    def renewed(
+        self,
+        slurm: Slurm,
+        spec: ClusterSpec,
+        run_id: str,
+        folder: Path,
+        cancel: threading.Event,
+        notes: list[str],
+    ) -> Allocation | None:
+        """A new allocation in place of this one (released) when it ended (its time limit) or is
+        about to; None while it has time left. Why, in `notes`."""
+        ended = self.ended()
+        left = None if ended else self.time_left_s(slurm)
+        if ended is None and (left is None or left > signal_lead_s(spec)):
+            return None
+        why = f"it ended ({ended})" if ended else f"its time limit is {left:g} s away"
+        self.release(slurm)
+        new = Allocation.request(slurm, spec, run_id, folder, cancel)
+        notes.append(
+            f"a new allocation (job {new.job_id} on {','.join(new.nodes)}): job {self.job_id}: {why}"
+        )
+        return new
+
 
 def salloc_argv(spec: ClusterSpec, run_id: str) -> list[str]:
     s = section(spec)

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.environment.prepare import HostEnvironment
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     Backend,
@@ -45,7 +46,6 @@ from orchestrator.launch.api import (
 )
 from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.placement import Machine, Placement, Relaid
-from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import (
@@ -55,10 +55,11 @@ from orchestrator.launch.slurm.cluster import (
     check_cluster,
     job_name,
     route_address,
-    signal_lead_s,
 )
+from orchestrator.launch.slurm.environment import slurm_environments
 from orchestrator.launch.slurm.files import NodeFiles, NodeFolders
 from orchestrator.launch.slurm.nodes import NodeProbe, files_copied, node_addresses
+from orchestrator.launch.slurm.placement import task_port, task_python
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.launch.slurm.step import SlurmTaskHandle
 from orchestrator.launch.slurm.tasks import SlurmTasks
@@ -99,9 +100,8 @@ class SlurmBackend(SlurmTasks, Backend):
         self._heartbeats: Heartbeats | None = None
         self._placements: dict[str, Placement] = {}
         self._node_of: dict[str, str] = {}  # task -> node name
-        self._assign: dict[
-            int, str | None
-        ] = {}  # spec node (hosts[p]) -> the node running it; None: left out
+        # spec node (hosts[p]) -> the node running it; None: left out
+        self._assign: dict[int, str | None] = {}
         self._laid = spec  # the spec as this attempt runs (`laid_out`: hosts left out)
         self._excluded: dict[str, tuple[str, str | None]] = {}  # nodes lost: why, since when
         self._answers: dict[str, dict[str, Any]] = {}  # the nodes' answers to the last probe
@@ -110,6 +110,8 @@ class SlurmBackend(SlurmTasks, Backend):
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._shipping = False  # the nodes do not see this machine's files: they are copied
+        self._environment: list[HostEnvironment] = []  # each node's (`environment:`)
+        self._env_pythons: dict[str, str] = {}  # its interpreter, by node
         self._files = NodeFiles(
             self._slurm, spec, run_id, self._run_dir, self._python, self._conf.connect_timeout_s + 60
         )
@@ -172,8 +174,17 @@ class SlurmBackend(SlurmTasks, Backend):
         if self._shipping:
             log.info("the nodes do not see %s: the job's files are copied to them", self._run_dir)
             self._files.ship_code(alloc.job_id, list(answers))
+        self._make_environments(list(answers))
         self._place(answers)
         return dict(self._placements)
+
+    def _make_environments(self, nodes: list[str]) -> None:
+        """`environment:`: every node's (spares too) ready; its interpreter runs the tasks there."""
+        if self._spec.environment is not None and self._alloc is not None and self._heartbeats is not None:
+            f = self._files
+            self._environment, self._env_pythons = slurm_environments(
+                self._spec.environment, self._slurm, self._alloc.job_id, nodes, f, self._heartbeats.notify
+            )
 
     def _healthy(self, nodes: list[str], *, reason: str, required: bool) -> dict[str, dict[str, Any]]:
         """Probe every node (one step each, in parallel): its answer, for those that answered (and
@@ -236,27 +247,20 @@ class SlurmBackend(SlurmTasks, Backend):
         """The task's port on `node`: its own while that is free there, else a free one."""
         assert self._heartbeats is not None
         before = old.get(slot.name)
-        port = before.port if before is not None and old_nodes.get(slot.name) == node else 0
-        if port and not answers[node].get("ports", {}).get(str(port), True):
-            port = 0  # another program took it meanwhile
-        if not port:
-            if not free.get(node):
-                raise LaunchError(f"{node}: no free TCP port found for {slot.name}")
-            port = int(free[node].pop(0))
+        mine = before.port if before is not None and old_nodes.get(slot.name) == node else 0
+        port = task_port(mine, answers[node], free.setdefault(node, []), slot.name, node)
         folder = self._files.folder if self._shipping else str(self._run_dir)
         code = posixpath.join(folder, "code") if self._shipping else None
-        pythonpath = (
-            (posixpath.join(folder, "lib"),)
-            if self._shipping
-            else ()
-            if self._conf.python is None
-            else (str(RUNTIME_ROOT),)
-        )
+        python, pythonpath, env = task_python(
+            self._python, self._env_pythons.get(node), folder if self._shipping else None, self._run_dir,
+            runtime=self._conf.python is not None,
+        )  # fmt: skip
         return Placement(
             host=self._addresses.get(node, node),
             port=port,
             run_folder=folder,
-            python=self._python,
+            python=python,
+            env=env,
             cwd=code or str(self._spec_dir),
             code_root=code,
             coordinator_url=self._heartbeats.url,
@@ -274,6 +278,7 @@ class SlurmBackend(SlurmTasks, Backend):
             "owned": alloc.owned if alloc else None,
             "nodes": alloc.nodes if alloc else [],
             "connect_timeout_s": self._conf.connect_timeout_s,
+            "environment": [h.as_data() for h in self._environment] or None,
         }
 
     # --- per attempt ---
@@ -334,6 +339,7 @@ class SlurmBackend(SlurmTasks, Backend):
             )
             if self._shipping:
                 self._files.ship_code(self._alloc.job_id, list(self._answers))  # new nodes, perhaps
+            self._make_environments(list(self._answers))
         elif not self._answers:  # not asked by `machines` (no supervisor's layout): asked now
             self._answers = self._healthy(
                 [n for n in self._alloc.nodes if n not in self._excluded],
@@ -349,19 +355,11 @@ class SlurmBackend(SlurmTasks, Backend):
 
     def _renew_allocation(self, notes: list[str]) -> bool:
         assert self._alloc is not None
-        ended = self._alloc.ended()
-        left = None if ended else self._alloc.time_left_s(self._slurm)
-        if ended is None and (left is None or left > signal_lead_s(self._spec)):
-            return False
-        why = f"it ended ({ended})" if ended else f"its time limit is {left:g} s away"
-        self._alloc.release(self._slurm)
-        old = self._alloc.job_id
-        self._alloc = Allocation.request(self._slurm, self._spec, self._run_id, self._folder, self._cancel)
-        self._addresses = node_addresses(self._slurm, self._cluster_nodes, self._alloc.nodes)
-        notes.append(
-            f"a new allocation (job {self._alloc.job_id} on {','.join(self._alloc.nodes)}): job {old}: {why}"
-        )
-        return True
+        new = self._alloc.renewed(self._slurm, self._spec, self._run_id, self._folder, self._cancel, notes)
+        if new is not None:
+            self._alloc = new
+            self._addresses = node_addresses(self._slurm, self._cluster_nodes, new.nodes)
+        return new is not None
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
         """Nodes that share no disk with this machine: the model, TensorBoard's files and the latest

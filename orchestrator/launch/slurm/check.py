@@ -84,7 +84,7 @@ def check(spec: ClusterSpec) -> CheckReport:
     answers, failed = _mesh_step(spec, slurm, partition, nodes, python)
     problems = [failed] if failed else []
     notes: list[str] = []  # worth a look, not a stop
-    problems += _judge(answers, rows, python, notes)
+    problems += _judge(answers, rows, python, notes, made=spec.environment is not None)
     versions = {(a.get("python"), a.get("tensorflow")) for a in answers if a.get("hostname") in rows}
     warnings = (
         [f"the nodes differ in Python/TensorFlow: {sorted(map(str, versions))}"] if len(versions) > 1 else []
@@ -138,17 +138,22 @@ def _mesh_step(
 
 
 def _judge(
-    answers: list[dict[str, Any]], rows: dict[str, dict[str, str]], python: tuple[str, ...], notes: list[str]
+    answers: list[dict[str, Any]],
+    rows: dict[str, dict[str, str]],
+    python: tuple[str, ...],
+    notes: list[str],
+    made: bool = False,
 ) -> list[str]:
-    """Each node's answer into its row of the table; the problems found."""
+    """Each node's answer into its row of the table; the problems found. `made`: the spec's
+    `environment:` makes the tasks' Python on each node at `up` (the nodes' own needs none)."""
     problems = []
     for a in answers:
         row = rows.get(a.get("hostname", ""))
         if row is None:
             continue
         row["python"] = f"{a.get('python')} ({a.get('executable')})"
-        row["tensorflow"] = str(a.get("tensorflow") or "MISSING")
-        if not a.get("tensorflow"):
+        row["tensorflow"] = "(environment)" if made else str(a.get("tensorflow") or "MISSING")
+        if not a.get("tensorflow") and not made:
             problems.append(
                 f"{row['node']}: TensorFlow is not installed for {shlex.join(python)} (slurm.python)"
             )

@@ -50,8 +50,9 @@ class NodeFiles:
     ):
         self._slurm, self._spec, self._run_id, self._run_dir = slurm, spec, run_id, run_dir
         self._python, self._timeout_s = python, timeout_s
-        workdir = section(spec).workdir or f"/tmp/orchestrate-{os.getuid()}"
-        self.folder = posixpath.join(workdir, "runs", run_id)  # the run's copy, on every node
+        self.python, self.run_id = python, run_id
+        self.workdir = section(spec).workdir or f"/tmp/orchestrate-{os.getuid()}"
+        self.folder = posixpath.join(self.workdir, "runs", run_id)  # the run's copy, on every node
 
     def ship_code(self, job_id: str, nodes: list[str]) -> None:
         """The job's folder (code/) and the worker runtime (lib/worker/) to every node, at once."""
