@@ -59,7 +59,7 @@ class HostEnvironment:
     packages: int = 0
     to_send: int = 0  # bytes its cache lacks
     sent: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)  # send, build
+    seconds: dict[str, float] = field(default_factory=dict)  # resolve, download (its target's), send, build
 
     def as_data(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "key"}
@@ -107,6 +107,7 @@ def _make(
     for i, resolved in enumerate(sets):
         hosts[i].key = resolved.key(str(answers[i]["target"].get("executable")))
         hosts[i].target, hosts[i].packages = Target.of(answers[i]["target"]).said, len(resolved.wheels)
+        hosts[i].seconds.update({k: round(v, 3) for k, v in resolved.seconds.items()})  # its target's
         builders.setdefault((answers[i].get("folder") or i, hosts[i].key), i)
     first = sorted(builders.values())
     on_all(first, lambda i: _ready(sites[i], hosts[i], sets[i], env, root, notify)).raise_if_failed(

@@ -1,0 +1,225 @@
+"""Issue 38: what `environment:` costs, in one run (needs root: the namespace lab of tests/lab.py).
+
+- First run on 2 and on 4 lab hosts whose Python (Debian's /usr/bin/python3) has no TensorFlow
+  and no route to any index: `orchestrate up` of a 2-step MWMS job (one worker a host) with
+  `environment: {requirements: [tensorflow-cpu==<this checkout's>]}` resolved from the tests'
+  wheelhouse (tests/wheelhouse.py, no index): time to training (spawn -> first step), MB sent to
+  each host, and the phases (resolve, download, send, build) from the run's record.
+- Second run, same spec (environments ready) vs the same job without `environment:` on hosts
+  whose Python has TensorFlow (this checkout's): the added time, as the difference of the median
+  spawn -> first step (alternated, --runs each). Goal: <= 0.2 s.
+- The build itself, pip vs uv, on this machine, the same wheels: a fresh venv each time; uv with
+  its cache empty (a first environment) and warm (a changed requirement: the rest linked).
+
+    .venv/bin/python scripts/bench/environment.py [--runs 5] [--hosts 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from common import median  # noqa: E402
+
+from tests import wheelhouse  # noqa: E402
+from tests.lab import NetnsLab  # noqa: E402
+
+HOST_PYTHON = "/usr/bin/python3"
+JOB = """
+import time
+import tensorflow as tf
+import worker
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    v = tf.Variable(0.0, aggregation=tf.VariableAggregation.SUM)
+step = tf.function(lambda: strategy.run(lambda: v.assign_add(1.0)))
+for i in range(1, 3):
+    step()
+    if i == 1:
+        print("FIRST_STEP", time.time(), flush=True)
+    worker.report(step=i)
+"""
+
+
+def up(lab: NetnsLab, root: Path, cache: Path, *, environment: bool) -> dict[str, object]:
+    """One `orchestrate up`; spawn -> first step (worker-0's), and the record's environment."""
+    root.mkdir(parents=True)
+    (root / "job.py").write_text(JOB)
+    hosts = [
+        lab.host_spec(i, python=HOST_PYTHON if environment else sys.executable) for i in range(len(lab.hosts))
+    ]
+    spec = {
+        "name": "bench-env",
+        "backend": "ssh",
+        "hosts": hosts,
+        "job": {"script": "job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}},
+        "ssh": lab.ssh_spec(),
+        "restart": {"max_restarts": 0, "standby": "off"},
+        "health": {"startup_timeout_s": 300},
+    }
+    if environment:
+        wanted = wheelhouse.requirements()[:1]
+        links = [str(wheelhouse.ensure())]
+        spec["environment"] = {"requirements": wanted, "find_links": links, "no_index": True}
+    (root / "spec.yaml").write_text(json.dumps(spec))
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    t0 = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "up", "spec.yaml", "--run-dir", "run", "--plain"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    total = time.time() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"orchestrate up failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
+    log = (root / "run" / "logs" / "worker-0.log").read_text()
+    first = next(float(line.split()[1]) for line in log.splitlines() if line.startswith("FIRST_STEP"))
+    record = json.loads((root / "run" / "backend.json").read_text())
+    return {"first_step_s": first - t0, "total_s": total, "environment": record.get("environment")}
+
+
+def first_runs(count: int, root: Path) -> dict[str, object]:
+    lab = NetnsLab(root / f"lab{count}", count)
+    try:
+        run = up(lab, root / f"first{count}", root / f"cache{count}", environment=True)
+        hosts = run["environment"]
+        assert isinstance(hosts, list)
+        return {
+            "hosts": count,
+            "time_to_training_s": round(float(run["first_step_s"]), 2),  # type: ignore[arg-type]
+            "mb_sent_per_host": [round(h["to_send"] / 1e6, 1) for h in hosts],
+            "phases_s": {
+                "resolve": hosts[0]["seconds"].get("resolve"),
+                "download": hosts[0]["seconds"].get("download"),
+                "send (per host)": [h["seconds"].get("send") for h in hosts],
+                "build (per host)": [h["seconds"].get("build") for h in hosts],
+            },
+        }
+    finally:
+        lab.close()
+
+
+def second_runs(runs: int, root: Path) -> dict[str, object]:
+    lab = NetnsLab(root / "lab-second", 2)
+    try:
+        cache = root / "cache-second"
+        up(lab, root / "warm-up", cache, environment=True)  # the environments built
+        made, plain = [], []
+        for i in range(runs):
+            made.append(float(up(lab, root / f"made{i}", cache, environment=True)["first_step_s"]))  # type: ignore[arg-type]
+            plain.append(float(up(lab, root / f"plain{i}", cache, environment=False)["first_step_s"]))  # type: ignore[arg-type]
+        return {
+            "first_step_s_with_environment": round(median(made), 3),
+            "first_step_s_without": round(median(plain), 3),
+            "added_s": round(median(made) - median(plain), 3),
+            "runs": runs,
+        }
+    finally:
+        lab.close()
+
+
+def builds(runs: int, root: Path) -> dict[str, object]:
+    """pip vs uv, a fresh venv each time, the wheels tensorflow-cpu needs."""
+    links = wheelhouse.ensure()
+    wheels = sorted(
+        str(p)
+        for p in links.glob("*.whl")
+        if not p.name.startswith(("uv-", "tensorflow-", "tf_keras", "keras-"))
+    )
+    uv_wheel = next(links.glob("uv-*.whl"))
+    tools = root / "tools"
+    with zipfile.ZipFile(uv_wheel) as z:
+        member = next(n for n in z.namelist() if n.endswith(".data/scripts/uv"))
+        z.extract(member, tools)
+    uv = tools / member
+    uv.chmod(0o755)
+    pip_wheel = _pip_wheel(root)
+    timings: dict[str, list[float]] = {"pip": [], "uv (cache empty)": [], "uv (cache warm)": []}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    env.update(UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never", UV_OFFLINE="1")
+    for i in range(runs):
+        for kind in timings:
+            target, cache = (
+                root / f"venv-{kind[:2]}-{i}",
+                root / ("uv-cache" if "warm" in kind else f"uvc-{i}"),
+            )
+            t0 = time.perf_counter()
+            if kind == "pip":
+                subprocess.run([HOST_PYTHON, "-m", "venv", "--without-pip", target], check=True)
+                install = [
+                    str(target / "bin" / "python"),
+                    f"{pip_wheel}/pip",
+                    "install",
+                    "-q",
+                    "--no-index",
+                    "--no-deps",
+                ]
+                subprocess.run([*install, *wheels], check=True, env=env)
+            else:
+                subprocess.run(
+                    [uv, "venv", "-q", "--relocatable", "--python", HOST_PYTHON, target], check=True, env=env
+                )
+                install = [uv, "pip", "install", "-q", "--no-index", "--no-deps", "--cache-dir", cache]
+                subprocess.run(
+                    [*install, "--python", target / "bin" / "python", *wheels], check=True, env=env
+                )
+            timings[kind].append(time.perf_counter() - t0)
+            shutil.rmtree(target)
+            if "empty" in kind:
+                shutil.rmtree(cache)
+        if i == 0:  # the warm cache's first fill is not a warm build
+            timings["uv (cache warm)"].clear()
+    out: dict[str, object] = {k: round(median(v), 2) for k, v in timings.items() if v}
+    out["uv (cache empty) / pip"] = round(median(timings["uv (cache empty)"]) / median(timings["pip"]), 2)
+    out["wheels"] = len(wheels)
+    return out
+
+
+def _pip_wheel(root: Path) -> Path:
+    folder = root / "pip"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            folder,
+            "pip",
+        ],
+        check=True,
+    )
+    return next(folder.glob("pip-*.whl"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hosts", default="2,4")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-env-") as tmp:
+        root = Path(tmp)
+        report: dict[str, object] = {}
+        report["first run"] = [first_runs(int(n), root) for n in args.hosts.split(",")]
+        report["second run"] = second_runs(args.runs, root)
+        report["build"] = builds(max(2, args.runs // 2 + 1), root)
+        print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
