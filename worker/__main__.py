@@ -63,5 +63,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["standby"]:  # a warm standby: it runs main() itself once it is a task
         from worker import standby
 
+        environment.hold()  # its environment, kept while it waits too
+
         sys.exit(standby.main(main))
     runtime.flush_and_exit(main(sys.argv[1:]))

@@ -1,32 +1,19 @@
-"""Host side of `environment:` (orchestrator/environment/): the job's Python environment on a host,
-built once from wheels the coordinator sent, reused by every later run.
+"""Host side of `environment:` (docs/environment.md): the job's Python environment on a host, built
+once from wheels the coordinator sent (they lie in its file cache, `WORKDIR/cache/<sha256>`).
 
-The coordinator runs this file with the interpreter that makes the environment, as `PYTHON -S -c
-SOURCE MODE WORKDIR KEY` (standard library only; nothing installed there first). Each mode reads
-a manifest, one JSON line on stdin: {"wheels": [{"file", "sha256", "size"}], "uv": {"file",
-"sha256"}, "keep": N}. The wheels lie in the host's file cache, `WORKDIR/cache/<sha256>` (the same
-cache as the job's files; the coordinator sends what it lacks).
+Run with the interpreter that makes it, as `PYTHON -S -c SOURCE MODE WORKDIR KEY` (standard
+library only), a manifest on stdin (one JSON line: {"wheels": [{"file", "sha256", "size"}],
+"uv": {…}, "keep": N}):
+- ready: {"target", "ready", "python", "missing": [sha256…], "folder": its folder's id}; a ready
+  environment's last use is stamped.
+- build: one JSON line per step ({"step": …}), the last the answer ({"ready": true, "python", …}
+  or {"missing": […]}). Stdin's end (the coordinator gone) stops it; the part built is removed.
 
-- ready WORKDIR KEY   {"target": …, "ready": bool, "python": …, "missing": [sha256…]}: whether
-                      `WORKDIR/envs/KEY` is complete, the interpreter's wheel tags (`target`), and
-                      which files the cache lacks. A ready environment's last use is stamped.
-- build WORKDIR KEY   builds it; one JSON line per step on stdout ({"step": …}), the last one the
-                      answer ({"ready": true, "python": …, "packages": N, "seconds": S} or
-                      {"missing": [...]}, files removed meanwhile). Stdin stays open while the
-                      coordinator waits: its end (the coordinator stopped, died or lost the
-                      host) stops the build, and the part built is removed.
-
-Layout under WORKDIR: `envs/KEY/` complete environments only: each is built in `envs/.part-KEY-*`
-(uv's relocatable venv, then `uv pip install` of exactly the manifest's wheels, no index, no
-dependency resolution) and renamed into place with its marker (`.orchestrate-env`, the manifest)
-inside, so a build cut short, a full disk or a killed coordinator leave nothing a later run uses.
-One build per KEY at a time (`envs/.KEY.lock`). `tools/uv-<sha256>`: uv, unpacked from its wheel.
-`uv-cache/`: uv's cache (its files hard-linked into the environments: a changed requirement
-builds a new environment in about a second).
-
-Beyond the newest `keep` environments (by last use), older ones are removed after a build, but
-never one a task uses: each task holds a shared lock on its environment's marker while it lives
-(`hold`, called by the worker at start); removal takes it exclusively, without waiting.
+`envs/KEY/` holds complete environments only: built in `envs/.part-KEY-*` (uv: a relocatable
+venv, exactly the manifest's wheels, no index, no resolution), renamed into place with their
+marker (`.orchestrate-env`) inside. One build per KEY at a time (`envs/.KEY.lock`); old ones
+removed beyond `keep`, never one a task holds (`hold`, the worker at start: a shared lock on its
+marker), nor one asked for within GRACE_S.
 """
 
 from __future__ import annotations
@@ -47,6 +34,8 @@ import zipfile
 from typing import Any
 
 MARKER = ".orchestrate-env"
+ENV_ENVIRONMENT = "ORCHESTRATE_ENVIRONMENT"  # a task's environment folder, as its placement says
+GRACE_S = 600.0  # an environment asked for this recently is never removed (a run about to start in it)
 _HELD: list[int] = []  # the descriptor of this process's environment's marker (hold)
 
 
@@ -68,12 +57,20 @@ def target() -> dict[str, Any]:
 
 
 def hold() -> None:
-    """Keep this process's environment (`environment:`'s, where it runs in one) from removal while
-    it lives: a shared lock on its marker. Elsewhere nothing happens."""
-    path = os.path.join(sys.prefix, MARKER)
+    """Keep this process's environment from removal while it lives: a shared lock on its marker.
+    A task placed in one (ORCHESTRATE_ENVIRONMENT) whose environment is gone stops here, saying
+    so; a process in no environment of ours holds nothing."""
+    if _HELD:
+        return
+    expected = os.environ.get(ENV_ENVIRONMENT)
+    path = os.path.join(expected or sys.prefix, MARKER)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
+        if expected:
+            raise SystemExit(
+                f"this task's environment {expected} is gone (removed as it started?); start again"
+            ) from None
         return
     fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal that had begun (it moves the folder away)
     if not os.path.exists(path):
@@ -98,14 +95,10 @@ def _manifest() -> dict[str, Any]:
     return json.loads(line) if line else {}
 
 
-def _wanted(manifest: dict[str, Any]) -> list[str]:
-    return [w["sha256"] for w in manifest.get("wheels", [])] + [manifest["uv"]["sha256"]]
-
-
 def _missing(workdir: str, manifest: dict[str, Any]) -> list[str]:
     cache = os.path.join(workdir, "cache")
     have = set(os.listdir(cache)) if os.path.isdir(cache) else set()
-    return sorted(set(_wanted(manifest)) - have)
+    return sorted({w["sha256"] for w in [*manifest.get("wheels", []), manifest["uv"]]} - have)
 
 
 def ready(workdir: str, key: str) -> dict[str, Any]:
@@ -186,9 +179,15 @@ def _uv(workdir: str, wheel: dict[str, str]) -> str:
     path = os.path.join(tools, f"uv-{wheel['sha256']}")
     if os.path.isfile(path):
         return path
+    for name in os.listdir(tools):  # an unpacking cut short (an hour is ample for 40 MB)
+        with contextlib.suppress(OSError):
+            if name.startswith(".uv-") and os.stat(os.path.join(tools, name)).st_mtime < time.time() - 3600:
+                os.unlink(os.path.join(tools, name))
     part = os.path.join(tools, f".uv-{secrets.token_hex(4)}")
     with zipfile.ZipFile(os.path.join(workdir, "cache", wheel["sha256"])) as z:
-        member = next(n for n in z.namelist() if n.endswith(".data/scripts/uv"))
+        member = next((n for n in z.namelist() if n.endswith(".data/scripts/uv")), None)
+        if member is None:
+            raise SystemExit(f"{wheel['file']} holds no uv binary")
         with z.open(member) as src, open(part, "xb") as dst:
             shutil.copyfileobj(src, dst)
     os.chmod(part, 0o700)
@@ -202,10 +201,8 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     workdir = os.path.abspath(os.path.expanduser(workdir))
     _own_dir(workdir)
     root = _own_dir(os.path.join(workdir, "envs"))
-    lock = os.open(
-        os.path.join(root, f".{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-    )
-    fcntl.flock(lock, fcntl.LOCK_EX)  # another run building the same one: its result is ours
+    lock = _lock(os.path.join(root, f".{key}.lock"), fcntl.LOCK_EX)  # another run's build of it: ours
+    assert lock is not None
     final = os.path.join(root, key)
     python = os.path.join(final, "bin", "python")
     wheels = manifest["wheels"]
@@ -214,7 +211,7 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     missing = _missing(workdir, manifest)
     if missing:  # removed since `ready` (another run's clean-up): the coordinator sends them again
         return {"missing": missing}
-    _sweep(root)
+    _sweep(root, key)
     lifeline = _Lifeline()
     nonce = secrets.token_hex(4)
     part, links = (os.path.join(root, f".{kind}-{key}-{nonce}") for kind in ("part", "wheels"))
@@ -262,80 +259,128 @@ def _link(source: str, target: str) -> None:
         shutil.copyfile(source, target)
 
 
-def _sweep(root: str) -> None:
-    """What builds cut short left (their lock is free: nobody builds them) and removals' trash."""
+def _sweep(root: str, mine: str) -> None:
+    """What builds cut short left (nobody holds their key's lock: nobody builds them; `mine`'s
+    lock is this build's own) and removals' trash."""
     for name in os.listdir(root):
         kind, _, rest = name[1:].partition("-")
         if not name.startswith(".") or kind not in ("part", "wheels", "trash"):
             continue
         key = rest.rsplit("-", 1)[0]
-        lock_path = os.path.join(root, f".{key}.lock")
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            fd = None
-        try:
-            if fd is not None and kind != "trash":
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: that build is going on
+        if kind == "trash" or key == mine:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except OSError:
             continue
+        fd = _lock(os.path.join(root, f".{key}.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if fd is None:
+            continue  # that build is going on
+        try:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
+
+
+def _lock(path: str, how: int) -> int | None:
+    """An flock on the file at `path` (made where missing); None where LOCK_NB finds it held. A
+    clean-up may remove the file meanwhile: the lock is then taken again on the one there now, so
+    two holders of "the" lock are never on different files."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, how)
+        except OSError:
+            os.close(fd)
+            return None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _prune(workdir: str, root: str, *, keep: int, current: str) -> list[str]:
-    """Environments beyond the newest `keep` (by last use) that no task holds, removed; with them
-    their wheels no kept environment names, and uv's cache (rebuilt as needed)."""
-    found = []
-    for name in os.listdir(root):
-        marker = os.path.join(root, name, MARKER)
-        if name.startswith(".") or not os.path.isfile(marker):
-            continue
-        found.append((name == current, os.stat(marker).st_mtime, name))
-    found.sort(reverse=True)
-    kept, removed, freed = [n for _, _, n in found[:keep]], [], set[str]()
-    for _, _, name in found[keep:]:
-        marker = os.path.join(root, name, MARKER)
-        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a task in it holds it shared
-        except OSError:
-            os.close(fd)
-            kept.append(name)
-            continue
-        try:
-            with open(marker, encoding="utf-8") as f:
-                freed.update(w["sha256"] for w in json.load(f).get("wheels", []))
-            trash = os.path.join(root, f".trash-{name}-{secrets.token_hex(4)}")
-            os.rename(os.path.join(root, name), trash)
-        finally:
-            os.close(fd)
-        shutil.rmtree(trash, ignore_errors=True)
+    """Environments beyond the newest `keep` (by last use) that no task holds and no run asked for
+    in the last GRACE_S, removed; with them their wheels no kept environment names, and uv's cache
+    (rebuilt as needed). One clean-up at a time (another going on: this one is skipped); a
+    failure here never fails the build that came before it."""
+    guard = _lock(os.path.join(root, ".prune.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if guard is None:
+        return []
+    try:
+        found = []
+        for name in os.listdir(root):
+            with contextlib.suppress(OSError):
+                if not name.startswith("."):
+                    found.append((name == current, os.stat(os.path.join(root, name, MARKER)).st_mtime, name))
+        found.sort(reverse=True)
+        recent = time.time() - GRACE_S
+        kept = [n for _, _, n in found[:keep]] + [n for _, t, n in found[keep:] if t > recent]
+        removed, freed = [], set()
+        for name in [n for _, _, n in found[keep:] if n not in kept]:
+            wheels = _wheels_of(root, name)
+            if _remove(root, name):
+                removed.append(name)
+                freed |= wheels
+        if removed:
+            _forget(workdir, root, kept, freed)
+        return removed
+    except (OSError, ValueError):
+        return []
+    finally:
+        os.close(guard)
+
+
+def _remove(root: str, name: str) -> bool:
+    """One environment moved to the trash and removed, unless a task holds it."""
+    marker = os.path.join(root, name, MARKER)
+    fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a task in it holds it shared
+    except OSError:
+        os.close(fd)
+        return False
+    trash = os.path.join(root, f".trash-{name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(os.path.join(root, name), trash)
+    finally:
+        os.close(fd)
+    shutil.rmtree(trash, ignore_errors=True)
+    lock = _lock(os.path.join(root, f".{name}.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if lock is not None:  # nobody builds it again now: its lock file goes too (holders re-check)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(root, f".{name}.lock"))
-        removed.append(name)
-    if removed:
-        for name in kept:
-            with open(os.path.join(root, name, MARKER), encoding="utf-8") as f:
-                freed.difference_update(w["sha256"] for w in json.load(f).get("wheels", []))
-        for digest in freed:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(workdir, "cache", digest))
-        with (
-            contextlib.suppress(OSError),
-            _locked(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB),
-        ):
-            shutil.rmtree(os.path.join(workdir, "uv-cache"), ignore_errors=True)  # no build uses it now
-    return removed
+        os.close(lock)
+    return True
+
+
+def _wheels_of(root: str, name: str) -> set[str]:
+    """The wheels an environment was built from (its marker's manifest)."""
+    try:
+        with open(os.path.join(root, name, MARKER), encoding="utf-8") as f:
+            return {str(w["sha256"]) for w in json.load(f).get("wheels", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def _forget(workdir: str, root: str, kept: list[str], freed: set[str]) -> None:
+    """The wheels only removed environments named, and uv's cache (when no build uses it)."""
+    for name in kept:
+        freed -= _wheels_of(root, name)
+    for digest in freed:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(workdir, "cache", digest))
+    guard = _lock(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if guard is not None:
+        shutil.rmtree(os.path.join(workdir, "uv-cache"), ignore_errors=True)
+        os.close(guard)
 
 
 @contextlib.contextmanager
 def _locked(path: str, how: int) -> Any:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = _lock(path, how)
+    if fd is None:
+        raise BlockingIOError(f"{path} is held")
     try:
-        fcntl.flock(fd, how)
         yield
     finally:
         os.close(fd)

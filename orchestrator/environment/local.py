@@ -3,9 +3,12 @@ the wheels already are: nothing is sent), worker/environment.py run as a child p
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +22,8 @@ from orchestrator.record import make_private_dir
 from orchestrator.spec.environment import EnvironmentSpec
 
 BUILD_TIMEOUT_S = 1800.0  # a build that takes longer is stuck (TensorFlow: ~6 s here)
+ASK_TIMEOUT_S = 120.0  # a question: answered at once (a Slurm step's start included)
+STOP_GRACE_S = 10.0  # a build told to stop removes its part within this
 
 
 class CommandSite:
@@ -66,27 +71,47 @@ class CommandSite:
         err: list[bytes] = []
         reader = threading.Thread(target=lambda: err.append(child.stderr.read()), daemon=True)  # type: ignore[union-attr]
         reader.start()
+        limit_s = BUILD_TIMEOUT_S if mode == "build" else ASK_TIMEOUT_S
+        fired = threading.Event()
+
+        def too_late() -> None:  # a hung host (NFS, a step that never starts)
+            fired.set()
+            _stop(child)
+
+        late = threading.Timer(limit_s, too_late)
+        late.start()
+        answer = None
         try:
             child.stdin.write(manifest.encode() or b"\n")
             child.stdin.flush()
             answer = read_answer(child.stdout, on_line)
-            child.stdin.close()  # the lifeline: a build stops when it closes
-            code = child.wait(timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise LaunchError(f"{self.label}: environment {mode} took over {BUILD_TIMEOUT_S:g} s") from None
         except BrokenPipeError:
-            answer, code = None, child.wait(timeout=BUILD_TIMEOUT_S)
+            pass  # it ended first: its words say why
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+            late.cancel()
+            code = _stop(child)  # stdin closed (the lifeline: a build stops and removes its part)
         reader.join(timeout=5.0)
+        if fired.is_set() and answer is None:
+            raise LaunchError(f"{self.label}: environment {mode} gave no answer within {limit_s:g} s")
         return answered(self.label, mode, code, answer, b"".join(err).decode(errors="replace"))
+
+
+def _stop(child: subprocess.Popen[bytes]) -> int:
+    """Its stdin closed; its exit code once it ends, within a grace, else its group killed."""
+    with contextlib.suppress(OSError, ValueError):
+        assert child.stdin is not None
+        child.stdin.close()
+    try:
+        return child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL)  # its own session: uv with it
+        return child.wait()
 
 
 class LocalSite(CommandSite):
     def __init__(self, python: str | None, workdir: Path):
-        super().__init__("this machine", shlex.quote(python or sys.executable), workdir)
+        super().__init__("this machine", python or shlex.quote(sys.executable), workdir)
 
     def send(self, files: Mapping[str, Path], missing: Sequence[str], progress: Callable[[int], None]) -> int:
         return 0  # built from the cache the wheels were downloaded into

@@ -9,6 +9,7 @@ environment's name is known before the host answers) and sends and builds nothin
 from __future__ import annotations
 
 import json
+import posixpath
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from orchestrator.launch.api import on_all
 from orchestrator.launch.transfer import size_text
 from orchestrator.record import make_private_dir, write_text_atomic
 from orchestrator.spec.environment import EnvironmentSpec
+from worker.environment import ENV_ENVIRONMENT
+from worker.stacks import ENV_PY_SPY
 
 Notify = Callable[[str], None]
 PROGRESS_EVERY_S = 5.0  # a host's "sent" line at most this often
@@ -65,11 +68,18 @@ class HostEnvironment:
         return {k: v for k, v in vars(self).items() if k != "key"}
 
 
+def task_env(python: str) -> dict[str, str]:
+    """What a task run by an environment's `bin/python` adds to its env: the environment (the
+    worker holds it while it lives, and stops where it is gone) and its stacks reader."""
+    folder = posixpath.dirname(posixpath.dirname(python))
+    return {ENV_ENVIRONMENT: folder, ENV_PY_SPY: posixpath.join(folder, "bin", "py-spy")}
+
+
 def prepare(
     env: EnvironmentSpec, sites: Sequence[Site], notify: Notify, root: Path | None = None
 ) -> list[HostEnvironment]:
     """Each site's environment ready (built where missing); the hosts' states, in `sites`' order."""
-    root = root or cache_root()
+    root, started = root or cache_root(), time.monotonic()
     request, known = request_of(env), _Known(root)
     hosts = [HostEnvironment(s.label) for s in sites]
     guesses = [known.get(s, request.digest) for s in sites]
@@ -87,6 +97,8 @@ def prepare(
               root, notify)  # fmt: skip
         for i in todo:
             known.put(sites[i], request.digest, answers[i]["target"], hosts[i])
+    for host in hosts:
+        host.seconds["step"] = round(time.monotonic() - started, 3)  # the whole step, every host
     return hosts
 
 
@@ -113,14 +125,14 @@ def _make(
     on_all(first, lambda i: _ready(sites[i], hosts[i], sets[i], env, root, notify)).raise_if_failed(
         "making the environment"
     )
-    for i, site in enumerate(sites):
-        if i not in first:
-            answer = site.ask("ready", hosts[i].key or "-", "", _ignore)
-            if not answer.get("ready"):
-                raise LaunchError(
-                    f"{site.label}: the environment built on a host that shares its folder is not there"
-                )
-            hosts[i].state, hosts[i].python = "ready", answer.get("python")
+    others = [i for i in range(len(sites)) if i not in first]
+    asked = {i: sites[i].ask("ready", hosts[i].key or "-", "", _ignore) for i in others}
+    for i, answer in asked.items():
+        hosts[i].state, hosts[i].python = "ready", answer.get("python")
+    apart = [i for i, answer in asked.items() if not answer.get("ready")]  # a copied id: not shared
+    on_all(apart, lambda i: _ready(sites[i], hosts[i], sets[i], env, root, notify)).raise_if_failed(
+        "making the environment"
+    )
 
 
 def survey(
@@ -206,7 +218,8 @@ def _send(
         return
     files = resolved.files(root)
     sizes = {w.sha256: w.size for w in (*resolved.wheels, resolved.uv)}
-    host.state, host.to_send, started = "sending", sum(sizes.get(d, 0) for d in missing), time.monotonic()
+    host.state, host.to_send, host.sent = "sending", sum(sizes.get(d, 0) for d in missing), 0
+    started = time.monotonic()
     notify(f"{site.label}: sending {len(missing)} wheels ({size_text(host.to_send)})…")
     said = [started]
     lock = threading.Lock()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +15,10 @@ from orchestrator.spec.environment import EnvironmentSpec
 RUNTIME_NEEDS = ("psutil", "py-spy")
 #: Distributions that are TensorFlow: where the requirements name none, `tensorflow` is added.
 TENSORFLOWS = {
-    "tensorflow",
-    "tensorflow-cpu",
-    "tensorflow-gpu",
-    "tf-nightly",
-    "tf-nightly-cpu",
-    "intel-tensorflow",
-}
+    "tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-rocm", "tensorflow-macos",
+    "tensorflow-intel", "tensorflow-aarch64", "tensorflow-cpu-aws", "tf-nightly", "tf-nightly-cpu",
+    "tf-nightly-gpu", "intel-tensorflow", "intel-tensorflow-avx512",
+}  # fmt: skip
 #: uv, which builds the environment on each host (measured against pip: docs/benchmarks.md).
 UV = "uv==0.13.9"
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -61,8 +60,23 @@ def request_of(env: EnvironmentSpec) -> Request:
         options += ["--find-links", str(folder)]
     if env.no_index:
         options.append("--no-index")
+    texts += [_listing(folder) for folder in env.find_links]  # a wheel dropped in: resolved again
     digest = hashlib.sha256("\0".join([*texts, *added, *options, UV]).encode()).hexdigest()
     return Request(requirements, tuple(added), tuple(options), digest)
+
+
+def _listing(folder: Path) -> str:
+    """A find_links folder as what pip would see in it: its files' names, sizes and times."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return f"{folder}: unreadable"
+    lines = []
+    for e in entries:
+        with contextlib.suppress(OSError):
+            st = e.stat()
+            lines.append(f"{e.name} {st.st_size} {st.st_mtime_ns}")
+    return "\n".join(lines)
 
 
 def _normal(name: str) -> str:

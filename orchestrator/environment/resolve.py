@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def resolve(request: Request, target: Target, root: Path, *, who: str) -> Resolv
         wheels, uv = [Wheel(**w) for w in data["wheels"]], Wheel(**data["uv"])
     except (OSError, ValueError, KeyError, TypeError):
         wheels = _report(request, target, [*request.requirements, *request.added], request.options, who)
-        uv = _report(request, target, [UV], (), who)[0]
+        uv = _report(request, target, [UV], request.options, who)[0]
         seconds["resolve"] = time.monotonic() - started
     started = time.monotonic()
     (*wheels, uv), downloaded = _download([*wheels, uv], target, request, root, who)
@@ -114,6 +115,10 @@ def _pip(argv: list[str], who: str, target: Target, what: str) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"environment: pip could not {what} for {who}: {exc}") from None
+    if done.returncode != 0 and "No module named pip" in done.stderr:
+        raise LaunchError(
+            f"environment: {sys.executable} has no pip, which resolves the requirements; install it"
+        )
     if done.returncode != 0:
         said = [
             line for line in done.stderr.splitlines() if line.startswith("ERROR")
@@ -130,6 +135,7 @@ def _report(
     with tempfile.TemporaryDirectory(prefix="orchestrate-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         argv = ["install", "--dry-run", "--ignore-installed", "--only-binary=:all:", "--report", str(report)]
+        argv += ["--target", str(Path(tmp) / "target")]  # pip < 23.3 takes a target's tags only so
         _pip([*argv, *target.pip_args(), *options, *requirements], who, target, "resolve the requirements")
         data = json.loads(report.read_text(encoding="utf-8"))
     wheels = []
@@ -137,10 +143,13 @@ def _report(
         info, meta = item.get("download_info", {}), item.get("metadata", {})
         url = str(info.get("url", ""))
         sha = (info.get("archive_info") or {}).get("hashes", {}).get("sha256", "")
-        wheels.append(
-            Wheel(meta.get("name", "?"), meta.get("version", "?"), url.rsplit("/", 1)[-1], sha, 0, url)
-        )
+        wheels.append(Wheel(meta.get("name", "?"), meta.get("version", "?"), _file_name(url), sha, 0, url))
     return wheels
+
+
+def _file_name(url: str) -> str:
+    """A wheel's file name from its URL (`%2B` is the `+` of a local version; no query)."""
+    return urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
 
 
 def _download(
@@ -159,6 +168,10 @@ def _download(
         _pip([*argv, *request.options, *(w.url or w.file for w in todo)], who, target, "download the wheels")
         for w in todo:
             path = Path(tmp) / w.file
+            if not path.is_file():
+                raise LaunchError(
+                    f"environment: pip downloaded no {w.file} for {who} (from {w.url or 'its index'})"
+                )
             digest = sha256_file(path)
             if w.sha256 and digest != w.sha256:
                 raise LaunchError(f"environment: {w.file} downloaded with SHA-256 {digest}, not {w.sha256}")

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,11 @@ class Host:
         """As the coordinator asks (the local backend's own client: stdin open until the answer)."""
         return LocalSite(sys.executable, self.workdir).ask(mode, key, manifest, lambda _: None)
 
+    def age(self, name: str) -> None:
+        """Environment `name` last asked for an hour ago."""
+        then = time.time() - 3600
+        os.utime(self.workdir / "envs" / name / ".orchestrate-env", (then, then))
+
     def envs(self) -> list[str]:
         return sorted(p.name for p in (self.workdir / "envs").iterdir())
 
@@ -111,7 +117,7 @@ def test_a_build_killed_halfway_leaves_nothing_a_later_run_uses(host, tmp_path):
     # a later build of another environment sweeps the part away, and works
     wheel = host.put(wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", "1.0"))
     assert host.run("build", "k3", host.manifest([wheel]))["ready"]
-    assert host.envs() == [".id", ".k2.lock", ".k3.lock", ".uv-cache.lock", "k3"]
+    assert host.envs() == [".id", ".k2.lock", ".k3.lock", ".prune.lock", ".uv-cache.lock", "k3"]
 
 
 def test_the_coordinator_gone_stops_the_build_and_removes_the_part(host, tmp_path):
@@ -129,6 +135,8 @@ def test_the_coordinator_gone_stops_the_build_and_removes_the_part(host, tmp_pat
 
 
 def test_old_environments_go_beyond_keep_but_never_one_a_task_holds(host, tmp_path):
+    """keep: 1. Removed: what no task holds and no run asked for within the grace (a run asked
+    for an environment just now may be about to start in it: `host.age` is time passing)."""
     wheels = [host.put(wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", v)) for v in ("1.0", "2.0", "3.0")]
     assert host.run("build", "a", host.manifest([wheels[0]], keep=1))["ready"]
     holder = subprocess.Popen(  # a task in environment a: the worker holds it while it lives
@@ -139,16 +147,19 @@ def test_old_environments_go_beyond_keep_but_never_one_a_task_holds(host, tmp_pa
     )  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        b = host.run("build", "b", host.manifest([wheels[1]], keep=1))
-        assert b["removed"] == [] and "a" in host.envs()  # in use: kept
+        host.age("a")
+        assert host.run("build", "b", host.manifest([wheels[1]], keep=1))["removed"] == []  # a in use
     finally:
         holder.communicate(timeout=30)
-    c = host.run("build", "c", host.manifest([wheels[2]], keep=1))
-    assert sorted(c["removed"]) == ["a", "b"]
-    assert [n for n in host.envs() if not n.startswith(".")] == ["c"]
+    assert host.run("build", "c", host.manifest([wheels[2]], keep=1))["removed"] == ["a"]  # b: just asked
+    host.age("b")
+    host.age("c")
+    assert sorted(host.run("build", "d", host.manifest([wheels[2]], keep=1))["removed"]) == ["b", "c"]
+    assert [n for n in host.envs() if not n.startswith(".")] == ["d"]
     cache = {p.name for p in (host.workdir / "cache").iterdir()}
-    assert wheels[2]["sha256"] in cache and not {wheels[0]["sha256"], wheels[1]["sha256"]} & cache
-    assert host.uv["sha256"] in cache  # uv stays: every build needs it
+    assert wheels[2]["sha256"] in cache  # d's own (c had it too)
+    assert not {wheels[0]["sha256"], wheels[1]["sha256"]} & cache
+    assert host.uv["sha256"] in cache  # every build needs it
 
 
 def test_a_work_folder_that_is_not_ours_is_refused(host, tmp_path):
@@ -165,3 +176,12 @@ def _uv_running(pid: int) -> bool:
         return any(Path(c.exe()).name.startswith("uv") for c in psutil.Process(pid).children(recursive=True))
     except psutil.Error:
         return False
+
+
+def test_a_task_whose_environment_is_gone_stops_saying_so(tmp_path):
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from worker import environment; environment.hold()"
+    env = {**os.environ, "ORCHESTRATE_ENVIRONMENT": str(tmp_path / "envs" / "gone")}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(RUNTIME_ROOT)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "is gone" in done.stderr, done.stderr

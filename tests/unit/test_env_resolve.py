@@ -116,3 +116,10 @@ def test_hosts_that_share_their_folder_build_there_once_and_a_second_run_asks_on
     again = module.prepare(env, sites, said.append, tmp_path)
     assert [s.did for s in sites] == [["ready"]] * 3  # one question each, no resolution
     assert [h.python for h in again] == [h.python for h in hosts]
+
+
+def test_a_wheel_dropped_into_find_links_resolves_again(tmp_path):
+    env = EnvironmentSpec(requirements=["tiny-pkg"], find_links=[tmp_path], no_index=True)
+    before = request_of(env).digest
+    wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", "2.0")
+    assert request_of(env).digest != before

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from orchestrator.environment.prepare import task_env
 from orchestrator.launch.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
@@ -31,6 +32,7 @@ def local_placements(
             coordinator_url=coordinator_url,
             host_index=slot.host_index,
             pythonpath=pythonpath,
+            env=task_env(python) if pythonpath else {},  # an environment's (`environment:`)
         )
         for slot in task_slots(spec)
     }

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.environment.local import runtime_copy
+from orchestrator.environment.prepare import task_env
 from orchestrator.errors import LaunchError
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.slurm.spec import section
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
-from worker.stacks import ENV_PY_SPY
 
 
 def slurm_preview(spec: ClusterSpec, run_dir: Path, spec_dir: Path, *, python: str) -> dict[str, Placement]:
@@ -59,7 +59,7 @@ def task_python(
         pythonpath = (str(RUNTIME_ROOT),) if runtime else ()
     if made is None:
         return python, pythonpath, {}
-    return (made,), pythonpath, {ENV_PY_SPY: posixpath.join(posixpath.dirname(made), "py-spy")}
+    return (made,), pythonpath, task_env(made)
 
 
 def task_port(mine: int, answer: Mapping[str, Any], free: list[Any], task: str, node: str) -> int:

@@ -9,11 +9,11 @@ import posixpath
 import shlex
 from collections.abc import Mapping
 
+from orchestrator.environment.prepare import task_env
 from orchestrator.launch.placement import Placement
 from orchestrator.launch.ssh.spec import section
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
-from worker.stacks import ENV_PY_SPY
 
 SSH_DEFAULT_BASE_PORT = 23456  # remote hosts: free ports are checked there (`orchestrate check`)
 SSH_DEFAULT_WORKDIR = "~/.orchestrate"
@@ -59,7 +59,7 @@ def ssh_placements(
             code_root=code,
             pythonpath=(posixpath.join(folder, "lib"),),
             # the stacks reader of the environment's
-            env={ENV_PY_SPY: posixpath.join(posixpath.dirname(made), "py-spy")} if made else {},
+            env=task_env(made) if made else {},
         )
     return out
 
