@@ -47,13 +47,15 @@ def ensure() -> Path:
     return target
 
 
-def tiny_wheel(folder: Path, name: str, version: str, source: str = "") -> Path:
-    """A pure-Python wheel of one module `name` (its VALUE = `version`): what a changed requirement
-    adds, made here without any index."""
+def tiny_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel of one module `name` (its VALUE = `version`; Requires-Dist: `requires`):
+    what a changed requirement adds, made here without any index."""
     dist = f"{name}-{version}"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
-        f"{name}.py": (source or f"VALUE = {version!r}\n").encode(),
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{name}.py": f"VALUE = {version!r}\n".encode(),
+        f"{dist}.dist-info/METADATA": metadata.encode(),
         f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
         b"Tag: py3-none-any\n",
     }

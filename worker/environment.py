@@ -173,7 +173,7 @@ class _Lifeline:
             raise SystemExit(f"{what} failed (exit {self.child.returncode}): {out.strip()[-1500:]}")
 
 
-def _uv(workdir: str, wheel: dict[str, str]) -> str:
+def unpack_uv(workdir: str, wheel: dict[str, Any]) -> str:
     """uv's binary, unpacked once from its wheel in the cache."""
     tools = _own_dir(os.path.join(workdir, "tools"))
     path = os.path.join(tools, f"uv-{wheel['sha256']}")
@@ -216,7 +216,7 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     nonce = secrets.token_hex(4)
     part, links = (os.path.join(root, f".{kind}-{key}-{nonce}") for kind in ("part", "wheels"))
     try:
-        uv = _uv(workdir, manifest["uv"])
+        uv = unpack_uv(workdir, manifest["uv"])
         _say(step="venv")
         lifeline.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.executable, part], "uv venv")
         os.mkdir(links, 0o700)

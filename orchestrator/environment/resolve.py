@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.environment.elsewhere import compile_for
 from orchestrator.environment.request import UV, Request
 from orchestrator.environment.target import Target
 from orchestrator.errors import LaunchError
 from orchestrator.launch.transfer import sha256_file
 from orchestrator.record import make_private_dir, write_text_atomic
+from worker import environment
 
 PIP_TIMEOUT_S = 1800.0  # a first download of TensorFlow on a slow link; pip's own timeouts come first
 
@@ -94,7 +96,7 @@ def resolve(request: Request, target: Target, root: Path, *, who: str) -> Resolv
         data = json.loads(kept.read_text(encoding="utf-8"))
         wheels, uv = [Wheel(**w) for w in data["wheels"]], Wheel(**data["uv"])
     except (OSError, ValueError, KeyError, TypeError):
-        wheels = _report(request, target, [*request.requirements, *request.added], request.options, who)
+        wheels = _exact(request, target, root, who)
         uv = _report(request, target, [UV], request.options, who)[0]
         seconds["resolve"] = time.monotonic() - started
     started = time.monotonic()
@@ -105,6 +107,19 @@ def resolve(request: Request, target: Target, root: Path, *, who: str) -> Resolv
         make_private_dir(kept.parent)
         write_text_atomic(kept, json.dumps({"wheels": [w.as_data() for w in wheels], "uv": uv.as_data()}))
     return Resolved(tuple(sorted(wheels, key=lambda w: w.name)), uv, seconds, downloaded)
+
+
+def _exact(request: Request, target: Target, root: Path, who: str) -> list[Wheel]:
+    """pip's resolution for a target like this machine's Python; for another, uv's pins
+    (elsewhere.py: pip would judge markers by this machine), each one's wheel chosen by pip."""
+    here = Target.of(environment.target())
+    if target == here:
+        return _report(request, target, [*request.requirements, *request.added], request.options, who)
+    tool = _report(request, here, [UV], request.options, "this machine")
+    (mine,), _ = _download(tool, here, request, root, "this machine")
+    uv = environment.unpack_uv(str(root), mine.as_data())
+    pins = compile_for(uv, request, target, who)
+    return _report(request, target, pins, (*request.options, "--no-deps"), who)
 
 
 def _pip(argv: list[str], who: str, target: Target, what: str) -> None:

@@ -3,6 +3,8 @@ tags of a host's interpreter, and real pip resolving from the tests' wheelhouse 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from orchestrator.environment.request import request_of
@@ -65,7 +67,7 @@ def test_a_host_whose_platform_has_no_wheel_stops_the_launch_naming_it(tmp_path)
         resolve(request_of(env), arm, tmp_path, who="pi-1, pi-2")
     said = str(caught.value)
     assert "pi-1, pi-2" in said and "manylinux_2_36_aarch64" in said and "nothing was started" in said
-    assert "No matching distribution found for" in said, said
+    assert "psutil" in said and "no wheels with a matching platform tag" in said, said  # uv's words
 
 
 class FakeSite:
@@ -123,3 +125,23 @@ def test_a_wheel_dropped_into_find_links_resolves_again(tmp_path):
     before = request_of(env).digest
     wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", "2.0")
     assert request_of(env).digest != before
+
+
+def test_markers_are_judged_for_the_hosts_python_not_this_ones(tmp_path):
+    """tiny_pkg needs old_only on Python < 3.12: hosts with 3.12 must not get it, whatever Python
+    resolves here (pip alone would judge the marker by this machine's)."""
+    links = tmp_path / "wheels"
+    links.mkdir()
+    wheelhouse.tiny_wheel(links, "tiny_pkg", "1.0", ('old_only ; python_version < "3.12"',))
+    wheelhouse.tiny_wheel(links, "old_only", "1.0")
+    wheelhouse.tiny_wheel(links, "tensorflow_cpu", "9.9")  # a TensorFlow named: nothing heavy added
+    found = [links, wheelhouse.ensure()]
+    env = EnvironmentSpec(requirements=["tiny-pkg", "tensorflow-cpu"], find_links=found, no_index=True)
+    here = _here()
+    newer = Target(here.implementation, "3.12", "cp312", here.platforms)
+    for target, old in ((here, sys.version_info < (3, 12)), (newer, False)):
+        names = {
+            w.name.replace("_", "-") for w in resolve(request_of(env), target, tmp_path / "c", who="h").wheels
+        }
+        assert {"tiny-pkg", "psutil", "py-spy"} <= names
+        assert ("old-only" in names) == old, (target.version, names)
