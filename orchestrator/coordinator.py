@@ -13,7 +13,6 @@ import functools
 import gc
 import logging
 import resource
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from orchestrator import launch
+from orchestrator import page as page_served
 from orchestrator.control import RunResult, UpOptions, stop_on_signals
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
@@ -56,7 +56,7 @@ from orchestrator.view import LiveView, PlainView, View
 from worker import wire
 
 if TYPE_CHECKING:
-    from orchestrator.web.server import WebServer
+    pass
 
 log = logging.getLogger("orchestrator")
 
@@ -106,8 +106,8 @@ def up(
         again = _resume_argv(spec_path, run_dir, o.backend_option)
         # who supervises it, before its page is served (a resumed run's page: never the one before's)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
-        _check_web_address(o.web)  # the page itself (~0.4 s of imports) once the job trains
-        page = functools.partial(_serve_page, cleanup, run_dir, o.web, view)
+        page_served.check_address(o.web)  # the page itself (~0.4 s of imports) once the job trains
+        page = page_served.serve_when(spec, cleanup, run_dir, o.web, view)
         # tunnels end on loopback
         placements = backend.open(_heartbeats(server.port, server.url, credentials, record))
         planner = Planner(spec, run_id, placements, record, credentials, backend)
@@ -174,31 +174,6 @@ def _supervise(supervisor: Supervisor, o: UpOptions) -> SupervisorResult:
         gc.freeze()
     with stop_on_signals(supervisor):
         return supervisor.run()
-
-
-def _serve_page(
-    cleanup: contextlib.ExitStack, run_dir: Path, web: tuple[str, int] | None, view: View
-) -> dict[str, str]:
-    """The run's page and /metrics, served while the run lives (until `cleanup`); their addresses."""
-    if web is None:
-        return {}
-    page = cleanup.enter_context(_web_server(run_dir, web))
-    view.notice(f"the run's page: {page.page_url}   (Prometheus: {page.metrics_url})")
-    return {"page": page.page_url, "metrics": page.metrics_url}
-
-
-def _check_web_address(web: tuple[str, int] | None) -> None:
-    """LaunchError, as the page's server says it, when `--web`'s address cannot be bound now."""
-    if web is None:
-        return
-    host, port = web
-    try:
-        with socket.create_server((host, port)):
-            pass
-    except OSError as exc:
-        raise LaunchError(
-            f"cannot serve the run's page on {host}:{port} (--web): {exc.strerror or exc}"
-        ) from None
 
 
 def _console_view(live: bool | None, progress_every_s: float) -> View:
@@ -342,18 +317,6 @@ def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure
     elif network.warn and network.offline:
         record.event(kind="warning", reason=f"{OFFLINE} ({network.outbound})")
     return network
-
-
-@contextlib.contextmanager
-def _web_server(run_dir: Path, where: tuple[str, int]) -> Iterator[WebServer]:
-    from orchestrator.web.server import serve_run
-
-    server = serve_run(run_dir, *where)
-    try:
-        yield server
-        server.linger()  # a page open now is shown how the run ended (bounded: ~1 s, at most 2.5)
-    finally:
-        server.close()
 
 
 def _coordinator_info(run_id: str, url: str, resume_argv: list[str] | None) -> dict[str, Any]:

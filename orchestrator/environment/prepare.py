@@ -200,9 +200,14 @@ def _ready(
         notify(f"{site.label}: building the environment ({len(resolved.wheels)} packages, uv)…")
         answer = site.ask("build", host.key, manifest, lambda _: None)
         host.seconds["build"] = round(time.monotonic() - started, 3)
-        if answer.get("ready"):
+        if answer.get("ready") and answer.get("built"):
+            took, count = host.seconds["build"], answer.get("packages")
             notify(
-                f"{site.label}: environment built in {host.seconds['build']:.1f} s ({answer.get('python')})"
+                f"{site.label}: environment built in {took:.1f} s, {count} packages ({answer.get('python')})"
+            )
+        elif answer.get("ready"):
+            notify(
+                f"{site.label}: environment ready (built meanwhile by another run: {answer.get('python')})"
             )
     if not answer.get("ready"):
         host.state = "failed"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,39 @@ class EnvJob(SshJob):
     """An ssh job whose coordinator keeps its wheels and resolutions in `cache` (not the user's)."""
 
     cache: Path
+    web = False
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "XDG_CACHE_HOME": str(self.cache)}
+
+    def command(self) -> list[str]:
+        return [*super().command(), *(["--web", "127.0.0.1:0"] if self.web else [])]
+
+
+def _page_during_the_build(job: EnvJob) -> list[str]:
+    """`up` with its page; the environment's events as the page gave them while it was built
+    (asked once the console said a host was being sent its wheels). The run must succeed."""
+    proc = job.start()
+    assert proc.stdout is not None
+    lines, url, shown = [], None, []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "the run's page: " in line:
+                url = line.split("the run's page: ", 1)[1].split()[0]
+            if "sending" in line and not shown:
+                assert url is not None, "".join(lines)  # served before the build
+                base, token = url.split("/?token=")
+                ask = urllib.request.Request(
+                    f"{base}/api/state?events=0", headers={"Authorization": f"Bearer {token}"}
+                )
+                with urllib.request.urlopen(ask, timeout=10) as answer:
+                    events = json.loads(answer.read())["events"]
+                shown = [e["reason"] for e in events if e.get("kind") == "environment"]
+        assert proc.wait(timeout=600) == 0, "".join(lines)
+    finally:
+        proc.kill()
+    return shown
 
 
 def _job(lab, root: Path, cache: Path, requirements: list[str], links: list[Path]) -> EnvJob:
@@ -107,8 +138,9 @@ def test_hosts_without_tensorflow_train_in_the_environment_made_for_them(lab, wh
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count("to build (") == 2 and "MB to send)" in check.stdout, check.stdout
-    res = first.up(timeout_s=600)
-    assert res.returncode == 0, res.stdout + res.stderr
+    first.web = True
+    shown = _page_during_the_build(first)
+    assert any("sending" in s for s in shown), shown  # the page showed the build as it went
     said = _environment_events(first)
     assert any("sending" in s for s in said) and any("environment built" in s for s in said), said
     built = _pythons(first)
