@@ -29,7 +29,8 @@ from worker.environment import ENV_ENVIRONMENT
 from worker.stacks import ENV_PY_SPY
 
 Notify = Callable[[str], None]
-PROGRESS_EVERY_S = 5.0  # a host's "sent" line at most this often
+PROGRESS_EVERY_S = 5.0
+PYTHON_MIN = (3, 10)  # the worker runtime's  # a host's "sent" line at most this often
 
 
 class Site(Protocol):
@@ -114,6 +115,12 @@ def _make(
     """Resolved (once per target), sent and built where missing. Hosts that share their
     environments' folder (an NFS home, a cluster's shared work folder) and would make the same
     environment: built there once, by the first of them."""
+    old = [f"{s.label}: {s.python} is Python {v}" for s, a in zip(sites, answers, strict=True)
+           if _version(v := str(a["target"].get("version"))) < PYTHON_MIN]  # fmt: skip
+    if old:
+        raise LaunchError(
+            "environment: the worker needs Python 3.10+ (environment.python):\n  " + "\n  ".join(old)
+        )
     sets = _resolved(request, sites, [a["target"] for a in answers], root, notify)
     builders: dict[tuple[Any, str | None], int] = {}
     for i, resolved in enumerate(sets):
@@ -152,6 +159,13 @@ def survey(
         host.state, host.python = ("ready" if answer.get("ready") else "to build"), answer.get("python")
         host.to_send = sum(sizes.get(d, 0) for d in answer.get("missing", []))
     return hosts
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(".")[:2])
+    except ValueError:
+        return (0,)
 
 
 def _ignore(_: dict[str, Any]) -> None:

@@ -145,3 +145,15 @@ def test_markers_are_judged_for_the_hosts_python_not_this_ones(tmp_path):
         }
         assert {"tiny-pkg", "psutil", "py-spy"} <= names
         assert ("old-only" in names) == old, (target.version, names)
+
+
+def test_a_host_whose_python_is_too_old_for_the_worker_is_named(tmp_path):
+    from orchestrator.environment.prepare import prepare
+
+    class Old(FakeSite):
+        def ask(self, mode, key, manifest, on_line):
+            answer = super().ask(mode, key, manifest, on_line)
+            return {**answer, "target": {**answer["target"], "version": "3.8", "abi": "cp38"}}
+
+    with pytest.raises(LaunchError, match=r"h9: python3 is Python 3.8"):
+        prepare(EnvironmentSpec(requirements=["tensorflow-cpu"]), [Old("h9", "x")], lambda _: None, tmp_path)
