@@ -214,19 +214,14 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     _sweep(root, key)
     lifeline = _Lifeline()
     nonce = secrets.token_hex(4)
-    part, links = (os.path.join(root, f".{kind}-{key}-{nonce}") for kind in ("part", "wheels"))
+    part = os.path.join(root, f".part-{key}-{nonce}")
     try:
         uv = unpack_uv(workdir, manifest["uv"])
         _say(step="venv")
         lifeline.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.executable, part], "uv venv")
-        os.mkdir(links, 0o700)
-        for w in wheels:  # uv reads a wheel's name and tags from its file name
-            _link(
-                os.path.join(workdir, "cache", w["sha256"]), os.path.join(links, os.path.basename(w["file"]))
-            )
+        files = [_named(workdir, w) for w in wheels]
         _say(step="install", packages=len(wheels))
         cache = os.path.join(workdir, "uv-cache")
-        files = [os.path.join(links, os.path.basename(w["file"])) for w in wheels]
         argv = [uv, "pip", "install", "--quiet", "--no-index", "--no-deps", "--cache-dir", cache]
         with _locked(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_SH):  # not cleared meanwhile
             lifeline.run([*argv, "--python", os.path.join(part, "bin", "python"), *files], "uv pip install")
@@ -238,18 +233,22 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(part, ignore_errors=True)
         raise
-    finally:
-        shutil.rmtree(links, ignore_errors=True)
     removed = _prune(workdir, root, keep=int(manifest.get("keep", 3)), current=key)
-    seconds = round(time.monotonic() - started, 3)
-    return {
-        "ready": True,
-        "python": python,
-        "packages": len(wheels),
-        "seconds": seconds,
-        "built": True,
-        "removed": removed,
-    }
+    out = {"ready": True, "python": python, "packages": len(wheels), "built": True, "removed": removed}
+    return {**out, "seconds": round(time.monotonic() - started, 3)}
+
+
+def _named(workdir: str, wheel: dict[str, Any]) -> str:
+    """The wheel under its own name (uv reads its name and tags there), at a path that never
+    changes: uv keeps what it unpacked by the wheel's path, so a later environment with the same
+    wheel links its files from uv's cache instead of unpacking it again."""
+    folder = _own_dir(os.path.join(_own_dir(os.path.join(workdir, "wheels")), wheel["sha256"]))
+    path = os.path.join(folder, os.path.basename(wheel["file"]))
+    if not os.path.isfile(path):
+        part = f"{path}.{secrets.token_hex(4)}"
+        _link(os.path.join(workdir, "cache", wheel["sha256"]), part)
+        os.replace(part, path)
+    return path
 
 
 def _link(source: str, target: str) -> None:
@@ -264,7 +263,7 @@ def _sweep(root: str, mine: str) -> None:
     lock is this build's own) and removals' trash."""
     for name in os.listdir(root):
         kind, _, rest = name[1:].partition("-")
-        if not name.startswith(".") or kind not in ("part", "wheels", "trash"):
+        if not name.startswith(".") or kind not in ("part", "trash"):
             continue
         key = rest.rsplit("-", 1)[0]
         if kind == "trash" or key == mine:
@@ -369,6 +368,7 @@ def _forget(workdir: str, root: str, kept: list[str], freed: set[str]) -> None:
     for digest in freed:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, "cache", digest))
+        shutil.rmtree(os.path.join(workdir, "wheels", digest), ignore_errors=True)
     guard = _lock(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
     if guard is not None:
         shutil.rmtree(os.path.join(workdir, "uv-cache"), ignore_errors=True)

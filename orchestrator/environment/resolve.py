@@ -174,10 +174,15 @@ def _download(
     the index's hash) and kept by SHA-256; and the bytes fetched."""
     cache = root / "cache"
     make_private_dir(cache)
-    todo = [w for w in wheels if not w.sha256 or not w.size or not (cache / w.sha256).is_file()]
-    if not todo:
-        return wheels, 0
     done: dict[str, Wheel] = {}
+    for w in wheels:  # known by the index's hash and here already (another resolution fetched it)
+        if w.sha256 and (cache / w.sha256).is_file():
+            done[w.file] = Wheel(
+                w.name, w.version, w.file, w.sha256, (cache / w.sha256).stat().st_size, w.url
+            )
+    todo = [w for w in wheels if w.file not in done]
+    if not todo:
+        return [done[w.file] for w in wheels], 0
     with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
         argv = ["download", "--no-deps", "--only-binary=:all:", "--dest", tmp, *target.pip_args()]
         _pip([*argv, *request.options, *(w.url or w.file for w in todo)], who, target, "download the wheels")
@@ -194,4 +199,4 @@ def _download(
             os.chmod(path, 0o600)
             os.replace(path, cache / digest)
             done[w.file] = Wheel(w.name, w.version, w.file, digest, size, w.url)
-    return [done.get(w.file, w) for w in wheels], sum(w.size for w in done.values())
+    return [done[w.file] for w in wheels], sum(done[w.file].size for w in todo)

@@ -185,3 +185,18 @@ def test_a_task_whose_environment_is_gone_stops_saying_so(tmp_path):
         [sys.executable, "-c", code, str(RUNTIME_ROOT)], env=env, capture_output=True, text=True
     )
     assert done.returncode != 0 and "is gone" in done.stderr, done.stderr
+
+
+def test_a_changed_environment_links_the_wheels_it_shares_from_uvs_cache(host, tmp_path):
+    """uv keeps what it unpacked by the wheel's path: the wheels lie at paths that never change,
+    so the second environment's copy of a shared wheel is the first's file, not unpacked again."""
+    shared = host.put(wheelhouse.tiny_wheel(tmp_path, "tiny_pkg", "1.0"))
+    extra = host.put(wheelhouse.tiny_wheel(tmp_path, "extra_pkg", "1.0"))
+    host.run("build", "one", host.manifest([shared]))
+    host.run("build", "two", host.manifest([shared, extra]))
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    files = [
+        host.workdir / "envs" / k / "lib" / version / "site-packages" / "tiny_pkg.py" for k in ("one", "two")
+    ]
+    assert files[0].read_text() == files[1].read_text() == "VALUE = '1.0'\n"
+    assert files[0].stat().st_ino == files[1].stat().st_ino  # one file, linked from uv's cache
