@@ -64,19 +64,16 @@ def hold() -> None:
         return
     expected = os.environ.get(ENV_ENVIRONMENT)
     path = os.path.join(expected or sys.prefix, MARKER)
+    gone = f"this task's environment {expected or sys.prefix} is gone (removed as it started?); start again"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         if expected:
-            raise SystemExit(
-                f"this task's environment {expected} is gone (removed as it started?); start again"
-            ) from None
+            raise SystemExit(gone) from None
         return
     fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal that had begun (it moves the folder away)
     if not os.path.exists(path):
-        raise SystemExit(
-            f"this task's environment {sys.prefix} was removed as it started; start the run again"
-        )
+        raise SystemExit(gone)
     _HELD.append(fd)
 
 
@@ -131,8 +128,7 @@ def _folder_id(root: str) -> str:
 
 
 def _say(**fields: Any) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(fields), flush=True)
 
 
 class _Lifeline:
@@ -208,9 +204,6 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     wheels = manifest["wheels"]
     if os.path.isfile(os.path.join(final, MARKER)):
         return {"ready": True, "python": python, "packages": len(wheels), "seconds": 0.0, "built": False}
-    missing = _missing(workdir, manifest)
-    if missing:  # removed since `ready` (another run's clean-up): the coordinator sends them again
-        return {"missing": missing}
     _sweep(root, key)
     lifeline = _Lifeline()
     nonce = secrets.token_hex(4)
@@ -219,23 +212,31 @@ def build(workdir: str, key: str) -> dict[str, Any]:
         uv = unpack_uv(workdir, manifest["uv"])
         _say(step="venv")
         lifeline.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.executable, part], "uv venv")
-        files = [_named(workdir, w) for w in wheels]
         _say(step="install", packages=len(wheels))
-        cache = os.path.join(workdir, "uv-cache")
-        argv = [uv, "pip", "install", "--quiet", "--no-index", "--no-deps", "--cache-dir", cache]
-        with _locked(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_SH):  # not cleared meanwhile
-            lifeline.run([*argv, "--python", os.path.join(part, "bin", "python"), *files], "uv pip install")
+        argv = [uv, "pip", "install", "--quiet", "--no-index", "--no-deps"]
+        with _locked(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_SH):  # no clean-up meanwhile
+            if missing := _missing(workdir, manifest):  # cleaned up since the look above
+                raise _Missing(missing)
+            files = [_named(workdir, w) for w in wheels]
+            argv += ["--cache-dir", os.path.join(workdir, "uv-cache"), "--python", f"{part}/bin/python"]
+            lifeline.run([*argv, *files], "uv pip install")
         with open(os.path.join(part, MARKER), "x", encoding="utf-8") as f:
             json.dump({"key": key, "base": sys.executable, "built": time.time(), **manifest}, f)
             f.flush()
             os.fsync(f.fileno())
         os.rename(part, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(part, ignore_errors=True)
+        if isinstance(exc, _Missing):
+            return {"missing": exc.args[0]}
         raise
     removed = _prune(workdir, root, keep=int(manifest.get("keep", 3)), current=key)
     out = {"ready": True, "python": python, "packages": len(wheels), "built": True, "removed": removed}
     return {**out, "seconds": round(time.monotonic() - started, 3)}
+
+
+class _Missing(Exception):
+    """Wheels removed by a clean-up since the build looked: the coordinator sends them again."""
 
 
 def _named(workdir: str, wheel: dict[str, Any]) -> str:
@@ -362,17 +363,17 @@ def _wheels_of(root: str, name: str) -> set[str]:
 
 
 def _forget(workdir: str, root: str, kept: list[str], freed: set[str]) -> None:
-    """The wheels only removed environments named, and uv's cache (when no build uses it)."""
-    for name in kept:
-        freed -= _wheels_of(root, name)
-    for digest in freed:
+    """The wheels only removed environments named, and uv's cache; only while no build installs
+    (builds hold `.uv-cache.lock` shared from their last look at the cache to the end)."""
+    guard = _lock(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if guard is None:
+        return  # a later clean-up takes them
+    for digest in freed.difference(*(_wheels_of(root, name) for name in kept)):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, "cache", digest))
         shutil.rmtree(os.path.join(workdir, "wheels", digest), ignore_errors=True)
-    guard = _lock(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    if guard is not None:
-        shutil.rmtree(os.path.join(workdir, "uv-cache"), ignore_errors=True)
-        os.close(guard)
+    shutil.rmtree(os.path.join(workdir, "uv-cache"), ignore_errors=True)
+    os.close(guard)
 
 
 @contextlib.contextmanager
