@@ -83,7 +83,8 @@ def prepare(
     root, started = root or cache_root(), time.monotonic()
     request, known = request_of(env), _Known(root)
     hosts = [HostEnvironment(s.label) for s in sites]
-    guesses = [known.get(s, request.digest) for s in sites]
+    seen = known.read()
+    guesses = [known.entry(seen, s, request.digest) for s in sites]
     answers = _ask_all(sites, [g.get("key", "-") for g in guesses])
     todo = []
     for i, (answer, guess) in enumerate(zip(answers, guesses, strict=True)):
@@ -96,8 +97,7 @@ def prepare(
     if todo:
         _make(env, request, [sites[i] for i in todo], [hosts[i] for i in todo], [answers[i] for i in todo],
               root, notify)  # fmt: skip
-        for i in todo:
-            known.put(sites[i], request.digest, answers[i]["target"], hosts[i])
+        known.put([(sites[i], answers[i]["target"], hosts[i]) for i in todo], request.digest)
     for host in hosts:
         host.seconds["step"] = round(time.monotonic() - started, 3)  # the whole step, every host
     return hosts
@@ -203,7 +203,7 @@ def _ready(
 ) -> None:
     assert host.key is not None
     manifest = resolved.manifest(env.keep)
-    answer = site.ask("ready", host.key, manifest, lambda _: None)
+    answer = site.ask("ready", host.key, manifest, _ignore)
     host.python = answer.get("python")
     for _ in range(2):  # files removed meanwhile by another run's clean-up: sent once more
         if answer.get("ready"):
@@ -212,7 +212,7 @@ def _ready(
         _send(site, host, resolved, answer.get("missing", []), root, notify)
         host.state, started = "building", time.monotonic()
         notify(f"{site.label}: building the environment ({len(resolved.wheels)} packages, uv)…")
-        answer = site.ask("build", host.key, manifest, lambda _: None)
+        answer = site.ask("build", host.key, manifest, _ignore)
         host.seconds["build"] = round(time.monotonic() - started, 3)
         if answer.get("ready") and answer.get("built"):
             took, count = host.seconds["build"], answer.get("packages")
@@ -265,25 +265,26 @@ class _Known:
 
     def __init__(self, root: Path):
         self._path = root / "hosts.json"
-        self._lock = threading.Lock()
 
-    def _read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any]:
         try:
             data = json.loads(self._path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, site: Site, digest: str) -> dict[str, Any]:
-        entry = self._read().get(f"{site.label} {site.python} {digest}")
-        return entry if isinstance(entry, dict) else {}
+    @staticmethod
+    def entry(data: Mapping[str, Any], site: Site, digest: str) -> dict[str, Any]:
+        found = data.get(f"{site.label} {site.python} {digest}")
+        return found if isinstance(found, dict) else {}
 
-    def put(self, site: Site, digest: str, target: Mapping[str, Any], host: HostEnvironment) -> None:
-        with self._lock:
-            data = self._read()
-            data.pop(f"{site.label} {site.python} {digest}", None)  # newest last; the oldest go first
+    def put(self, made: Sequence[tuple[Site, Mapping[str, Any], HostEnvironment]], digest: str) -> None:
+        """What these hosts said, written once (newest last; the oldest entries go first)."""
+        data = self.read()
+        for site, target, host in made:
+            data.pop(f"{site.label} {site.python} {digest}", None)
             data[f"{site.label} {site.python} {digest}"] = {
                 "key": host.key, "target": dict(target), "said": host.target, "packages": host.packages
             }  # fmt: skip
-            make_private_dir(self._path.parent)
-            write_text_atomic(self._path, json.dumps(dict(list(data.items())[-self.MAX_ENTRIES :])))
+        make_private_dir(self._path.parent)
+        write_text_atomic(self._path, json.dumps(dict(list(data.items())[-self.MAX_ENTRIES :])))
