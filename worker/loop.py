@@ -135,10 +135,8 @@ class _Trainer:
                 save_fn=lambda: self.manager.save(checkpoint_number=int(self.step.numpy())),
             ),
         )
-        gbs = config.global_batch_size
-        self.dataset = self.strategy.distribute_datasets_from_function(
-            lambda ctx: user.make_dataset(ctx, gbs)
-        )
+        self.user = user
+        self.dataset: Any = None  # made when an epoch starts from its first batch
         self.train_step = tf.function(self._train_step)
         self.writer = (
             tf.summary.create_file_writer(str(config.run_dir / "tensorboard"))
@@ -243,12 +241,13 @@ class _Trainer:
 
     def _train_epoch(self, rep: Any) -> bool:
         """Train until the epoch's data ends (True) or the run's steps are done (False)."""
-        iterator = iter(self.dataset)
-        skipped = 0
-        for _ in range(int(self.step_in_epoch.numpy())):  # resume mid-epoch at the same batch
-            if not iterator.get_next_as_optional().has_value():
-                break
-            skipped += 1
+        skipped = int(self.step_in_epoch.numpy())
+        if skipped:  # resumed mid-epoch: at the same batch
+            iterator = self._resumed_at(skipped)
+        else:
+            if self.dataset is None:
+                self.dataset = self._distributed(0)
+            iterator = iter(self.dataset)
         trained = 0
         while not self.config.finished(int(self.step.numpy()), int(self.epoch.numpy())):
             batch = iterator.get_next_as_optional()
@@ -260,6 +259,33 @@ class _Trainer:
             trained += 1
             self._after_step(rep, int(self.step.numpy()), loss)
         return False
+
+    def _distributed(self, steps: int) -> Any:
+        """The job's dataset, distributed; its first `steps` steps' batches skipped by tf.data
+        itself (each input pipeline gives each of its replicas a batch per step)."""
+        gbs = self.config.global_batch_size
+
+        def make(ctx: Any) -> Any:
+            dataset = self.user.make_dataset(ctx, gbs)
+            per_step = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+            return dataset.skip(steps * per_step) if steps else dataset
+
+        return self.strategy.distribute_datasets_from_function(make)
+
+    def _resumed_at(self, steps: int) -> Any:
+        """An iterator at the batch after `steps` of the epoch. The skipped batches are still made
+        (an input pipeline cannot jump), but inside tf.data, not a step at a time from Python:
+        ×3–5 faster (docs/architecture.md §6); said with its time in the task's log."""
+        start = time.monotonic()
+        iterator = iter(self._distributed(steps))
+        first = iterator.get_next_as_optional()
+        first.has_value()  # the skipping happens here
+        print(
+            f"[orchestrate] resumed at batch {steps} of epoch {int(self.epoch.numpy())}: "
+            f"{steps} batches skipped in {time.monotonic() - start:.2f} s",
+            flush=True,
+        )
+        return _Pushback(first, iterator)
 
     def _after_step(self, rep: Any, step: int, loss: float) -> None:
         # the loss is all-reduced: the same on every worker, so one of them keeps the record
@@ -276,6 +302,17 @@ class _Trainer:
             if self.is_chief:
                 total = f"/{self.config.steps}" if self.config.steps else ""
                 print(f"[orchestrate] step {step}{total}: loss {loss:.4f}, checkpoint saved", flush=True)
+
+
+class _Pushback:
+    """An iterator whose first optional batch was already taken (to time the skip)."""
+
+    def __init__(self, first: Any, rest: Any):
+        self._first, self._rest = first, rest
+
+    def get_next_as_optional(self) -> Any:
+        first, self._first = self._first, None
+        return first if first is not None else self._rest.get_next_as_optional()
 
 
 def _exit_preempted(write_dir: Path, is_chief: bool) -> None:

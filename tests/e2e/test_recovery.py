@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
+import textwrap
 import time
 
 import pytest
@@ -117,6 +119,17 @@ LOOP_MODULE = """
         return ds.batch(ctx.get_per_replica_batch_size(global_batch_size), drop_remainder=True)
 """
 
+# Python in the input pipeline, as real jobs have (augmentation, decoding), on a stream that never
+# ends: a restart resumes deep into its epoch, and tf.data skips the batches trained before.
+PY_MAP = """
+    _plain = make_dataset
+    def make_dataset(ctx, global_batch_size):
+        def augment(x):
+            return x + np.float32(0.0)
+        ds = _plain(ctx, global_batch_size).repeat()
+        return ds.map(lambda x, y: (tf.ensure_shape(tf.numpy_function(augment, [x], tf.float32), x.shape), y))
+"""
+
 LOOP_SPEC = """
 train: {{steps: {steps}, global_batch_size: 32, checkpoint_every: {every}}}
 health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 4}}
@@ -124,11 +137,10 @@ restart: {{max_restarts: 3, backoff_s: 0.5}}
 """
 
 
-def loop_job(job_factory, steps=300, every=20, build_extra="pass"):
+def loop_job(job_factory, steps=300, every=20, build_extra="pass", extra=""):
     job = job_factory("", LOOP_SPEC.format(steps=steps, every=every))
-    (job.root / "train.py").write_text(
-        __import__("textwrap").dedent(LOOP_MODULE.format(build_extra=build_extra))
-    )
+    module = textwrap.dedent(LOOP_MODULE.format(build_extra=build_extra)) + textwrap.dedent(extra)
+    (job.root / "train.py").write_text(module)
     job.spec.write_text(job.spec.read_text().replace("script: job.py", "loop: train.py"))
     return job
 
@@ -167,18 +179,26 @@ def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(jo
 
 
 def test_a_kill_9_is_recovered_by_the_warm_standbys_and_its_timeline_said(job_factory):
-    job = loop_job(job_factory, steps=100000, every=20)
+    """Attempt 1 is handed to attempt 0's standbys; worker-1 killed again at attempt 1's first step
+    (its standbys still importing) makes attempt 2 cold. Both resume from the same checkpoint, deep
+    into a stream with Python in its pipeline: the handed-over first step is no slower than the
+    cold one (a ratio, generous for a noisy 2-core machine; docs/architecture.md §6)."""
+    job = loop_job(job_factory, steps=100000, every=200, extra=PY_MAP)
     proc = job.start()
     try:
 
         def ready() -> bool:
-            return [s["state"] for s in status(job).get("standbys") or []] == ["ready", "ready"]
+            st = status(job)
+            standbys = [s["state"] for s in st.get("standbys") or []]
+            return standbys == ["ready", "ready"] and (st["tasks"][0].get("last_step") or 0) > 200
 
         assert wait_until(ready, 120), status(job)  # a standby still importing is not used
         st = status(job)
         standbys = {s["task"]: s["pid"] for s in st["standbys"]}
         os.kill(st["tasks"][1]["pid"], signal.SIGKILL)
         assert wait_until(lambda: any(e["kind"] == "recovery" for e in events(job)), 90), events(job)[-5:]
+        os.kill(status(job)["tasks"][1]["pid"], signal.SIGKILL)  # before its next checkpoint
+        assert wait_until(lambda: sum(e["kind"] == "recovery" for e in events(job)) == 2, 90)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -186,10 +206,17 @@ def test_a_kill_9_is_recovered_by_the_warm_standbys_and_its_timeline_said(job_fa
     # attempt 1's tasks were attempt 0's standbys, the timeline complete and in the summary
     attempt_1 = [e for e in events(job) if e.get("new") == "STARTING" and e["attempt"] == 1]
     assert {e["task"]: e["reason"] for e in attempt_1} == {t: f"pid {pid}" for t, pid in standbys.items()}
-    [recovery] = [e for e in events(job) if e["kind"] == "recovery"]
-    assert recovery["reason"].startswith("attempt 1 training again ") and "after worker-1 died" in out
-    assert all(v is not None for v in recovery["phases_s"].values()), recovery
-    assert recovery["reason"] in out
+    warm, cold = [e for e in events(job) if e["kind"] == "recovery"]
+    assert warm["reason"].startswith("attempt 1 training again ") and "after worker-1 died" in out
+    assert all(v is not None for v in warm["phases_s"].values()), warm
+    assert warm["reason"] in out
+    log = (job.run_dir / "logs" / "worker-1.log").read_text()
+    assert "started cold: its standby was still importing" in log.split("attempt 2 started")[1]
+    # the same batch resumed twice, and the first step after a handover as fast as a cold one's
+    resumed = re.findall(r"\[orchestrate\] resumed at batch (\d+) of epoch 0: \1 batches skipped in", log)
+    assert len(resumed) == 2 and resumed[0] == resumed[1] and int(resumed[0]) >= 200, log
+    assert warm["phases_s"]["connect"] < cold["phases_s"]["connect"], (warm, cold)
+    assert warm["phases_s"]["first_step"] <= 1.5 * cold["phases_s"]["first_step"] + 0.5, (warm, cold)
     assert run_processes(job.run_id) == []
 
 
