@@ -46,6 +46,7 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
                 f"===== orchestrate: standby of {job['task']} ({time.strftime('%H:%M:%S')}) =====\n".encode()
             )
             out.flush()
+            start = os.fstat(out.fileno()).st_size  # its own lines: a log may hold an earlier standby's
             env = {**os.environ, **job["env"]}
             child = subprocess.Popen(
                 job["argv"],
@@ -63,7 +64,8 @@ def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], di
         {"event": "standby", "pid": child.pid, "pgid": child.pid, "create_time": shim._create_time(child.pid)}
     )
     told = threading.Event()
-    threading.Thread(target=_watch, args=(shim, job["standby"]["log"], child, told), daemon=True).start()
+    log = job["standby"]["log"]
+    threading.Thread(target=_watch, args=(shim, log, start, child, told), daemon=True).start()
     line = _next_line(float(job["standby"].get("alive_s") or 0) or None)
     told.set()
     if not line.startswith(b"GO "):
@@ -92,25 +94,25 @@ def _next_line(alive_s: float | None) -> bytes:
             return line
 
 
-def _watch(shim: Any, log: str, child: subprocess.Popen[bytes], told: threading.Event) -> None:
+def _watch(shim: Any, log: str, start: int, child: subprocess.Popen[bytes], told: threading.Event) -> None:
     ready = False
     while child.poll() is None and not told.is_set():
-        if not ready and b"orchestrate-standby: ready" in _tail(log):
+        if not ready and b"orchestrate-standby: ready" in _tail(log, start):
             ready = True
             shim._emit({"event": "standby_ready"})
         time.sleep(0.2)
     if child.poll() is not None and not told.is_set():  # it could not import TensorFlow
-        shim._emit(
-            {"event": "standby_failed", "code": child.returncode, "tail": _tail(log).decode(errors="replace")}
-        )
+        tail = _tail(log, start).decode(errors="replace")
+        shim._emit({"event": "standby_failed", "code": child.returncode, "tail": tail})
         shim._emit({"event": "exit", "code": child.returncode})
         os._exit(0)
 
 
-def _tail(path: str, size: int = 2048) -> bytes:
+def _tail(path: str, start: int = 0, size: int = 2048) -> bytes:
+    """The last `size` bytes of the log from `start` on."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            f.seek(max(start, f.seek(0, os.SEEK_END) - size))
             return f.read()
     except OSError:
         return b""

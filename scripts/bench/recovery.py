@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import recovery_jobs
 import yaml
 from common import REPO, iso_to_s, median, tmpdir, write_spec
 
@@ -154,7 +155,8 @@ def one_run(
     try:
         _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
         if standby == "on":  # a failure mid-training meets standbys that have imported TensorFlow
-            _wait(lambda: [s["state"] for s in _status(run).get("standbys", [])] == ["ready", "ready"], 120)
+            firsts = lambda: [s["state"] for s in _status(run).get("standbys", []) if not s["spare"]]  # noqa: E731
+            _wait(lambda: firsts() == ["ready", "ready"], 120)
             rss = max(s["rss_bytes"] or 0 for s in _status(run)["standbys"])
         victim = _status(run)["tasks"][1]["pid"]
         t0 = time.time()
@@ -240,6 +242,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kinds", default="exit,heartbeat,stall")
     parser.add_argument("--backend", choices=("local", "ssh", "slurm"), default="local")
+    parser.add_argument("--jobs", help="P5 per kind of job instead: loop,loop-py,fit-py,ps-py")
     ns = parser.parse_args()
     out: dict = {
         "backend": ns.backend,
@@ -260,6 +263,11 @@ def main() -> None:
             cluster = labs.enter_context(SlurmLab(nodes=2))
             cluster.wait_ready(timeout_s=30)
             where = slurm_lab(cluster)
+        if ns.jobs:
+            tools = (_status, _events, _wait, _first_step_of_attempt)
+            table = recovery_jobs.table(ns.jobs.split(","), ns.runs, where, tools, tf_import_s)
+            print(json.dumps(out | table, indent=2))
+            return
         for kind in ns.kinds.split(","):
             out[kind] = _kind(kind, ns.runs, where, imports)
     out["tf_import_s"] = round(median(imports), 3)

@@ -1,0 +1,184 @@
+"""P5 per kind of job (issue 39): a warm restart (every task handed to its standby) against a cold
+one (no standbys), the kill at the same step, with the restart's phases; and the warm run's second
+kill, 3 s after its attempt 1's first step (its own standbys still importing).
+
+Jobs, each with Python in its input pipeline where named `-py` (a `tf.numpy_function` or
+`tf.py_function` map, as augmentation or decoding has):
+- `loop`, `loop-py`: the built-in loop (MultiWorkerMirroredStrategy, 2 workers), `.repeat()`;
+- `fit-py`: Keras `model.fit` in the job's own script (mode 1) with `BackupAndRestore`;
+- `ps-py`: ParameterServerStrategy's chief (the built-in loop; chief, 2 workers, 1 ps): the
+  chief is the one killed (a whole-job restart).
+Run by `recovery.py --jobs loop,loop-py,fit-py,ps-py [--backend ssh|slurm]`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from common import REPO, median, tmpdir, write_spec
+
+SPEC = """\
+name: bench-first-step
+{strategy}job:
+  {job}
+  env: {{TF_CPP_MIN_LOG_LEVEL: "2"{legacy}}}
+{train}health: {{heartbeat_interval_s: 0.5, heartbeat_timeout_s: 5}}
+restart: {{max_restarts: 2, backoff_s: 0, standby: {standby}}}
+"""
+TRAIN = "train: {steps: 100000, global_batch_size: 64, checkpoint_every: 50}\n"
+LOOP = """
+import numpy as np
+import tensorflow as tf
+from pathlib import Path
+__file__ = str(Path(__file__).with_name("digits_loop.py"))  # it finds its data beside itself
+exec(open(__file__).read())
+_make = make_dataset
+def make_dataset(ctx, gbs):
+    ds = _make(ctx, gbs).repeat()
+    if {py}:
+        def augment(x):
+            return (x + np.float32(0.0)).astype(np.float32)
+        ds = ds.map(lambda x, y: (tf.ensure_shape(tf.numpy_function(augment, [x], tf.float32), x.shape), y))
+    return ds
+"""
+FIT_MAP = """
+def _augment(x, y):
+    x = tf.py_function(lambda v: v + 0.0, [x], tf.float32)
+    return tf.ensure_shape(x, [None, 64]), y
+train_ds = train_ds.map(_augment)
+"""
+
+
+def job_folder(folder: Path, job: str, standby: str, hosts: str) -> Path:
+    """The job's folder (its files beside the spec); the spec's path."""
+    (folder / "job" / "data").mkdir(parents=True)
+    shutil.copy(REPO / "examples" / "data" / "digits.npz", folder / "job" / "data" / "digits.npz")
+    legacy, strategy, train = "", "", TRAIN
+    if job == "fit-py":
+        text = (REPO / "examples" / "digits_fit.py").read_text()
+        text = text.replace("\nwith strategy.scope():", FIT_MAP + "\nwith strategy.scope():", 1)
+        (folder / "job" / "fit.py").write_text(text)
+        line, train = 'script: job/fit.py\n  args: ["--epochs", "1000"]', ""
+        legacy = ", TF_USE_LEGACY_KERAS: '1'"
+    else:
+        shutil.copy(REPO / "examples" / "digits_loop.py", folder / "job" / "digits_loop.py")
+        (folder / "job" / "train.py").write_text(LOOP.format(py=job != "loop"))
+        line = "loop: job/train.py"
+        if job == "ps-py":
+            strategy = "strategy: parameter_server\n"
+    text = SPEC.format(strategy=strategy, job=line, legacy=legacy, train=train, standby=standby)
+    return write_spec(folder, text + hosts)
+
+
+def hosts_for(job: str, where_spec: str) -> str:
+    """The hosts' lines: the ps job has a chief and a ps on its first host, beside the workers."""
+    if job != "ps-py":
+        return where_spec
+    spec = yaml.safe_load(where_spec)
+    if "hosts" not in spec:
+        sys.exit("ps-py runs on hosts (local or ssh), not on Slurm nodes of one layout")
+    spec["hosts"][0]["tasks"] = {**spec["hosts"][0]["tasks"], "chief": 1, "ps": 1}
+    return yaml.safe_dump(spec)
+
+
+def victim_of(job: str) -> str:
+    return "chief-0" if job == "ps-py" else "worker-1"
+
+
+def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
+    """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
+    again 3 s after attempt 1's first step. Each restart's seconds and phases."""
+    status, events, wait, first_of = tools
+    folder = tmpdir()
+    spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
+    run = folder / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run), "--plain"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=folder,
+        env=where.env,
+    )
+    victim = victim_of(job)
+
+    def step() -> int:
+        return max((t.get("last_step") or 0) for t in status(run).get("tasks") or [{}])
+
+    def pid() -> int:
+        return next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim)
+
+    out: dict = {"job": job, "standby": standby}
+    try:
+        wait(lambda: step() >= at_step, 240)
+        if standby == "on":
+            # every task's standby and its spare ready (the spare: for the second kill)
+            n = len(status(run)["tasks"])
+            wait(lambda: [s["state"] for s in status(run).get("standbys", [])] == ["ready"] * 2 * n, 240)
+        out["killed_at_step"] = step()
+        restarts = [_kill(run, pid(), 1, tools)]
+        if standby == "on":  # a failure soon after a start: its standbys are still importing
+            first = first_of(run, 1)[0]
+            time.sleep(max(0.0, first + 3.0 - time.time()))
+            restarts.append(_kill(run, pid(), 2, tools))
+        out["restarts"] = restarts
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        proc.kill()
+        if os.environ.get("BENCH_KEEP") is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def _kill(run: Path, pid: int, attempt: int, tools) -> dict:
+    status, events, wait, first_of = tools
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    wait(lambda: first_of(run, attempt) is not None, 240)
+    wait(lambda: sum(e["kind"] == "recovery" for e in events(run)) >= attempt, 60)
+    recovery = [e for e in events(run) if e["kind"] == "recovery"][attempt - 1]
+    first = first_of(run, attempt)[0]
+    return {"recovery_s": round(first - t0, 3), "phases_s": recovery["phases_s"], "line": recovery["reason"]}
+
+
+def table(jobs: list[str], runs_each: int, where, tools, import_s) -> dict:
+    """Per job: warm and cold P5 (median), their phases, the ratio to `import tensorflow`, and the
+    warm run's second restart (3 s after a first step)."""
+    out: dict = {}
+    imports: list[float] = []
+    for job in jobs:
+        done: dict[str, list[dict]] = {"on": [], "off": []}
+        for _ in range(runs_each):  # interleaved; the cold run killed at the warm one's step
+            imports.append(import_s())
+            warm = one_run(job, "on", where, 120, tools)
+            done["on"].append(warm)
+            done["off"].append(one_run(job, "off", where, warm["killed_at_step"], tools))
+        out[job] = {mode: _summary(runs) for mode, runs in done.items()}
+    out["tf_import_s"] = round(median(imports), 3)
+    for job in jobs:
+        for mode in ("on", "off"):
+            r = out[job][mode]
+            r["ratio_to_import"] = round(r["recovery_s"] / out["tf_import_s"], 2)
+            if "after_3s" in r:
+                r["after_3s"]["ratio_to_import"] = round(r["after_3s"]["recovery_s"] / out["tf_import_s"], 2)
+    return out
+
+
+def _summary(runs: list[dict]) -> dict:
+    def of(restarts: list[dict]) -> dict:
+        names = restarts[0]["phases_s"]
+        phases = {p: round(median([r["phases_s"][p] or 0.0 for r in restarts]), 3) for p in names}
+        return {"recovery_s": round(median([r["recovery_s"] for r in restarts]), 3), "phases_s": phases}
+
+    out = of([r["restarts"][0] for r in runs]) | {"killed_at_step": [r["killed_at_step"] for r in runs]}
+    if len(runs[0]["restarts"]) > 1:
+        out["after_3s"] = of([r["restarts"][1] for r in runs])
+    out["lines"] = [r["line"] for run in runs for r in run["restarts"]]
+    return out
