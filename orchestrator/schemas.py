@@ -121,6 +121,9 @@ class StandbyStatus(BaseModel):
         "an event says why) · gone"
     )
     rss_bytes: int | None
+    spare: bool = Field(
+        False, description="a task's second standby, started once its first was ready: for a second restart"
+    )
 
 
 class MachineStatus(BaseModel):
@@ -204,7 +207,8 @@ class Status(BaseModel):
     )
     standbys: list[StandbyStatus] = Field(
         default_factory=list,
-        description="the warm standbys waiting for the next attempt (restart.standby), one per task at most",
+        description="the warm standbys waiting for the next attempt (restart.standby): one per task, and a "
+        "spare once that one is ready where restart.max_restarts is 2 or more",
     )
     network: NetworkStatus | None = Field(
         None, description="from where the run's TF ports can be reached (local: its own network namespace)"
