@@ -141,9 +141,8 @@ def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:
     hosts = Counter(t.host for t in plan.tasks if standby.command(t.argv))
     mode = spec.restart.standby.value
     keep = standby.mib(standby.KEEP_AVAILABLE_BYTES)
-    spares = "; then a spare each, for a second restart, where memory allows" if standby.spares(spec) else ""
-    what = f"each imports TensorFlow for the next attempt{spares}"
-    lines = [f"warm standbys (restart.standby: {mode}; {what}):"]
+    more = "; then a spare each, for a second restart, where memory allows" if standby.spares(spec) else ""
+    lines = [f"warm standbys (restart.standby: {mode}; each imports TensorFlow for the next attempt{more}):"]
     for host, n in hosts.items():
         cost = f"{n} × {standby.mib(standby.STANDBY_BYTES)} = {standby.mib(n * standby.STANDBY_BYTES)}"
         lines.append(
