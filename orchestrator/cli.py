@@ -141,8 +141,7 @@ def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:
     hosts = Counter(t.host for t in plan.tasks if standby.command(t.argv))
     mode = spec.restart.standby.value
     keep = standby.mib(standby.KEEP_AVAILABLE_BYTES)
-    more = "; then a spare each, for a second restart, where memory allows" if standby.spares(spec) else ""
-    lines = [f"warm standbys (restart.standby: {mode}; each imports TensorFlow for the next attempt{more}):"]
+    lines = [f"warm standbys (restart.standby: {mode}; each imports TensorFlow for the next attempt):"]
     for host, n in hosts.items():
         cost = f"{n} × {standby.mib(standby.STANDBY_BYTES)} = {standby.mib(n * standby.STANDBY_BYTES)}"
         lines.append(

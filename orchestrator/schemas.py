@@ -121,9 +121,6 @@ class StandbyStatus(BaseModel):
         "an event says why) · gone"
     )
     rss_bytes: int | None
-    spare: bool = Field(
-        False, description="a task's second standby, started once its first was ready: for a second restart"
-    )
 
 
 class MachineStatus(BaseModel):
@@ -207,8 +204,7 @@ class Status(BaseModel):
     )
     standbys: list[StandbyStatus] = Field(
         default_factory=list,
-        description="the warm standbys waiting for the next attempt (restart.standby): one per task, and a "
-        "spare once that one is ready where restart.max_restarts is 2 or more",
+        description="the warm standbys waiting for the next attempt (restart.standby), one per task at most",
     )
     network: NetworkStatus | None = Field(
         None, description="from where the run's TF ports can be reached (local: its own network namespace)"

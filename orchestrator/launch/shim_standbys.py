@@ -1,8 +1,7 @@
 """Launch layer: warm standbys kept by shims on other hosts (ssh hosts, Slurm nodes), as
 launch/standby.py says what they are. Each is a shim run in standby mode
 (worker/shim_standby.py) over its own transport: its handle is the task's handle once the attempt
-is handed to it ("GO {…}" on the shim's stdin); closing it stops the standby. One per task, and a
-spare once that one is ready where the run has spares (`standby.spares`), as the local backend.
+is handed to it ("GO {…}" on the shim's stdin); closing it stops the standby.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ class _One:
 #: How often the coordinator tells each standby's shim it is there ("ALIVE"), and how long a shim
 #: waits for word before it stops its standby (a cut host's sshd may never see the connection end).
 ALIVE_EVERY_S = 2.0
-#: Starts a task's standby shim: (its handle, the environment it has, where it waits); the second
-#: argument says whether it is a spare.
-OpenOne = Callable[[TaskPlan, bool], tuple[ShimHandle, dict[str, str], str]]
 ALIVE_S = 30.0
 
 
@@ -56,11 +52,7 @@ class ShimStandbys:
     def __init__(self, spec: ClusterSpec):
         self._spec = spec
         self._run = standby.for_run(spec)
-        self._spares = standby.spares(spec)
         self._ready: dict[str, _One] = {}
-        self._spare: dict[str, _One] = {}
-        self._wanted: dict[str, TaskPlan] = {}  # the attempt's tasks, to top up with spares
-        self._open_one: OpenOne | None = None
         self._said: str | None = None
         self._lock = threading.Lock()  # the standbys, between the supervisor and the ALIVE thread
         self._closed = threading.Event()
@@ -68,15 +60,20 @@ class ShimStandbys:
         self._opening: set[str] = set()  # tasks whose standby is being started
         self._notes: list[str] = []  # what the starts came to: said with the next news
 
-    def prepare(self, tasks: Sequence[TaskPlan], open_one: OpenOne) -> list[str]:
+    def prepare(
+        self,
+        tasks: Sequence[TaskPlan],
+        open_one: Callable[[TaskPlan], tuple[ShimHandle, dict[str, str], str]],
+    ) -> list[str]:
         """A standby for each task that has none (`open_one` starts its shim), hosts in parallel on
         a thread of its own: a host slow to answer (its connection renewed) never holds up the
         supervisor. What came of it is said with the next `news`."""
         with self._lock:
-            self._wanted = {t.name: t for t in tasks if standby.command(t.argv)}
-            self._open_one = open_one
-            busy = self._ready.keys() | self._opening
-            missing = [t for t in self._wanted.values() if t.name not in busy]
+            missing = [
+                t
+                for t in tasks
+                if t.name not in self._ready and t.name not in self._opening and standby.command(t.argv)
+            ]
         if not missing:
             return []
         if not self._run.on:
@@ -87,34 +84,17 @@ class ShimStandbys:
         with self._lock:
             self._opening.update(t.name for t in missing)
         threading.Thread(
-            target=self._open_all, args=(missing, open_one, False), name="standbys-open", daemon=True
+            target=self._open_all, args=(missing, open_one), name="standbys-open", daemon=True
         ).start()
         return []
 
-    def _top_up(self) -> None:
-        """A spare for each task whose standby is ready (one import at a time per task); the
-        shim checks its host's memory as for any standby."""
-        with self._lock:
-            if not self._spares or self._open_one is None or self._closed.is_set():
-                return
-            due = [
-                t
-                for name, t in self._wanted.items()
-                if name in self._ready
-                and name not in self._spare
-                and name not in self._opening
-                and self._ready[name].handle.events.standby_ready
-            ]
-            self._opening.update(t.name for t in due)
-        if due:
-            threading.Thread(
-                target=self._open_all, args=(due, self._open_one, True), name="standbys-open", daemon=True
-            ).start()
-
-    def _open_all(self, tasks: Sequence[TaskPlan], open_one: OpenOne, spare: bool) -> None:
+    def _open_all(
+        self,
+        tasks: Sequence[TaskPlan],
+        open_one: Callable[[TaskPlan], tuple[ShimHandle, dict[str, str], str]],
+    ) -> None:
         started, notes, late = [], [], []
-        kept = self._spare if spare else self._ready
-        for task, got in on_all(tasks, lambda t: open_one(t, spare)):
+        for task, got in on_all(tasks, open_one):
             if isinstance(got, Exception):
                 notes.append(f"the standby of {task.name} could not be started: {got}")
                 continue
@@ -122,12 +102,11 @@ class ShimStandbys:
                 if self._closed.is_set():  # the run ended meanwhile: it is stopped at once
                     late.append(_One(*got))
                 else:
-                    kept[task.name] = _One(*got)
+                    self._ready[task.name] = _One(*got)
                     started.append(task.name)
         _stop(late, wait_s=0.0)
         if started:
-            what = "spare standbys (for a second restart)" if spare else "warm standbys"
-            notes.append(f"{what} started for {', '.join(started)} (at the lowest CPU priority)")
+            notes.append(f"warm standbys started for {', '.join(started)} (at the lowest CPU priority)")
         with self._lock:
             self._opening.difference_update(t.name for t in tasks)
             self._notes += notes
@@ -139,24 +118,21 @@ class ShimStandbys:
         self, task: TaskPlan, env: Mapping[str, str], place: str, go: dict[str, Any]
     ) -> tuple[ShimHandle | None, str]:
         """The task's standby handed its attempt (`go`: the attempt's part of the shim's job), or
-        None and why it starts cold. A ready spare stays, the next attempt's standby; one still
-        importing is stopped (as the local backend's, docs/architecture.md §6)."""
+        None and why it starts cold."""
         with self._lock:
-            self._wanted.pop(task.name, None)  # no spare until this attempt trains (prepare)
-            held = [x for x in (self._ready.pop(task.name, None), self._spare.pop(task.name, None)) if x]
-        ready = [x for x in held if x.handle.events.standby_ready and _why(x, env, place) is None]
-        one = ready[0] if ready else held[0] if held else None
-        unused = [x for x in held if x is not one]
-        if unused and unused[0] in ready:
-            with self._lock:
-                self._ready[task.name] = unused[0]  # the next attempt's standby
-        else:
-            _stop(unused, wait_s=0.0)
+            one = self._ready.pop(task.name, None)
         if one is None:
             return None, "no standby"
-        why = _why(one, env, place)
-        if why is None and not one.handle.events.standby_ready:
-            why = "its standby was still importing TensorFlow (it does so at the lowest priority)"
+        events = one.handle.events
+        why = (
+            "its standby failed"
+            if events.standby_failed is not None or events.ended.is_set()
+            else "its standby was still importing TensorFlow (it does so at the lowest priority)"
+            if not events.standby_ready
+            else f"its standby waits on {one.place}, not {place}"
+            if one.place != place
+            else standby.differs(one.env, env)
+        )
         if why is None:
             one.handle.attempt = int(go["attempt"])
             one.handle.transport.send(f"GO {json.dumps(go)}\n".encode())
@@ -166,12 +142,10 @@ class ShimStandbys:
 
     def news(self) -> list[str]:
         """Standbys started (or not) since last asked, and those that could not import TensorFlow
-        or were refused for memory, each said once; spares started where due."""
-        self._top_up()
+        or were refused for memory, each said once."""
         with self._lock:
             out, self._notes = self._notes, []
-            held = [*self._ready.items(), *self._spare.items()]
-        for name, one in held:
+        for name, one in list(self._ready.items()):
             events = one.handle.events
             if one.said:
                 continue
@@ -188,10 +162,7 @@ class ShimStandbys:
 
     def status(self) -> list[dict[str, Any]]:
         rows = []
-        with self._lock:
-            held = [(n, x, False) for n, x in self._ready.items()]
-            held += [(n, x, True) for n, x in self._spare.items()]
-        for name, one, spare in held:
+        for name, one in list(self._ready.items()):
             events = one.handle.events
             state = (
                 "failed"
@@ -203,16 +174,14 @@ class ShimStandbys:
                 else "importing"
             )
             pid = events.standby.pid if events.standby is not None else None
-            row = {"task": name, "host": one.place, "pid": pid, "state": state, "rss_bytes": None}
-            rows.append(row | {"spare": spare})
+            rows.append({"task": name, "host": one.place, "pid": pid, "state": state, "rss_bytes": None})
         return rows
 
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            ones = [*self._ready.values(), *self._spare.values()]
+            ones = list(self._ready.values())
             self._ready.clear()
-            self._spare.clear()
         _stop(ones)
 
     def _say_alive(self) -> None:
@@ -220,18 +189,8 @@ class ShimStandbys:
         supervisor is doing meanwhile: a long stop, a backoff, a checkpoint copy)."""
         while not self._closed.wait(ALIVE_EVERY_S):
             with self._lock:
-                for one in [*self._ready.values(), *self._spare.values()]:
+                for one in self._ready.values():
                     one.handle.transport.send(b"ALIVE\n")
-
-
-def _why(one: _One, env: Mapping[str, str], place: str) -> str | None:
-    """Why a standby cannot take this attempt (None: it can, once ready)."""
-    events = one.handle.events
-    if events.standby_failed is not None or events.ended.is_set():
-        return "its standby failed"
-    if one.place != place:
-        return f"its standby waits on {one.place}, not {place}"
-    return standby.differs(one.env, env)
 
 
 def _stop(ones: list[_One], wait_s: float = 5.0) -> None:

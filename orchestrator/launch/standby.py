@@ -63,13 +63,6 @@ def for_run(spec: ClusterSpec) -> Verdict:
     return Verdict(True, "")
 
 
-def spares(spec: ClusterSpec) -> bool:
-    """Whether each task gets a second standby once its first is ready: only where a restart can
-    follow the next one (a standby serves one restart; the spare, a failure soon after it, while
-    that attempt's own standbys would still be importing: docs/architecture.md §6)."""
-    return for_run(spec).on and spec.restart.max_restarts >= 2
-
-
 def for_host(mode: Standby, tasks: int, available: int | None, total: int | None) -> Verdict:
     """Whether a host with `tasks` tasks of the run keeps standbys for them: `auto` only while its
     available memory stays above the bound with one idle TensorFlow process per task more."""

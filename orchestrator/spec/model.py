@@ -211,9 +211,8 @@ class RestartSpec(Strict):
     )
     standby: Standby = Field(
         default=Standby.AUTO,
-        description="a warm process per task, TensorFlow imported, for the next attempt (and a spare once "
-        "it is ready, where max_restarts is 2 or more): auto (on where the host keeps enough memory "
-        "available with them; off when max_restarts is 0) | on | off",
+        description="a warm process per task, TensorFlow imported, for the next attempt: auto (on where "
+        "the host keeps enough memory available with them; off when max_restarts is 0) | on | off",
     )
 
     shrink: bool = Field(

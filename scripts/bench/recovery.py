@@ -155,8 +155,7 @@ def one_run(
     try:
         _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
         if standby == "on":  # a failure mid-training meets standbys that have imported TensorFlow
-            firsts = lambda: [s["state"] for s in _status(run).get("standbys", []) if not s["spare"]]  # noqa: E731
-            _wait(lambda: firsts() == ["ready", "ready"], 120)
+            _wait(lambda: [s["state"] for s in _status(run).get("standbys", [])] == ["ready", "ready"], 120)
             rss = max(s["rss_bytes"] or 0 for s in _status(run)["standbys"])
         victim = _status(run)["tasks"][1]["pid"]
         t0 = time.time()

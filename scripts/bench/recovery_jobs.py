@@ -13,7 +13,6 @@ Run by `recovery.py --jobs loop,loop-py,fit-py,ps-py [--backend ssh|slurm]`.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import REPO, iso_to_s, median, tmpdir, write_spec
+from common import REPO, median, tmpdir, write_spec
 
 SPEC = """\
 name: bench-first-step
@@ -93,18 +92,7 @@ def victim_of(job: str) -> str:
     return "chief-0" if job == "ps-py" else "worker-1"
 
 
-def _rate(run: Path, lo: int, hi: int) -> float | None:
-    """Attempt 0's steps per second between steps lo and hi (the first reporting task's points)."""
-    points = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    points = [p for p in points if p["attempt"] == 0 and p["task"] == points[0]["task"]]
-    times = {p["step"]: iso_to_s(p["time"]) for p in points}
-    steps = sorted(t for t in times if lo <= t <= hi)
-    if len(steps) < 2 or times[steps[-1]] <= times[steps[0]]:
-        return None
-    return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]])
-
-
-def one_run(job: str, standby: str, where, at_step: int, tools, rate_steps=(0, 0)) -> dict:
+def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
     """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
     again 3 s after attempt 1's first step. Each restart's seconds and phases."""
     status, events, wait, first_of = tools
@@ -129,19 +117,9 @@ def one_run(job: str, standby: str, where, at_step: int, tools, rate_steps=(0, 0
     out: dict = {"job": job, "standby": standby}
     try:
         wait(lambda: step() >= at_step, 240)
-        if standby == "on":
-            # every task's standby and its spare ready (the spare: for the second kill); the steps
-            # trained while the spares imported, for P3 (the cold run's rate over the same steps)
-            n = len(status(run)["tasks"])
-            states = lambda: [s["state"] for s in status(run).get("standbys", [])]  # noqa: E731
-            wait(lambda: states()[:n] == ["ready"] * n and len(states()) == 2 * n, 240)
-            out["spares_import"] = [step()]
-            wait(lambda: states() == ["ready"] * 2 * n, 240)
-            out["spares_import"].append(step())
-        else:
-            wait(lambda: step() >= at_step, 240)
+        if standby == "on":  # every task's standby ready
+            wait(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
         out["killed_at_step"] = step()
-        out["steps_per_s"] = _rate(run, *(out.get("spares_import") or rate_steps))
         restarts = [_kill(run, pid(), 1, tools)]
         if standby == "on":  # a failure soon after a start: its standbys are still importing
             first = first_of(run, 1)[0]
@@ -179,8 +157,7 @@ def table(jobs: list[str], runs_each: int, where, tools, import_s) -> dict:
             imports.append(import_s())
             warm = one_run(job, "on", where, 120, tools)
             done["on"].append(warm)
-            steps = warm["spares_import"]
-            done["off"].append(one_run(job, "off", where, warm["killed_at_step"], tools, steps))
+            done["off"].append(one_run(job, "off", where, warm["killed_at_step"], tools))
         out[job] = {mode: _summary(runs) for mode, runs in done.items()}
     out["tf_import_s"] = round(median(imports), 3)
     for job in jobs:
@@ -199,8 +176,6 @@ def _summary(runs: list[dict]) -> dict:
         return {"recovery_s": round(median([r["recovery_s"] for r in restarts]), 3), "phases_s": phases}
 
     out = of([r["restarts"][0] for r in runs]) | {"killed_at_step": [r["killed_at_step"] for r in runs]}
-    rates = [r["steps_per_s"] for r in runs if r["steps_per_s"]]
-    out["steps_per_s_while_spares_import"] = round(median(rates), 1) if rates else None
     if len(runs[0]["restarts"]) > 1:
         out["after_3s"] = of([r["restarts"][1] for r in runs])
     out["lines"] = [r["line"] for run in runs for r in run["restarts"]]

@@ -10,11 +10,9 @@ in-process: one worker.report() call and one heartbeat, which at the job's step 
 reporting takes from a task (`api_cost.share_of_task_time`).
 
 `--standbys`: P3 with warm standbys (issue 25): `orchestrate up` with `restart.standby: on` vs
-`off`, back to back, reporting on in both, `max_restarts: 3`. The standbys start once the job
-steps and import TensorFlow at the lowest CPU priority while it trains, then wait; their spares
-(issue 39) start once they are ready and do the same; the run is long enough for both
-(`--steps 2000` by default here; the output counts the runs whose spares started). Goal:
-steps/s and CPU per step unchanged (the same 2%).
+`off`, back to back, reporting on in both. The standbys start once the job steps and import
+TensorFlow at the lowest CPU priority while it trains, then wait; the run is long enough for
+both (`--steps 2000` by default here). Goal: steps/s and CPU per step unchanged (the same 2%).
 """
 
 from __future__ import annotations
@@ -74,9 +72,9 @@ def api_cost(calls: int = 20000, heartbeats: int = 300) -> dict[str, float]:
     return {"report_call_us": round(report_us, 2), "heartbeat_ms": round(heartbeat_ms, 3)}
 
 
-def up_steps(steps: int, standby: str) -> tuple[float, float, float, bool]:
+def up_steps(steps: int, standby: str) -> tuple[float, float, float]:
     """One `orchestrate up` of the steps job, reporting on: (steps/s, workers' CPU ms per step,
-    the coordinator's share of a core, whether spare standbys were started too)."""
+    the coordinator's share of a core)."""
     folder = tmpdir()
     spec = write_spec(
         folder,
@@ -87,7 +85,7 @@ def up_steps(steps: int, standby: str) -> tuple[float, float, float, bool]:
           script: {BENCH / "steps_job.py"}
           args: ["--report", "--steps", "{steps}"]
           env: {{TF_CPP_MIN_LOG_LEVEL: "2"}}
-        restart: {{max_restarts: 3, standby: {standby}}}
+        restart: {{max_restarts: 1, standby: {standby}}}
         """,
     )
     before, t0 = children_cpu_s(), time.monotonic()
@@ -102,13 +100,12 @@ def up_steps(steps: int, standby: str) -> tuple[float, float, float, bool]:
         value(out.stdout, "steps_per_s"),
         sum(values(out.stdout, "cpu_ms_per_step")),
         (whole_cpu - tasks_cpu) / wall,
-        "spare standbys" in (folder / "run" / "events.jsonl").read_text(),
     )
 
 
 def with_standbys(runs: int, steps: int) -> dict:
     """P3's pair ratios, standbys on / off (each pair back to back, the order alternated)."""
-    got: dict[str, list[tuple[float, float, float, bool]]] = {"on": [], "off": []}
+    got: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
     for i in range(runs):
         for standby in ("on", "off") if i % 2 == 0 else ("off", "on"):
             got[standby].append(up_steps(steps, standby))
@@ -116,7 +113,6 @@ def with_standbys(runs: int, steps: int) -> dict:
     return {
         "metric": "P3 steps/s, warm standbys on vs off (reporting on in both)",
         "steps": steps,
-        "runs_with_spares_started": sum(r[3] for r in on),
         "on_steps_per_s": [r[0] for r in on],
         "off_steps_per_s": [r[0] for r in off],
         "pair_ratio_median": round(median([a[0] / b[0] for a, b in zip(on, off, strict=True)]), 3),

@@ -189,12 +189,12 @@ def test_a_kill_9_is_recovered_by_the_warm_standbys_and_its_timeline_said(job_fa
 
         def ready() -> bool:
             st = status(job)
-            standbys = [s["state"] for s in st.get("standbys") or [] if not s["spare"]]
+            standbys = [s["state"] for s in st.get("standbys") or []]
             return standbys == ["ready", "ready"] and (st["tasks"][0].get("last_step") or 0) > 200
 
         assert wait_until(ready, 120), status(job)  # a standby still importing is not used
         st = status(job)
-        standbys = {s["task"]: s["pid"] for s in st["standbys"] if not s["spare"]}
+        standbys = {s["task"]: s["pid"] for s in st["standbys"]}
         os.kill(st["tasks"][1]["pid"], signal.SIGKILL)
         assert wait_until(lambda: any(e["kind"] == "recovery" for e in events(job)), 90), events(job)[-5:]
         os.kill(status(job)["tasks"][1]["pid"], signal.SIGKILL)  # before its next checkpoint

@@ -268,10 +268,10 @@ def test_a_killed_task_restarts_from_the_standby_steps_waiting_on_the_nodes(
     try:
 
         def ready() -> bool:
-            return [s["state"] for s in run.status().get("standbys") or [] if not s["spare"]] == ["ready"] * 2
+            return [s["state"] for s in run.status().get("standbys") or []] == ["ready", "ready"]
 
         assert wait_until(ready, 120), run.status()
-        standbys = {s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"] if not s["spare"]}
+        standbys = {s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]}
         kill_task(run, "worker-1")
         assert wait_until(lambda: any(e["kind"] == "recovery" for e in events()), 90), events()[-5:]
         proc.send_signal(signal.SIGINT)

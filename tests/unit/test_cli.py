@@ -136,10 +136,7 @@ def test_plan_text_of_a_local_spec(tmp_path: Path, capsys: pytest.CaptureFixture
         assert f"ORCHESTRATE_TASK={name}" in out
     assert out.count("TF_CONFIG=") == 2
     assert "ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>" in out
-    standbys = (
-        "warm standbys (restart.standby: auto; each imports TensorFlow for the next attempt; then a "
-        "spare each, for a second restart, where memory allows):\n"
-    )
+    standbys = "warm standbys (restart.standby: auto; each imports TensorFlow for the next attempt):\n"
     assert (
         standbys + "  127.0.0.1: 2 × 600 MiB = 1,200 MiB, where 2,048 MiB stay available with them\n" in out
     )

@@ -206,9 +206,6 @@ def test_standbys_are_for_runs_that_can_restart_and_jobs_that_leave_import_time_
         False, "restart.standby is off"
     )
     assert not standby.for_run(spec("restart: {max_restarts: 0}\n")).on
-    # a spare serves a second restart: only where the budget has one
-    assert [standby.spares(spec(f"restart: {{max_restarts: {n}}}\n")) for n in (1, 2)] == [False, True]
-    assert not standby.spares(spec("restart: {max_restarts: 3, standby: off}\n"))
     assert standby.for_run(spec("restart: {max_restarts: 0, standby: on}\n")).on  # preemptions restart too
     sets = spec("", "import os\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'\nimport tensorflow\n")
     verdict = standby.for_run(sets)
@@ -247,7 +244,9 @@ def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it
     assert changed == "its task's environment is not the one it was started with (A, B)"
 
 
-def shim_standby(tmp_path: Path, fake_tf: Path, **part: Any) -> tuple[subprocess.Popen[bytes], list[dict]]:
+def shim_standby(
+    tmp_path: Path, fake_tf: Path, env: dict[str, str] | None = None, **part: Any
+) -> tuple[subprocess.Popen[bytes], list[dict]]:
     """worker/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
     checksum (as in a host's cache); its events collected as they come."""
     cache = tmp_path / "cache"
@@ -259,7 +258,8 @@ def shim_standby(tmp_path: Path, fake_tf: Path, **part: Any) -> tuple[subprocess
         "folder": str(run),
         "files": [],
         "argv": [sys.executable, "-m", "worker", "standby"],
-        "env": {"PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "ORCHESTRATE_RUN_ID": "r-standby"},
+        "env": {"PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}", "ORCHESTRATE_RUN_ID": "r-standby"}
+        | (env or {}),
         "cwd": str(tmp_path),
         "run_id": "r-standby",
         "task": "worker-0",
@@ -328,6 +328,22 @@ def test_a_shim_keeps_a_standby_and_hands_it_the_attempt(tmp_path: Path, fake_tf
     assert json.loads((tmp_path / "run" / "tasks" / "worker-0.json").read_text())["pgid"] == waiting["pgid"]
 
 
+def test_a_shim_reads_only_its_own_standbys_ready_line(tmp_path: Path, fake_tf: Path) -> None:
+    """A task's standby log is appended to attempt after attempt: the previous standby's ready
+    line in it says nothing of this one, still importing (it would be handed an attempt and make
+    its task wait on an import at the lowest priority)."""
+    log = tmp_path / "run" / "logs" / "standby" / "worker-0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("===== orchestrate: standby of worker-0 =====\norchestrate-standby: ready 3.10 s\n")
+    proc, said = shim_standby(tmp_path, fake_tf, env={"FAKE_TF_SLEEP_S": "60"})
+    until(said, "standby")
+    time.sleep(1.5)  # the shim looks every 0.2 s
+    assert not any(e["event"] == "standby_ready" for e in said), said
+    assert proc.stdin is not None
+    proc.stdin.close()  # the coordinator done with it: stopped
+    assert proc.wait(timeout=10) == 0
+
+
 def test_a_shim_refuses_a_standby_the_hosts_memory_cannot_keep(tmp_path: Path, fake_tf: Path) -> None:
     proc, said = shim_standby(tmp_path, fake_tf, need=2**60, keep=2**30)
     refused = until(said, "standby_refused")
@@ -384,8 +400,7 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
     tasks = [task_plan(tmp_path, f"worker-{i}") for i in range(3)]
     slow, handles = threading.Event(), {}
 
-    def open_one(task: TaskPlan, spare: bool) -> Any:
-        assert not spare  # max_restarts 1: a spare would serve no second restart
+    def open_one(task: TaskPlan) -> Any:
         if task.name == "worker-2":
             raise OSError("No route to host")
         if task.name == "worker-1":
@@ -427,97 +442,3 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
         time.sleep(0.02)
     assert handles["worker-1"].transport.ended and standbys.status() == []
     assert not handles["worker-0"].transport.ended
-
-
-def test_a_spare_starts_once_the_first_standby_is_ready_and_serves_the_second_restart(
-    tmp_path: Path, fake_tf: Path
-) -> None:
-    """The local backend: a second standby per task, started once the first is ready (one import
-    at a time), not while an attempt starts; the first restart takes the first, the second the
-    spare (then the task's only standby, until that attempt trains)."""
-    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}"}
-    standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby", spares=True)
-    task = task_plan(tmp_path)
-
-    def states() -> list[tuple[str, bool]]:
-        return [(s["state"], s["spare"]) for s in standbys.status()]
-
-    def until(want: list[tuple[str, bool]]) -> None:
-        deadline = time.monotonic() + 20
-        while (standbys.news() or True) and states() != want and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert states() == want
-
-    try:
-        standbys.prepare([task], base)
-        assert states() == [("importing", False)]  # no spare beside an importing standby
-        until([("ready", False), ("ready", True)])
-        first, spare = (s["pid"] for s in standbys.status())
-        env = {**base, **task.launch_env(attempt=1, token="t")}
-        popen, _ = standbys.take(task, env, tmp_path / "w1.log")
-        assert popen is not None and popen.pid == first
-        for _ in range(5):  # the attempt has not trained: no new spare yet
-            standbys.news()
-        assert [(s["pid"], s["state"], s["spare"]) for s in standbys.status()] == [(spare, "ready", False)]
-        second, _ = standbys.take(task, {**env, "ORCHESTRATE_ATTEMPT": "2"}, tmp_path / "w2.log")
-        assert second is not None and second.pid == spare
-        assert standbys.status() == []
-        for one in (popen, second):
-            one.kill()
-            one.wait(timeout=10)
-    finally:
-        standbys.close()
-
-
-def test_shim_standbys_keep_a_ready_spare_for_the_next_attempt_and_stop_one_still_importing(
-    tmp_path: Path,
-) -> None:
-    (tmp_path / "train.py").write_text("import tensorflow\n")
-    text = "name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 1}}]\njob: {script: train.py}\n"
-    spec = parse_spec(text + "restart: {max_restarts: 3, standby: on}\n", file="s.yaml", base_dir=tmp_path)
-    task = task_plan(tmp_path)
-    opened: list[tuple[bool, Any]] = []
-
-    def open_one(task: TaskPlan, spare: bool) -> Any:
-        handle = _shim_handle()
-        handle.events.standby_ready = False
-        opened.append((spare, handle))
-        return handle, dict(task.env), "h0"
-
-    def news_until(count: int, rows: int) -> None:
-        """`count` shims opened in all, `rows` standbys held."""
-        deadline = time.monotonic() + 20
-        while len(opened) < count and time.monotonic() < deadline:
-            standbys.news()
-            time.sleep(0.02)
-        assert len(opened) == count
-        while len(standbys.status()) != rows and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(standbys.status()) == rows
-
-    standbys = ShimStandbys(spec)
-    try:
-        standbys.prepare([task], open_one)
-        news_until(1, 1)
-        for _ in range(5):
-            standbys.news()  # importing: no spare yet
-        assert [spare for spare, _ in opened] == [False]
-        opened[0][1].events.standby_ready = True
-        news_until(2, 2)
-        want = [("ready", False), ("importing", True)]
-        assert [(s["state"], s["spare"]) for s in standbys.status()] == want
-        # a spare still importing is stopped at the restart; the first standby takes the attempt
-        handle, _ = standbys.take(task, dict(task.env), "h0", {"attempt": 1})
-        assert handle is opened[0][1] and opened[1][1].transport.ended
-        # the next attempt trains: a standby, and once it is ready a spare that is ready too
-        standbys.prepare([task], open_one)
-        news_until(3, 1)
-        opened[2][1].events.standby_ready = True
-        news_until(4, 2)
-        opened[3][1].events.standby_ready = True
-        assert standbys.take(task, dict(task.env), "h0", {"attempt": 2})[0] is opened[2][1]
-        assert not opened[3][1].transport.ended  # kept: the next attempt's
-        assert standbys.take(task, dict(task.env), "h0", {"attempt": 3})[0] is opened[3][1]
-        assert [x for x in opened[3][1].transport.sent if x != b"ALIVE\n"] == [b'GO {"attempt": 3}\n']
-    finally:
-        standbys.close()

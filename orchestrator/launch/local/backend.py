@@ -104,11 +104,7 @@ class LocalBackend(Backend):
         self._placements: dict[str, Placement] = {}
         self._network = netns.Network(spec)  # the tasks' own network namespace, made by `listen`
         self._standbys = LocalStandbys(
-            spec.restart.standby,
-            standby.for_run(spec),
-            run_dir / "logs" / "standby",
-            self._network,
-            spares=standby.spares(spec),
+            spec.restart.standby, standby.for_run(spec), run_dir / "logs" / "standby", self._network
         )
 
     def listen(self) -> tuple[str, int]:

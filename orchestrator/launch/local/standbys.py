@@ -1,8 +1,7 @@
 """Launch layer, local backend: the run's warm standbys on this machine (launch/standby.py says
-what they are). One per task, and a spare once that one is ready (where the run has spares), each
-in a session of its own (its process group is its task's once it is handed over), its stdin a
-pipe from the coordinator: the handover comes on it, and its end (the coordinator gone, even by
-SIGKILL) makes a standby that is still waiting exit.
+what they are). One per task at most, each in a session of its own (its process group is its
+task's once it is handed over), its stdin a pipe from the coordinator: the handover comes on it,
+and its end (the coordinator gone, even by SIGKILL) makes a standby that is still waiting exit.
 """
 
 from __future__ import annotations
@@ -68,70 +67,39 @@ class _One:
 
 
 class LocalStandbys:
-    def __init__(
-        self,
-        mode: Standby,
-        run: standby.Verdict,
-        logs: Path,
-        network: Network | None = None,
-        spares: bool = False,
-    ):
+    def __init__(self, mode: Standby, run: standby.Verdict, logs: Path, network: Network | None = None):
         self._mode = mode
         self._run = run  # whether the run may have standbys at all
         self._logs = logs  # each standby's output before its handover
         self._network = network  # the tasks' (a standby starts where its task would)
-        self._spares = spares  # a second standby per task, once its first is ready
         self._ready: dict[str, _One] = {}
-        self._spare: dict[str, _One] = {}
-        self._wanted: dict[str, tuple[TaskPlan, dict[str, str]]] = {}  # the attempt's tasks, to top up
         self.said: str | None = None  # why there are none, once said
 
     def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
         """A standby for each task that has none; lines for the record (why none, said once)."""
-        self._wanted = {
-            t.name: (t, standby.stable_env({**base_env, **t.launch_env(attempt=0, token="")}))
-            for t in tasks
-            if standby.command(t.argv)
-        }
-        missing = [t for t, _ in self._wanted.values() if t.name not in self._ready]
+        missing = [t for t in tasks if t.name not in self._ready and standby.command(t.argv)]
         if not missing:
             return []
-        verdict = self._verdict(len(missing))
+        memory = psutil.virtual_memory()
+        verdict = (
+            self._run
+            if not self._run.on
+            else standby.for_host(self._mode, len(missing), memory.available, memory.total)
+        )
         if not verdict.on:
             if self.said == verdict.why:
                 return []
             self.said = verdict.why
             return [f"no warm standbys: {verdict.why}"]
         for task in missing:
-            self._ready[task.name] = self._start(task, self._wanted[task.name][1])
+            env = standby.stable_env({**base_env, **task.launch_env(attempt=0, token="")})
+            self._ready[task.name] = self._start(task, env)
         names = ", ".join(t.name for t in missing)
         return [f"warm standbys started for {names} ({verdict.why}; at the lowest CPU priority)"]
 
-    def _verdict(self, count: int) -> standby.Verdict:
-        if not self._run.on:
-            return self._run
-        memory = psutil.virtual_memory()
-        return standby.for_host(self._mode, count, memory.available, memory.total)
-
-    def _top_up(self) -> list[str]:
-        """A spare for each task whose standby is ready (one import at a time per task: a spare
-        started beside an importing standby would delay both), where memory allows."""
-        if not self._spares:
-            return []
-        due = [
-            task
-            for name, (task, _) in self._wanted.items()
-            if name not in self._spare and name in self._ready and self._ready[name].state() == "ready"
-        ]
-        if not due or not self._verdict(len(due)).on:
-            return []
-        for task in due:
-            self._spare[task.name] = self._start(task, self._wanted[task.name][1], spare=True)
-        return [f"spare standbys started for {', '.join(t.name for t in due)} (for a second restart)"]
-
-    def _start(self, task: TaskPlan, env: dict[str, str], spare: bool = False) -> _One:
+    def _start(self, task: TaskPlan, env: dict[str, str]) -> _One:
         command, _ = standby.command(task.argv) or ((), ())
-        path = self._logs / f"{task.name}{'.spare' if spare else ''}.log"
+        path = self._logs / f"{task.name}.log"
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with private_open(path) as out:
             out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
@@ -153,20 +121,8 @@ class LocalStandbys:
     def take(
         self, task: TaskPlan, env: Mapping[str, str], log_path: Path
     ) -> tuple[subprocess.Popen[bytes] | None, str]:
-        """The task's standby made its task (the marker line already in its log), or None and why.
-        A ready spare stays, the next attempt's standby; one still importing is stopped (measured:
-        an importer beside a starting attempt slows it, docs/architecture.md §6)."""
-        self._wanted.pop(task.name, None)  # no spare until this attempt trains (prepare)
-        held = [x for x in (self._ready.pop(task.name, None), self._spare.pop(task.name, None)) if x]
-        ready = [x for x in held if x.state() == "ready"]
-        one = ready[0] if ready else held[0] if held else None
-        for other in held:
-            if other is one:
-                continue
-            if other.state() == "ready" and standby.differs(other.env, env) is None:
-                self._ready[task.name] = other  # the next attempt's standby
-            else:
-                other.kill()
+        """The task's standby made its task (the marker line already in its log), or None and why."""
+        one = self._ready.pop(task.name, None)
         if one is None:
             return None, "no standby"
         args = standby.command(task.argv)
@@ -189,10 +145,9 @@ class LocalStandbys:
         return None, why or "no standby"
 
     def news(self) -> list[str]:
-        """Standbys that could not import TensorFlow, each said once with its last lines; spares
-        started."""
-        out = self._top_up()
-        for one in [*self._ready.values(), *self._spare.values()]:
+        """Standbys that could not import TensorFlow, each said once with its last lines."""
+        out = []
+        for one in self._ready.values():
             if not one.said and one.state() == "failed":
                 one.said = True
                 tail = " | ".join(x for x in one.lines()[-3:] if x.strip())
@@ -201,26 +156,17 @@ class LocalStandbys:
 
     def status(self) -> list[dict[str, Any]]:
         rows = []
-        held = [(x, False) for x in self._ready.values()] + [(x, True) for x in self._spare.values()]
-        for one, spare in held:
+        for one in self._ready.values():
             try:
                 rss = psutil.Process(one.popen.pid).memory_info().rss if one.popen.poll() is None else None
             except psutil.Error:
                 rss = None
             rows.append(
-                {
-                    "task": one.task,
-                    "host": "",
-                    "pid": one.popen.pid,
-                    "state": one.state(),
-                    "rss_bytes": rss,
-                    "spare": spare,
-                }
+                {"task": one.task, "host": "", "pid": one.popen.pid, "state": one.state(), "rss_bytes": rss}
             )
         return rows
 
     def close(self) -> None:
-        for one in [*self._ready.values(), *self._spare.values()]:
+        for one in self._ready.values():
             one.kill()
         self._ready.clear()
-        self._spare.clear()

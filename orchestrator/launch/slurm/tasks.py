@@ -61,14 +61,13 @@ class SlurmTasks:
         if self._alloc is None:
             return []
 
-        def open_one(task: TaskPlan, spare: bool) -> tuple[SlurmTaskHandle, dict[str, str], str]:
+        def open_one(task: TaskPlan) -> tuple[SlurmTaskHandle, dict[str, str], str]:
             node = self._node_of[task.name]
             job = self._step_job(task, 0, "", self._logs / task.log_name, marker=False)
             job["argv"] = list((standby.command(task.argv) or ((), ()))[0])
             job["env"] = standby.stable_env(job["env"])
             folder = self._files.folder if self._shipping else str(self._run_dir)
-            name = f"{task.name}{'.spare' if spare else ''}.log"
-            log_path = posixpath.join(folder, "logs", "standby", name)
+            log_path = posixpath.join(folder, "logs", "standby", f"{task.name}.log")
             count = sum(1 for t in plan.tasks if self._node_of.get(t.name) == node)
             module = str(SHIM.parent / "shim_standby.py")
             job["standby"] = standby_job(self._spec, count, module, log_path)

@@ -263,13 +263,12 @@ class SshBackend(Backend):
         return handle
 
     def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
-        def open_one(task: TaskPlan, spare: bool) -> tuple[SshTaskHandle, dict[str, str], str]:
+        def open_one(task: TaskPlan) -> tuple[SshTaskHandle, dict[str, str], str]:
             job = self._job(task, 0, "")
             job["argv"] = list((standby.command(task.argv) or ((), ()))[0])
             job["env"] = standby.stable_env(job["env"])
             folder = job["folder"]
-            name = f"{task.name}{'.spare' if spare else ''}.log"
-            log_path = posixpath.join(folder, "logs", "standby", name)
+            log_path = posixpath.join(folder, "logs", "standby", f"{task.name}.log")
             count = sum(1 for t in plan.tasks if t.host_index == task.host_index)
             module = posixpath.join(job["cache"], runtime_entry(self._files, "shim_standby.py").sha256)
             job["standby"] = standby_job(self._spec, count, module, log_path)
