@@ -279,12 +279,10 @@ class _Trainer:
         start = time.monotonic()
         iterator = iter(self._distributed(steps))
         first = iterator.get_next_as_optional()
-        first.has_value()  # the skipping happens here
-        print(
-            f"[orchestrate] resumed at batch {steps} of epoch {int(self.epoch.numpy())}: "
-            f"{steps} batches skipped in {time.monotonic() - start:.2f} s",
-            flush=True,
-        )
+        more = bool(first.has_value())  # the skipping happens here
+        epoch, took = int(self.epoch.numpy()), time.monotonic() - start
+        said = f"{steps} batches skipped" if more else "its data ended before"
+        print(f"[orchestrate] resumed at batch {steps} of epoch {epoch}: {said} in {took:.2f} s", flush=True)
         return _Pushback(first, iterator)
 
     def _after_step(self, rep: Any, step: int, loss: float) -> None:

@@ -95,7 +95,7 @@ def victim_of(job: str) -> str:
 def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
     """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
     again 3 s after attempt 1's first step. Each restart's seconds and phases."""
-    status, events, wait, first_of = tools
+    status, _, wait, first_of = tools
     folder = tmpdir()
     spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
     run = folder / "run"
@@ -136,7 +136,7 @@ def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
 
 
 def _kill(run: Path, pid: int, attempt: int, tools) -> dict:
-    status, events, wait, first_of = tools
+    _, events, wait, first_of = tools
     t0 = time.time()
     os.kill(pid, signal.SIGKILL)
     wait(lambda: first_of(run, attempt) is not None, 240)

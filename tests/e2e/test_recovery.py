@@ -181,16 +181,16 @@ def test_kill_9_at_a_random_step_resumes_from_checkpoint_and_finishes_exactly(jo
 def test_a_kill_9_is_recovered_by_the_warm_standbys_and_its_timeline_said(job_factory):
     """Attempt 1 is handed to attempt 0's standbys; worker-1 killed again at attempt 1's first step
     (its standbys still importing) makes attempt 2 cold. Both resume from the same checkpoint, deep
-    into a stream with Python in its pipeline: the handed-over first step is no slower than the
-    cold one (a ratio, generous for a noisy 2-core machine; docs/architecture.md §6)."""
-    job = loop_job(job_factory, steps=100000, every=200, extra=PY_MAP)
+    into a stream with Python in its pipeline: the handed-over first step is within a generous
+    ratio of the cold one (a noisy 2-core machine; docs/architecture.md §6)."""
+    job = loop_job(job_factory, steps=100000, every=1000, extra=PY_MAP)
     proc = job.start()
     try:
 
         def ready() -> bool:
             st = status(job)
             standbys = [s["state"] for s in st.get("standbys") or []]
-            return standbys == ["ready", "ready"] and (st["tasks"][0].get("last_step") or 0) > 200
+            return standbys == ["ready", "ready"] and (st["tasks"][0].get("last_step") or 0) > 1000
 
         assert wait_until(ready, 120), status(job)  # a standby still importing is not used
         st = status(job)
@@ -214,7 +214,7 @@ def test_a_kill_9_is_recovered_by_the_warm_standbys_and_its_timeline_said(job_fa
     assert "started cold: its standby was still importing" in log.split("attempt 2 started")[1]
     # the same batch resumed twice, and the first step after a handover as fast as a cold one's
     resumed = re.findall(r"\[orchestrate\] resumed at batch (\d+) of epoch 0: \1 batches skipped in", log)
-    assert len(resumed) == 2 and resumed[0] == resumed[1] and int(resumed[0]) >= 200, log
+    assert len(resumed) == 2 and resumed[0] == resumed[1] and int(resumed[0]) >= 1000, log
     assert warm["phases_s"]["connect"] < cold["phases_s"]["connect"], (warm, cold)
     assert warm["phases_s"]["first_step"] <= 1.5 * cold["phases_s"]["first_step"] + 0.5, (warm, cold)
     assert run_processes(job.run_id) == []
