@@ -39,6 +39,54 @@ def orchestrate_up(spec: Path, run_dir: Path, timeout_s: float = 600) -> subproc
     )
 
 
+def start_up(spec: Path, run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`orchestrate up` in the background (its output dropped: the run's records say it all)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run_dir), "--plain"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=spec.parent,
+        env=env,
+    )
+
+
+def status(run: Path) -> dict:
+    """The run's status.json ({} before it is written)."""
+    try:
+        return json.loads((run / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def wait_for(pred, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError("benchmark run did not reach the expected state")
+
+
+def first_step_of_attempt(run: Path, attempt: int) -> tuple[float, int] | None:
+    """When the attempt's first step was reported, and which step it was (None: not yet)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            p = json.loads(line)
+        except ValueError:
+            continue
+        if p["attempt"] == attempt:
+            return iso_to_s(p["time"]), p["step"]
+    return None
+
+
 def bare_launch(script: Path, args: list[str], workers: int = 2, timeout_s: float = 600) -> list[str]:
     """The floor: Popen with a hand-made TF_CONFIG, as a person would by hand. Returns each stdout."""
     ports = [_free_port() for _ in range(workers)]

@@ -33,7 +33,18 @@ from pathlib import Path
 
 import recovery_jobs
 import yaml
-from common import REPO, iso_to_s, median, tmpdir, write_spec
+from common import (
+    REPO,
+    events,
+    first_step_of_attempt,
+    iso_to_s,
+    median,
+    start_up,
+    status,
+    tmpdir,
+    wait_for,
+    write_spec,
+)
 
 sys.path.insert(0, str(REPO))
 from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
@@ -91,26 +102,6 @@ def _job_folder(folder: Path, kind: str, flag: Path, hidden: int) -> None:
     (job / "train.py").write_text(MODULE.format(hidden=hidden, stuck=kind == "stall", flag=str(flag)))
 
 
-def _status(run: Path) -> dict:
-    try:
-        return json.loads((run / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-
-
-def _wait(pred, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise TimeoutError("benchmark run did not reach the expected state")
-
-
 @dataclass(frozen=True)
 class Where:
     """Where the job runs: the spec's lines for it, the environment `orchestrate up` needs, a
@@ -144,20 +135,14 @@ def one_run(
     text = LOOP_SPEC.format(every=every, hb=hb, stall=stall, standby=standby) + where.spec
     spec = write_spec(folder, text)
     run = folder / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run), "--plain"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=folder,
-        env=where.env,
-    )
+    proc = start_up(spec, run, where.env)
     rss = 0
     try:
-        _wait(lambda: ((_status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
+        wait_for(lambda: ((status(run).get("tasks") or [{}])[-1].get("last_step") or 0) >= 120, 120)
         if standby == "on":  # a failure mid-training meets standbys that have imported TensorFlow
-            _wait(lambda: [s["state"] for s in _status(run).get("standbys", [])] == ["ready", "ready"], 120)
-            rss = max(s["rss_bytes"] or 0 for s in _status(run)["standbys"])
-        victim = _status(run)["tasks"][1]["pid"]
+            wait_for(lambda: [s["state"] for s in status(run).get("standbys", [])] == ["ready", "ready"], 120)
+            rss = max(s["rss_bytes"] or 0 for s in status(run)["standbys"])
+        victim = status(run)["tasks"][1]["pid"]
         t0 = time.time()
         if kind == "exit":
             os.kill(victim, signal.SIGKILL)
@@ -165,11 +150,11 @@ def one_run(
             os.kill(victim, signal.SIGSTOP)
         else:
             flag.write_text("now")
-        _wait(lambda: any(e.get("new") == "STOPPING" for e in _events(run)), 120)
-        noticed = next(iso_to_s(e["time"]) for e in _events(run) if e.get("new") == "STOPPING")
-        _wait(lambda: _first_step_of_attempt(run, 1) is not None, 180)
-        first, resumed = _first_step_of_attempt(run, 1)
-        _wait(lambda: any(e["kind"] == "recovery" for e in _events(run)), 30)
+        wait_for(lambda: any(e.get("new") == "STOPPING" for e in events(run)), 120)
+        noticed = next(iso_to_s(e["time"]) for e in events(run) if e.get("new") == "STOPPING")
+        wait_for(lambda: first_step_of_attempt(run, 1) is not None, 180)
+        first, resumed = first_step_of_attempt(run, 1)
+        wait_for(lambda: any(e["kind"] == "recovery" for e in events(run)), 30)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
@@ -177,7 +162,7 @@ def one_run(
     points = _points(run)
     # trained before the failure (the last step attempt 0 reported) and not in the checkpoint resumed
     trained = max(p["step"] for p in points if p["attempt"] == 0)
-    recovery = next(e for e in _events(run) if e["kind"] == "recovery")
+    recovery = next(e for e in events(run) if e["kind"] == "recovery")
     return {
         "detected_s": noticed - t0,
         "recovery_s": first - t0,
@@ -198,21 +183,6 @@ def _rate(points: list[dict], lo: int, hi: int) -> float:
 
 def _points(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _first_step_of_attempt(run: Path, attempt: int) -> tuple[float, int] | None:
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            p = json.loads(line)
-        except ValueError:
-            continue
-        if p["attempt"] == attempt:
-            return iso_to_s(p["time"]), p["step"]
-    return None
 
 
 def tf_import_s() -> float:
@@ -263,8 +233,7 @@ def main() -> None:
             cluster.wait_ready(timeout_s=30)
             where = slurm_lab(cluster)
         if ns.jobs:
-            tools = (_status, _events, _wait, _first_step_of_attempt)
-            table = recovery_jobs.table(ns.jobs.split(","), ns.runs, where, tools, tf_import_s)
+            table = recovery_jobs.table(ns.jobs.split(","), ns.runs, where, tf_import_s)
             print(json.dumps(out | table, indent=2))
             return
         for kind in ns.kinds.split(","):

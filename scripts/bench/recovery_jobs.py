@@ -16,13 +16,22 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
-from common import REPO, median, tmpdir, write_spec
+from common import (
+    REPO,
+    events,
+    first_step_of_attempt,
+    median,
+    start_up,
+    status,
+    tmpdir,
+    wait_for,
+    write_spec,
+)
 
 SPEC = """\
 name: bench-first-step
@@ -92,20 +101,13 @@ def victim_of(job: str) -> str:
     return "chief-0" if job == "ps-py" else "worker-1"
 
 
-def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
+def one_run(job: str, standby: str, where, at_step: int) -> dict:
     """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
     again 3 s after attempt 1's first step. Each restart's seconds and phases."""
-    status, _, wait, first_of = tools
     folder = tmpdir()
     spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
     run = folder / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "up", str(spec), "--run-dir", str(run), "--plain"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=folder,
-        env=where.env,
-    )
+    proc = start_up(spec, run, where.env)
     victim = victim_of(job)
 
     def step() -> int:
@@ -116,15 +118,15 @@ def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
 
     out: dict = {"job": job, "standby": standby}
     try:
-        wait(lambda: step() >= at_step, 240)
+        wait_for(lambda: step() >= at_step, 240)
         if standby == "on":  # every task's standby ready
-            wait(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+            wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
         out["killed_at_step"] = step()
-        restarts = [_kill(run, pid(), 1, tools)]
+        restarts = [_kill(run, pid(), 1)]
         if standby == "on":  # a failure soon after a start: its standbys are still importing
-            first = first_of(run, 1)[0]
+            first = first_step_of_attempt(run, 1)[0]
             time.sleep(max(0.0, first + 3.0 - time.time()))
-            restarts.append(_kill(run, pid(), 2, tools))
+            restarts.append(_kill(run, pid(), 2))
         out["restarts"] = restarts
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
@@ -135,18 +137,17 @@ def one_run(job: str, standby: str, where, at_step: int, tools) -> dict:
     return out
 
 
-def _kill(run: Path, pid: int, attempt: int, tools) -> dict:
-    _, events, wait, first_of = tools
+def _kill(run: Path, pid: int, attempt: int) -> dict:
     t0 = time.time()
     os.kill(pid, signal.SIGKILL)
-    wait(lambda: first_of(run, attempt) is not None, 240)
-    wait(lambda: sum(e["kind"] == "recovery" for e in events(run)) >= attempt, 60)
+    wait_for(lambda: first_step_of_attempt(run, attempt) is not None, 240)
+    wait_for(lambda: sum(e["kind"] == "recovery" for e in events(run)) >= attempt, 60)
     recovery = [e for e in events(run) if e["kind"] == "recovery"][attempt - 1]
-    first = first_of(run, attempt)[0]
+    first = first_step_of_attempt(run, attempt)[0]
     return {"recovery_s": round(first - t0, 3), "phases_s": recovery["phases_s"], "line": recovery["reason"]}
 
 
-def table(jobs: list[str], runs_each: int, where, tools, import_s) -> dict:
+def table(jobs: list[str], runs_each: int, where, import_s) -> dict:
     """Per job: warm and cold P5 (median), their phases, the ratio to `import tensorflow`, and the
     warm run's second restart (3 s after a first step)."""
     out: dict = {}
@@ -155,9 +156,9 @@ def table(jobs: list[str], runs_each: int, where, tools, import_s) -> dict:
         done: dict[str, list[dict]] = {"on": [], "off": []}
         for _ in range(runs_each):  # interleaved; the cold run killed at the warm one's step
             imports.append(import_s())
-            warm = one_run(job, "on", where, 120, tools)
+            warm = one_run(job, "on", where, 120)
             done["on"].append(warm)
-            done["off"].append(one_run(job, "off", where, warm["killed_at_step"], tools))
+            done["off"].append(one_run(job, "off", where, warm["killed_at_step"]))
         out[job] = {mode: _summary(runs) for mode, runs in done.items()}
     out["tf_import_s"] = round(median(imports), 3)
     for job in jobs:
