@@ -45,6 +45,9 @@ class Restored(BaseModel):
     source: str | None = Field(description="the checkpoint it came from (a path on its host), null if none")
     epoch: int = Field(0, description="the epoch it starts in, where the checkpoint says")
     step_in_epoch: int = Field(0, description="the batch within that epoch, where the checkpoint says")
+    final: bool = Field(
+        True, description="false: said as the job restored, before its first step (it may again)"
+    )
 
 
 class TaskStatus(BaseModel):

@@ -14,7 +14,11 @@ tag (`sl-<hex>`), so that two labs, the SSH lab (10.77.x.x) and a system Slurm n
   folder (`AuthInfo=socket=...`), never the system's /run/munge;
 - a temporary folder (`lab.root`) with slurm.conf, cgroup.conf, the daemons' state, spool and logs;
   in it `login_only/`, which the nodes do not see (each mounts an empty tmpfs over it: a cluster
-  whose nodes share no disk with the login node), and `scratch/`, a disk of each node's own.
+  whose nodes share no disk with the login node), and `scratch/`, a disk of each node's own;
+- each node's own /tmp (a tmpfs of its own, as a real node's local disk or a per-job private /tmp),
+  with what the cluster's shared file system holds bound back at the same paths: the lab's folder,
+  the `shared` folders given (where the tests' run directories are), and this repository and its
+  Python where they lie under /tmp (a CI clone). Everything else a node sees is this machine's.
 
 Daemons are started so that the pid we hold is the daemon's own (nsenter, unshare and `sh -c exec`
 each exec the next; munged and slurm daemons run in the foreground): `close()` stops exactly those,
@@ -30,15 +34,18 @@ import os
 import pwd
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import wait_until
+from tests.conftest import REPO, wait_until
 from tests.lab import _ns_id
 
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo", "scontrol")
@@ -74,7 +81,7 @@ class SlurmNode:
 class SlurmLab:
     """Three Slurm nodes (n1..n3) and a slurmctld, each in namespaces of its own (root only)."""
 
-    def __init__(self, nodes: int = 3, cpus_per_node: int = 2):
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2, shared: Sequence[Path] = ()):
         self.tag = secrets.token_hex(3)
         self.prefix = f"sl-{self.tag}"  # every name the lab makes begins with this
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
@@ -94,6 +101,8 @@ class SlurmLab:
         self.scratch = self.root / "scratch"  # each node's own
         self.munge_dir = self.root / "munge"
         self.munge_socket = self.munge_dir / "munge.socket"
+        # seen by every node at the same path (a cluster's shared file system), /tmp being their own
+        self.shared = [self.root, *(Path(p).resolve() for p in shared), REPO, Path(sys.prefix).resolve()]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # daemon name: the daemon itself
         self._netns_made: list[str] = []
         self._bridge_made = False
@@ -119,7 +128,7 @@ class SlurmLab:
     # --- building ---
     def _write_files(self) -> None:
         self.root.chmod(0o755)  # munged (as munge) must reach its folder below
-        for sub in ("state", "spool", "log", "run", "login_only", "scratch"):
+        for sub in ("state", "spool", "log", "run", "login_only", "scratch", "node_tmp"):
             (self.root / sub).mkdir()
         for n in self.nodes:  # slurmd wants its spool (and socket) folder there before it starts
             (self.root / "spool" / n.name).mkdir()
@@ -236,10 +245,13 @@ class SlurmLab:
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
-    def _start_daemon(self, name: str, netns: str, hostname: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _start_daemon(
+        self, name: str, netns: str, hostname: str, argv: list[str], before: str = ""
+    ) -> subprocess.Popen[bytes]:
         """Start argv in netns with a mount and UTS namespace of its own (propagation slave: the
-        host's unmounts, such as `ip netns del` of other labs, still reach it). The pid is argv's."""
-        script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+        host's unmounts, such as `ip netns del` of other labs, still reach it), `before` run there
+        first (shell). The pid is argv's."""
+        script = f'set -e; {before} mount --bind "$1" /etc/hosts; hostname "$2"; shift 2; exec "$@"'
         with open(self.root / "log" / f"{name}.stderr", "ab") as log:
             proc = subprocess.Popen(
                 [
@@ -283,7 +295,11 @@ class SlurmLab:
     def _start_slurmd(self, node: SlurmNode) -> None:
         exe = _which("slurmd") or "slurmd"
         proc = self._start_daemon(
-            f"slurmd-{node.name}", node.netns, node.name, [exe, "-D", "-f", str(self.conf)]
+            f"slurmd-{node.name}",
+            node.netns,
+            node.name,
+            [exe, "-D", "-f", str(self.conf)],
+            self._own_tmp(node),
         )
         self._wait_exec(proc, exe, f"slurmd on {node.name}")
         node.pid = proc.pid
@@ -305,6 +321,21 @@ class SlurmLab:
             )
         ids = (_ns_id(proc.pid, kind) for kind in ("net", "mnt", "uts"))
         node.namespaces = {i for i in ids if i is not None}
+
+    def _own_tmp(self, node: SlurmNode) -> str:
+        """Shell that gives the node's mount namespace a /tmp of its own: a tmpfs made in the
+        lab's folder, the shared folders under /tmp bound into it at their paths, then it over /tmp."""
+        stage = self.root / "node_tmp" / node.name
+        stage.mkdir()
+        lines = [f"mount -t tmpfs -o size=1g,mode=1777 {self.prefix}-{node.name}-tmp {stage};"]
+        under_tmp = {p for p in self.shared if p.is_relative_to("/tmp")}
+        for folder in sorted(
+            p for p in under_tmp if not any(p != q and p.is_relative_to(q) for q in under_tmp)
+        ):
+            there, inside = shlex.quote(str(folder)), shlex.quote(str(stage / folder.relative_to("/tmp")))
+            lines.append(f"mkdir -p {inside}; mount --bind {there} {inside};")
+        lines.append(f"mount --rbind {stage} /tmp;")
+        return " ".join(lines)
 
     def _wait_exec(self, proc: subprocess.Popen[bytes], exe: str, what: str) -> None:
         """Wait until our pid is the daemon itself (the wrappers have exec'd into it)."""

@@ -12,7 +12,10 @@ after-import hooks on their classes):
 - what the task restored before its first step (a checkpoint's path, its epoch and batch where the
   checkpoint has them, or nothing) is reported once, at the first step's tracing (the first
   `strategy.run`: Keras `fit` and the custom loops call it once they restored); the coordinator
-  compares the tasks' reports.
+  compares the tasks' reports. Each restore (and a `restore_or_initialize` that found nothing) is
+  also told as it happens, not final: Keras's `fit` under MultiWorkerMirroredStrategy runs
+  collectives between its restore and its first step, and where the tasks restored different
+  states those fail first; the coordinator then explains TensorFlow's error with these.
 
 The non-chief workers' temporary copies (`workertemp_N`: TensorFlow's and the tutorials'
 `_get_temp_dir`) are recognised and not told: they are removed after each save and no one restores
@@ -22,6 +25,7 @@ itself is not told either (copying it would copy far more than checkpoints): sai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -70,8 +74,10 @@ class Watch:
         cwd: str | None = None,
         known: str | None = None,
         check: Callable[[Any, wire.Restored], None] | None = None,
+        on_restore: Callable[[wire.Restored], None] | None = None,
     ):
         self._on_folder = on_folder
+        self._on_restore = on_restore  # each restore as it happens (not final)
         self._check = check or same_start
         self._on_first_step = on_first_step
         self._cwd = os.path.abspath(cwd or os.getcwd())
@@ -135,6 +141,13 @@ class Watch:
             step_in_epoch=in_epoch or 0,
         )
         self.wrote(source, by)  # the folder it restores from is the job's too
+        if self._on_restore is not None:
+            self._on_restore(dataclasses.replace(self._restored, final=False))
+
+    def found_nothing(self) -> None:
+        """The job looked for a checkpoint to restore (`restore_or_initialize`) and found none."""
+        if self._on_restore is not None and self._restored is None and not self.stepped:
+            self._on_restore(wire.Restored(step=0, fingerprint=NOTHING, source=None, final=False))
 
     def first_step(self, strategy: object = None) -> None:
         """The job traces its first step: what it restored is reported, then compared with the
@@ -256,6 +269,9 @@ def _patch_manager(watch: Watch, module: ModuleType) -> None:
             getattr(m, "directory", None), "tf.train.CheckpointManager", is_file=False
         ),
     )
+    # Keras's BackupAndRestore restores through it: None, no checkpoint there (a restore is seen
+    # by Checkpoint.restore)
+    _after(cls, "restore_or_initialize", lambda m, a, kw, result: None if result else watch.found_nothing())
 
 
 def _patch_strategy(watch: Watch, module: ModuleType) -> None:

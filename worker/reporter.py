@@ -187,12 +187,15 @@ class Reporter:
         self._wait_posted(sent_before, wait_s)
 
     def mark_restored(self, restored: wire.Restored, wait_s: float = 2.0) -> None:
-        """Where this attempt starts (the built-in loop, after its restore). Sent at once, and
-        waited for (briefly): the coordinator compares the tasks' starting points."""
+        """Where this attempt starts: sent at once, waited for (briefly) where final; a restore
+        as it happens (not final) is not waited for, and never kept over a final one."""
         with self._lock:
+            if self._restored is not None and self._restored.final and not restored.final:
+                return
             self._restored = restored
             sent_before = self._posted
-        self._wait_posted(sent_before, wait_s)
+        if restored.final:
+            self._wait_posted(sent_before, wait_s)
 
     def add_folder(self, path: str, by: str) -> None:
         """A folder the job checkpoints to (mode 1): told at once, in every heartbeat after."""

@@ -60,7 +60,10 @@ def run_script(script: str, args: list[str]) -> int:
     rep = reporter()
     # the job's own checkpoint folders, and what each task restored before its first step
     watch = checkpoints.Watch(
-        rep.add_folder, rep.mark_restored, known=os.environ.get(wire.ENV_CHECKPOINT_DIR)
+        rep.add_folder,
+        rep.mark_restored,
+        known=os.environ.get(wire.ENV_CHECKPOINT_DIR),
+        on_restore=rep.mark_restored,
     )
     checkpoints.install(watch)
     path = Path(script).resolve()

@@ -127,6 +127,9 @@ class Restored:
     source: str | None = None  # the checkpoint restored (a path on the task's host)
     epoch: int = 0
     step_in_epoch: int = 0
+    # False: said as the job restored (or found nothing to), before its first step; it may restore
+    # again. True: where its first step starts from, the one compared (worker/checkpoints.py)
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -283,14 +286,17 @@ def _folders(raw: dict[str, Any]) -> dict[str, str]:
 
 def _restored(raw: dict[str, Any]) -> Restored:
     step, fingerprint, source = raw["step"], raw["fingerprint"], raw.get("source")
-    epoch, in_epoch = raw.get("epoch", 0), raw.get("step_in_epoch", 0)
+    epoch, in_epoch, final = raw.get("epoch", 0), raw.get("step_in_epoch", 0), raw.get("final", True)
     if type(step) is not int or type(epoch) is not int or type(in_epoch) is not int:
         raise ValueError("restored: step, epoch and step_in_epoch must be integers")
+    if type(final) is not bool:
+        raise ValueError("restored: final must be true or false")
     if type(fingerprint) is not str or len(fingerprint) > 128 or type(source) not in _STR_OR_NONE:
         raise ValueError("restored: fingerprint must be a short string, source a string or null")
     if source is not None and len(source) > MAX_PATH_CHARS:
         raise ValueError(f"restored: a source of at most {MAX_PATH_CHARS} characters")
-    return Restored(step, safe_text(fingerprint), safe_text(source) if source else source, epoch, in_epoch)
+    source = safe_text(source) if source else source
+    return Restored(step, safe_text(fingerprint), source, epoch, in_epoch, final)
 
 
 # --- what a job may report, as everything else shows it ------------------------------------------

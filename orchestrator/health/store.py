@@ -124,7 +124,7 @@ class HealthStore:
                 busy=hb.busy,
                 busy_changed_at=now if hb.busy != old.busy else old.busy_changed_at,
                 seq=hb.seq,
-                restored=old.restored or hb.restored,
+                restored=_restored(old.restored, hb.restored),
                 points_taken=max(old.points_taken, hb.points_from + len(hb.points)),
                 folders=hb.folders or old.folders,
                 first_step=old.first_step if old.first_step is not None else hb.step,
@@ -133,7 +133,7 @@ class HealthStore:
                 else (now if hb.step is not None else None),
                 restored_at=old.restored_at
                 if old.restored_at is not None
-                else (now if hb.restored is not None else None),
+                else (now if hb.restored is not None and hb.restored.final else None),
             )
         if points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, points)
@@ -178,3 +178,8 @@ def _rate(old: TaskHealth, step: int | None, now: float) -> float | None:
         return rate
     instant = (step - old.step) / dt
     return instant if rate is None else 0.7 * rate + 0.3 * instant
+
+
+def _restored(old: Restored | None, new: Restored | None) -> Restored | None:
+    """A task's final restore report stands for the attempt; one not final, until the next."""
+    return old if old is not None and old.final else new or old

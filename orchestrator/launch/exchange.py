@@ -8,11 +8,17 @@ each new checkpoint while the attempt runs (the follower); at the end the result
 What moves the files is the backend's `Folders` (an SFTP session, a tar through a Slurm step);
 what moves is decided here, once: only files that differ (size and SHA-256), staged beside the
 target and committed data first, index last, so a copy cut short never replaces a whole one.
+
+Whether a folder moves at all is decided per folder, the same for every backend: not where every
+host is proven to see it — a checkpoint folder the spec declares shared (proven at launch), one
+under a folder the backend proved every host sees (`seen_everywhere`: the Slurm nodes' run
+directory on a shared file system), a job's own folder whose nonce the owner's host wrote and
+every reader's host read (`_is_shared`). A job's `/tmp/backup` beside a shared run directory is
+each node's own, and is copied.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import dataclasses
 import logging
@@ -22,49 +28,15 @@ import threading
 from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import on_all
-from orchestrator.launch.transfer import Transfer, folder_slug, local_tree
+from orchestrator.launch.transfer import Folders, Transfer, folder_slug, local_tree
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
 
 log = logging.getLogger("orchestrator.launch")
-
-
-class Folders(abc.ABC):
-    """How a backend moves a folder between this machine and one of its hosts (by host index)."""
-
-    @abc.abstractmethod
-    def label(self, host: int) -> str:
-        """The host, for people."""
-
-    @abc.abstractmethod
-    def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
-        """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else);
-        `exists` False where the host has no such folder. LaunchError when it cannot."""
-
-    @abc.abstractmethod
-    def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
-        """Make `remote` on the host an exact copy of `local` (`ours`: its `local_tree`, listed
-        once for every host it goes to). LaunchError when it cannot."""
-
-    def stamp(self, host: int, remote: str) -> str | None:
-        """A cheap stamp of `remote` on the host (worker/folders.py `stamp`: names, sizes, times):
-        the same, nothing changed there. None where the backend has none (the folder is pulled
-        every time, only what differs moving). LaunchError when the host cannot be asked."""
-        return None
-
-    def lost(self, host: int) -> None:
-        """A copy to or from the host failed (ssh: its connection is renewed before the next use)."""
-        return None
-
-    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
-        """worker/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
-        there: True if written), `read` (True if seen), `remove`. Without it: nothing is shared."""
-        return False
 
 
 class StateExchange:
@@ -81,6 +53,20 @@ class StateExchange:
         self._early: Future[list[str]] | None = None  # the owner's state, brought home during the stop
         self._ran: LaunchPlan | None = None  # the plan of the attempt that ran last (its owner wrote)
         self._source: tuple[int, str] | None = None  # where home's copy came from this time
+        self._everywhere: set[str] = set()  # folders every host is proven to see (`seen_everywhere`)
+
+    def seen_everywhere(self, folder: str) -> None:
+        """The backend proved that every host sees `folder` (and what is under it) at this path,
+        this machine included: the run directory of nodes on a shared file system."""
+        self._everywhere.add(folder.rstrip("/") or "/")
+
+    def _seen(self, folder: str) -> bool:
+        return any(folder == f or folder.startswith(f.rstrip("/") + "/") for f in self._everywhere)
+
+    def _state_shared(self, plan: LaunchPlan) -> bool:
+        """The owner's checkpoint folder is the one every reader sees: nothing of it is copied."""
+        assert plan.state is not None
+        return plan.state.shared or self._seen(plan.task(plan.state.owner).env[wire.ENV_CHECKPOINT_DIR])
 
     def before_attempt(self, plan: LaunchPlan, attempt: int, *, lost: Collection[int] = ()) -> list[str]:
         """Attempts after the first restore the latest checkpoint of the owner that wrote it:
@@ -115,7 +101,7 @@ class StateExchange:
         folders) come home now, on a thread of its own, while the other tasks still stop; the next
         `before_attempt` (or `early_copy`) waits for it and uses it."""
         state = plan.state
-        if state is None or self._early is not None or (state.shared and not state.job_folders):
+        if state is None or self._early is not None or (self._state_shared(plan) and not state.job_folders):
             return
         early: Future[list[str]] = Future()
 
@@ -221,6 +207,9 @@ class StateExchange:
         has the folder): then nothing is copied."""
         if folder in self._shared:
             return self._shared[folder]
+        if self._seen(folder) and all(self._seen(f) for _, f in targets):
+            self._shared[folder] = True
+            return True
         nonce = secrets.token_hex(8)
         try:
             if not self._folders.shared(owner.host_index, "mark", folder, nonce):
@@ -240,7 +229,7 @@ class StateExchange:
         host is known lost, and home keeps the last copy brought."""
         state = plan.state
         self._owner_lacks = False
-        if state is None or state.shared:
+        if state is None or self._state_shared(plan):
             return []
         owner = plan.task(state.owner)
         home = self._home / "checkpoints"
@@ -262,7 +251,7 @@ class StateExchange:
         """Home's copy to every reader's folder (on its host) that differs, hosts in parallel."""
         state = plan.state
         home = self._home / "checkpoints"
-        if state is None or state.shared or not home.is_dir():
+        if state is None or self._state_shared(plan) or not home.is_dir():
             return []
         readers = list(map(plan.task, state.readers))
         # every reader but the folder home's copy came from (the owner that wrote it, if it was
@@ -281,7 +270,7 @@ class StateExchange:
         short never replaces a whole one (staged, checked, committed data first)."""
         self._ran = plan  # the attempt about to run: its owner writes the next checkpoints
         state = plan.state
-        if state is None or state.shared:
+        if state is None or self._state_shared(plan):
             return
         evaluators = [t for t in map(plan.task, state.readers) if t.role is Role.EVALUATOR]
         self._follow_stop = threading.Event()
@@ -378,10 +367,12 @@ class StateExchange:
         assert plan.state is not None
         owner = plan.task(plan.state.owner)
         wanted: list[tuple[TaskPlan, str, Path, bool]] = []
-        if not plan.state.shared:
+        if not self._state_shared(plan):
             wanted.append((owner, owner.env[wire.ENV_CHECKPOINT_DIR], self._home / "checkpoints", True))
         for task in plan.tasks:
             folder = task.env[wire.ENV_RUN_DIR]
+            if self._seen(folder):  # this machine sees it too: the results are home already
+                continue
             if task.name == owner.name:
                 wanted.append((task, posixpath.join(folder, "model"), self._home / "model", False))
             board = posixpath.join(folder, "tensorboard")

@@ -6,6 +6,7 @@ received files committed (data first, TF's `checkpoint` index last), and what a 
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import posixpath
 import secrets
@@ -151,3 +152,36 @@ def folder_slug(folder: str) -> str:
         :40
     ]
     return f"{tail or 'root'}-{hashlib.sha256(folder.encode(errors='replace')).hexdigest()[:10]}"
+
+
+class Folders(abc.ABC):
+    """How a backend moves a folder between this machine and one of its hosts (by host index)."""
+
+    @abc.abstractmethod
+    def label(self, host: int) -> str:
+        """The host, for people."""
+
+    @abc.abstractmethod
+    def pull(self, host: int, remote: str, local: Path, *, mirror: bool) -> Transfer:
+        """Make `local` hold the files of `remote` on the host (`mirror`: and nothing else);
+        `exists` False where the host has no such folder. LaunchError when it cannot."""
+
+    @abc.abstractmethod
+    def push(self, host: int, local: Path, remote: str, ours: dict[str, Any]) -> Transfer:
+        """Make `remote` on the host an exact copy of `local` (`ours`: its `local_tree`, listed
+        once for every host it goes to). LaunchError when it cannot."""
+
+    def stamp(self, host: int, remote: str) -> str | None:
+        """A cheap stamp of `remote` on the host (worker/folders.py `stamp`: names, sizes, times):
+        the same, nothing changed there. None where the backend has none (the folder is pulled
+        every time, only what differs moving). LaunchError when the host cannot be asked."""
+        return None
+
+    def lost(self, host: int) -> None:
+        """A copy to or from the host failed (ssh: its connection is renewed before the next use)."""
+        return None
+
+    def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
+        """worker/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
+        there: True if written), `read` (True if seen), `remove`. Without it: nothing is shared."""
+        return False

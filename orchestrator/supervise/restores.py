@@ -85,16 +85,29 @@ def _under(path: str, folder: str) -> bool:
 
 
 def check_start(
-    plan: LaunchPlan, tasks: Mapping[str, tuple[bool, TaskHealth | None]], attempt: int
+    plan: LaunchPlan,
+    tasks: Mapping[str, tuple[bool, TaskHealth | None]],
+    attempt: int,
+    failures: Sequence[Failure] = (),
 ) -> tuple[bool, Failure | None]:
     """`diverged_start` over the training tasks of a synchronous job (`tasks`: in the cluster,
-    health); parameter_server's state is the chief's alone: always settled."""
+    health) by their final reports; parameter_server's state is the chief's alone: always settled.
+    Where a task's collectives failed to match (in `failures`) before the reports were final, the
+    restores said as they happened explain it, a task that said none counted as restoring nothing."""
     state = plan.state
     if state is None or plan.strategy is Strategy.PARAMETER_SERVER:
         return True, None
     readers = [n for n in state.readers if tasks[n][0]]
-    restored = {n: h.restored for n in readers if (h := tasks[n][1]) is not None and h.restored is not None}
-    return diverged_start(state, readers, restored, attempt)
+    said = {n: h.restored for n in readers if (h := tasks[n][1]) is not None and h.restored is not None}
+    settled, failure = diverged_start(state, readers, {n: r for n, r in said.items() if r.final}, attempt)
+    mismatch = next((f for f in failures if collective_mismatch(f.error)), None)
+    if failure is None and mismatch is not None and said:
+        nothing = Restored(step=0, fingerprint=NOTHING, source=None, final=False)
+        _, failure = diverged_start(state, readers, {n: said.get(n, nothing) for n in readers}, attempt)
+        if failure is not None:
+            tf_said = f"{mismatch.tasks[0]} {mismatch.detail.split(' — ')[0]}"
+            failure = dataclasses.replace(failure, detail=f"{failure.detail} (then {tf_said})")
+    return settled, failure
 
 
 def diverged_start(

@@ -282,7 +282,7 @@ class Supervisor(Stopping, Hosts):
                 self.tasks[view.name].exit_code = view.exit_code
             failures += self._apply(detect.check_task(view, now, self.config, self.attempt))
         if not self._same_start:
-            diverged = self._diverged_start()
+            diverged = self._diverged_start(failures)
             if diverged is not None:
                 failures.insert(0, diverged)
         decisions = policy.decide(failures, self._snapshot()) if failures else []
@@ -356,9 +356,9 @@ class Supervisor(Stopping, Hosts):
             self._sink.event(kind="checkpoints", task=owner, attempt=self.attempt, reason=line)
             self.plan = self.job_folders.plan(self.plan)
 
-    def _diverged_start(self) -> Failure | None:
+    def _diverged_start(self, failures: list[Failure]) -> Failure | None:
         reports = {name: (rec.plan.in_cluster, rec.health) for name, rec in self.tasks.items()}
-        self._same_start, failure = restores.check_start(self.plan, reports, self.attempt)
+        self._same_start, failure = restores.check_start(self.plan, reports, self.attempt, failures)
         return failure
 
     def _move(self, new: ClusterState, reason: str) -> None:

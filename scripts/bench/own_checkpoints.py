@@ -12,22 +12,38 @@ so the checkpoint is the weights), K = 2 and 4. Also the copy itself (LAUNCHING 
 started, attempt 1).
 
 Needs root and openssh-server: `sudo .venv/bin/python scripts/bench/own_checkpoints.py`.
+
+`--backend slurm` (issue 40): the same on 2 nodes of the Slurm lab (tests/slurm_lab.py), whose run
+directory is on the cluster's shared file system and whose /tmp is each node's own; the baseline's
+folder is on the shared file system. `--tutorial`: the Keras tutorial's own
+`BackupAndRestore('/tmp/backup')` there, worker-1 killed -9 mid-epoch: how the run ends, its
+attempts and seconds (`BENCH_CODE=<checkout>`: orchestrate from that checkout, to measure before).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import secrets
+import signal
+import subprocess
 import sys
 import tempfile
+import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import events, iso_to_s, status, wait_for  # noqa: E402
 from scripts.bench.ship_state import WIDTHS, compare_restarts  # noqa: E402
 from tests.lab import NetnsLab, can_netns, why_no_lab  # noqa: E402
+from tests.slurm_lab import SlurmLab, why_no_slurm  # noqa: E402
 
 JOB = """
 import os
@@ -94,11 +110,130 @@ def spec_for(lab: NetnsLab, root: Path, k: int, width: int, every: int, shared: 
     return spec
 
 
+SLURM = {"nodes": 2, "tasks_per_node": {"worker": 1}, "queue_timeout_s": 60, "connect_timeout_s": 10}
+
+
+def slurm_spec_for(lab: SlurmLab, root: Path, k: int, width: int, every: int, shared: bool) -> Path:
+    """The same job on k Slurm nodes; its folder on the shared file system (`root`) or on each
+    node's own /tmp."""
+    (root / "job").mkdir(parents=True, exist_ok=True)
+    (root / "job" / "train.py").write_text(JOB)
+    tag = secrets.token_hex(3)
+    folder = str(root / f"own-{tag}" / "ckpt") if shared else f"/tmp/own-{tag}/ckpt"
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1", "WIDTH": str(width)}
+    data = {
+        "name": "bench-own",
+        "backend": "slurm",
+        "slurm": {
+            "nodes": k,
+            "tasks_per_node": {"worker": 1},
+            "queue_timeout_s": 60,
+            "connect_timeout_s": 10,
+        },
+        "job": {"script": "job/train.py", "env": {**env, "EVERY": str(every), "FOLDER": folder}},
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10, "stop_grace_s": 10},
+        "restart": {"max_restarts": 1, "backoff_s": 0},
+    }
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return spec
+
+
+def tutorial(lab: SlurmLab, root: Path) -> dict[str, Any]:
+    """The Keras tutorial as written (`BackupAndRestore('/tmp/backup')`) on 2 nodes, worker-1
+    killed -9 at epoch 0 batch 50 (backed up at 30): how the run ended, in how long."""
+    from tests.e2e.test_job_checkpoints import KERAS_TUTORIAL
+
+    root.mkdir(parents=True)
+    (root / "job.py").write_text(textwrap.dedent(KERAS_TUTORIAL))
+    data = {
+        "name": "bench-tutorial",
+        "backend": "slurm",
+        "slurm": {
+            "nodes": 2,
+            "tasks_per_node": {"worker": 1},
+            "queue_timeout_s": 60,
+            "connect_timeout_s": 10,
+        },
+        "job": {"script": "job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}},
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5, "stop_grace_s": 3},
+        "restart": {"max_restarts": 3, "backoff_s": 0.5},
+    }
+    (root / "spec.yaml").write_text(yaml.safe_dump(data))
+    run = root / "run"
+    cwd = os.environ.get("BENCH_CODE")  # `-m orchestrator` from that checkout
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "up",
+        str(root / "spec.yaml"),
+        "--run-dir",
+        str(run),
+        "--plain",
+    ]
+    said = root / "up.out"
+    with open(said, "w") as sink:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT)
+    log = run / "logs" / "worker-1.log"
+    try:
+        wait_for(lambda: log.exists() and "AT epoch 0 batch 50" in log.read_text(errors="replace"), 240)
+        pid = next(t["pid"] for t in status(run)["tasks"] if t["task"] == "worker-1")
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=600)
+        ended = time.time()
+    finally:
+        proc.kill()
+    out = said.read_text(errors="replace")
+    last = status(run)
+    first = [e for e in events(run) if e.get("new") == "RUNNING" and (e.get("attempt") or 0) >= 1]
+    lines = [ln for ln in out.splitlines() if re.search(r"SUCCEEDED|FAILED", ln)]
+    return {
+        "code": cwd or "this checkout",
+        "state": last["state"],
+        "attempts": last["attempt"] + 1,
+        "restarts": last.get("restarts"),
+        "kill_to_end_s": round(ended - killed, 1),
+        "kill_to_attempt_1_running_s": round(iso_to_s(first[0]["time"]) - killed, 1) if first else None,
+        "said": lines[-1][:600] if lines else out[-600:],
+        "state_events": [e["reason"] for e in events(run) if e.get("kind") == "state"],
+    }
+
+
+def on_slurm(args: argparse.Namespace) -> int:
+    if why_no_slurm():
+        print(json.dumps({"metric": "P12 a job's own folder, Slurm", "skipped": why_no_slurm()}))
+        return 0
+    code = [Path(os.environ["BENCH_CODE"])] if "BENCH_CODE" in os.environ else []
+    with tempfile.TemporaryDirectory(prefix="bench-own-") as tmp, contextlib.ExitStack() as labs:
+        root = Path(tmp)
+        lab = labs.enter_context(SlurmLab(nodes=2, shared=[root, *code]))
+        lab.wait_ready(timeout_s=30)
+        os.environ["SLURM_CONF"] = str(lab.conf)
+        if args.tutorial:
+            out = [tutorial(lab, root / f"tutorial-{i}") for i in range(args.repeats)]
+            print(json.dumps({"metric": "the Keras tutorial's /tmp/backup on Slurm", "runs": out}, indent=2))
+            return 0
+        cases = [("1 MB", 2)] if args.quick else [(size, 2) for size in WIDTHS]
+        rows = compare_restarts(lab, root, cases, args.repeats, slurm_spec_for)  # type: ignore[arg-type]
+        print(
+            json.dumps(
+                {"metric": "P12 a job's own folder, Slurm", "runs": args.repeats, "rows": rows}, indent=2
+            )
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 MB on 2 hosts only")
+    parser.add_argument("--backend", choices=("ssh", "slurm"), default="ssh")
+    parser.add_argument("--tutorial", action="store_true", help="slurm: the Keras tutorial's /tmp/backup")
     args = parser.parse_args()
+    if args.backend == "slurm":
+        return on_slurm(args)
     if why_no_lab() or not can_netns():
         print(json.dumps({"metric": "P12 a job's own folder", "skipped": why_no_lab() or "needs root"}))
         return 0

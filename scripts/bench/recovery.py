@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +120,8 @@ def ssh_lab(lab: NetnsLab) -> Where:
 
 
 def slurm_lab(lab: SlurmLab) -> Where:
-    """Two nodes of the Slurm lab, a worker on each; the nodes share this machine's disk (a
-    cluster's usual shared file system): nothing is copied between them."""
+    """Two nodes of the Slurm lab, a worker on each; the run's folder on the nodes' shared file
+    system (as this machine's), their /tmp each their own: the checkpoints are not copied."""
     slurm = {"nodes": 2, "tasks_per_node": {"worker": 1}, "queue_timeout_s": 60, "connect_timeout_s": 10}
     return Where(yaml.safe_dump({"backend": "slurm", "slurm": slurm}), lab.env(), None, HIDDEN_SSH)
 
@@ -229,7 +230,10 @@ def main() -> None:
         elif ns.backend == "slurm":
             if why_no_slurm():
                 sys.exit(f"--backend slurm: {why_no_slurm()}")
-            cluster = labs.enter_context(SlurmLab(nodes=2))
+            base = tmpdir()  # every run's folder in it: on the nodes' shared file system
+            labs.callback(shutil.rmtree, base, ignore_errors=True)
+            tempfile.tempdir = str(base)
+            cluster = labs.enter_context(SlurmLab(nodes=2, shared=[base]))
             cluster.wait_ready(timeout_s=30)
             where = slurm_lab(cluster)
         if ns.jobs:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import statistics
 import subprocess
@@ -153,14 +154,19 @@ def main() -> int:
     if why is not None:
         print(json.dumps({"metric": "P8 Slurm launch", "skipped": why}))
         return 0
-    with SlurmLab(nodes=3) as lab:
-        lab.wait_ready()
-        floor(lab), orchestrate(lab)  # warm: the page cache, Slurm's first job
-        bare, ours = [], []
-        for _ in range(args.rounds):
-            bare.append(floor(lab))
-            ours.append(orchestrate(lab))
-        lost_s, slurm_s = detection(lab)
+    base = Path(tempfile.mkdtemp(prefix="bench-slurm-"))  # the runs' folders: the nodes' shared file system
+    tempfile.tempdir = str(base)
+    with SlurmLab(nodes=3, shared=[base]) as lab:
+        try:
+            lab.wait_ready()
+            floor(lab), orchestrate(lab)  # warm: the page cache, Slurm's first job
+            bare, ours = [], []
+            for _ in range(args.rounds):
+                bare.append(floor(lab))
+                ours.append(orchestrate(lab))
+            lost_s, slurm_s = detection(lab)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
     result = {
         "floor_first_step_s": statistics.median(bare),
         "orchestrate_first_step_s": statistics.median(ours),

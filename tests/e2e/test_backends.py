@@ -98,11 +98,11 @@ def loopback_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def slurm_lab() -> Iterator[SlurmLab | None]:
+def slurm_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab | None]:
     if why_no_slurm() is not None:
         yield None
         return
-    with SlurmLab(nodes=3) as lab:
+    with SlurmLab(nodes=3, shared=[tmp_path_factory.getbasetemp()]) as lab:  # the run directories
         lab.wait_ready(timeout_s=30)
         old = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = str(lab.conf)  # the backend and `reattach` find the cluster here

@@ -141,8 +141,9 @@ def loop_job() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def lab() -> Iterator[SlurmLab]:
-    with SlurmLab(nodes=3) as lab:
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    """Each node's /tmp its own; the tests' folders (the run directories) on the shared file system."""
+    with SlurmLab(nodes=3, shared=[tmp_path_factory.getbasetemp()]) as lab:
         lab.wait_ready(timeout_s=30)
         yield lab
 
@@ -185,8 +186,8 @@ def test_mwms_script_runs_a_task_per_node_and_releases_its_allocation(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
     """In the environment `environment:` makes from the nodes' own Python (Debian's, without
-    TensorFlow): the nodes share the work folder (under this machine's /tmp, as every lab node
-    sees it), so it is built there once."""
+    TensorFlow): the nodes share the work folder (on their shared file system, where the tests'
+    folders are), so it is built there once."""
     wheels = wheelhouse.ensure()
     environment = {
         "requirements": wheelhouse.requirements()[:1],
@@ -222,6 +223,9 @@ def test_mwms_script_runs_a_task_per_node_and_releases_its_allocation(
 def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
+    """Its checkpoint folder on the nodes' shared file system, declared so (train.checkpoint_dir):
+    proven at launch, never copied; both nodes resume from it."""
+    shared = tmp_path / "ckpt"
     run = make(
         runs,
         lab,
@@ -230,7 +234,12 @@ def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
             "loop",
             {"nodes": 2, "tasks_per_node": {"worker": 1}},
             loop_job(),
-            train={"steps": 240, "checkpoint_every": 20, "global_batch_size": 32},
+            train={
+                "steps": 240,
+                "checkpoint_every": 20,
+                "global_batch_size": 32,
+                "checkpoint_dir": str(shared),
+            },
         ),
     )
     out = run.through("worker-1", 30, lambda: kill_task(run, "worker-1"))
@@ -239,9 +248,12 @@ def test_loop_task_killed_restarts_the_job_from_its_checkpoint(
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["attempt"] == 1
     events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "recovery" and e["reason"] in out for e in events)  # the timeline, said
-    assert re.search(r"resumed from .*ckpt-\d+ at step [1-9]", run.log("worker-0")), run.log("worker-0")[
-        -2000:
-    ]
+    for task in ("worker-0", "worker-1"):
+        assert re.search(rf"resumed from {shared}/ckpt-\d+ at step [1-9]", run.log(task)), run.log(task)[
+            -2000:
+        ]
+    assert not [e for e in events if e["kind"] == "state"], [e for e in events if e["kind"] == "state"]
+    assert not list(shared.glob(".orchestrate-shared-*"))  # the proof taken away
     assert (run.run_dir / "model").is_dir()
     assert nothing_left(lab, run)
 
@@ -685,10 +697,13 @@ def test_nodes_that_share_no_disk_get_the_job_and_the_checkpoints_copied(
     assert json.loads((run.run_dir / "plan.json").read_text())["tasks"][0]["cwd"].startswith(str(lab.scratch))
 
 
+@pytest.mark.parametrize("where", ["login node only", "each node's own /tmp"])
 def test_a_checkpoint_folder_said_to_be_shared_that_a_node_does_not_see_is_exit_3(
-    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
+    lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path, where: str
 ) -> None:
-    folder = lab.login_only / f"{tmp_path.name}-ckpt"  # this machine's only
+    """Declared shared (job.checkpoint_dir), it is proven so; on node-local disk it is not."""
+    base = lab.login_only if where == "login node only" else Path("/tmp")
+    folder = base / f"orchestrate-{lab.tag}-{tmp_path.name}-ckpt"
     run = make(
         runs,
         lab,
@@ -705,32 +720,30 @@ def test_a_checkpoint_folder_said_to_be_shared_that_a_node_does_not_see_is_exit_
     assert f"does not see {folder}, which the spec says every node shares" in res.stderr
     assert not list(folder.glob(".orchestrate-shared-*"))  # its proof taken away again
     assert lab.jobs() == []
+    shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_jobs_own_backup_on_each_nodes_disk_resumes_on_every_node_after_a_kill(
+def test_the_keras_tutorials_own_tmp_backup_resumes_on_every_node_after_a_kill(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:
-    """The Keras tutorial's BackupAndRestore (issue 24) to a folder on each node's own disk
-    (lab.scratch: what /tmp is on a real node), the job's folder on no node: worker-1 killed -9
-    mid-epoch; the chief's backup reaches the other node before the restart, both resume from it."""
+    """Issue 40: the Keras tutorial as written (`BackupAndRestore(backup_dir='/tmp/backup')`) on
+    nodes whose run directory is shared and whose /tmp is each their own: worker-1 killed -9
+    mid-epoch; the chief's backup (not proven shared: copied) reaches the other node before the
+    restart, both resume from it and end with the same model; the run's checkpoints are not copied."""
     from tests.e2e.test_job_checkpoints import KERAS_TUTORIAL
 
-    root = lab.login_only / tmp_path.name
-    root.mkdir(parents=True)
-    backup = lab.scratch / f"backup-{tmp_path.name}"
-    script = textwrap.dedent(KERAS_TUTORIAL).replace('backup_dir="/tmp/backup"', f'backup_dir="{backup}"')
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
     run = make(
         runs,
         lab,
-        root,
+        tmp_path,
         spec(
             "own",
-            {"nodes": 2, "tasks_per_node": {"worker": 1}, "workdir": str(lab.scratch), "time": "10:00"},
+            {"nodes": 2, "tasks_per_node": {"worker": 1}},
             {"script": "job.py", "env": env},
             restart={"max_restarts": 3, "backoff_s": 0.5},
         ),
-        script,
+        KERAS_TUTORIAL,
     )
     proc = run.start()
     try:
@@ -743,11 +756,12 @@ def test_a_jobs_own_backup_on_each_nodes_disk_resumes_on_every_node_after_a_kill
     assert proc.returncode == 0, out[-3000:]
     status = run.status()
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1, status["failures"]
-    assert status["checkpoint_folders"] == [str(backup), f"{backup}/chief"]
+    assert status["checkpoint_folders"] == ["/tmp/backup", "/tmp/backup/chief"]
     starts = [t["restored"] for t in status["tasks"]]
-    assert starts[0] == starts[1] and starts[0]["source"].startswith(f"{backup}/chief/ckpt-"), starts
-    reasons = " | ".join(e.get("reason", "") for e in run.events())
-    assert f"{backup} of worker-0 → n2 {backup}: 3 file(s)" in reasons, reasons
+    assert starts[0] == starts[1] and starts[0]["source"].startswith("/tmp/backup/chief/ckpt-"), starts
+    reasons = [e.get("reason", "") for e in run.events() if e.get("kind") == "state"]
+    assert any(r.startswith("/tmp/backup of worker-0 → n2 /tmp/backup: 3 file(s)") for r in reasons), reasons
+    assert not any("checkpoints of" in r for r in reasons), reasons  # the run directory is shared
     weights = [
         re.findall(r"WEIGHTS (\w+)", run.log(t).split("attempt 1 started")[1])
         for t in ("worker-0", "worker-1")

@@ -3,13 +3,15 @@ with its own network and hostname, driven from this machine through the stock Sl
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import REPO, wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
 
 pytestmark = [
@@ -47,8 +49,8 @@ else:
 
 
 @pytest.fixture(scope="module")
-def lab() -> Iterator[SlurmLab]:
-    with SlurmLab() as lab:
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    with SlurmLab(shared=[tmp_path_factory.getbasetemp()]) as lab:
         lab.wait_ready(timeout_s=30)
         yield lab
 
@@ -74,6 +76,26 @@ def test_srun_runs_on_two_different_nodes(lab: SlurmLab) -> None:
     names = res.stdout.split()
     assert len(names) == 2 and len(set(names)) == 2, res.stdout
     assert set(names) <= {n.name for n in lab.nodes}
+
+
+def test_each_node_has_its_own_tmp_and_sees_the_shared_folders(lab: SlurmLab, tmp_path: Path) -> None:
+    """A real cluster's layout (issue 40): /tmp is each node's own; the run directory's file system,
+    the lab's folder and this repository are seen by every node at the same path."""
+    mine = f"/tmp/orchestrate-lab-{lab.tag}-{tmp_path.name}"
+    (tmp_path / "flag").write_text("shared")
+
+    def on(node: str, script: str) -> subprocess.CompletedProcess[str]:
+        return lab.run(["srun", "-N1", "-w", node, "sh", "-c", script], timeout_s=30)
+
+    wrote = on("n1", f"echo n1 > {mine} && cat {mine} {tmp_path / 'flag'} && test -r {lab.conf}")
+    assert wrote.returncode == 0 and wrote.stdout.split() == ["n1", "shared"], wrote.stderr
+    other = on("n2", f"cat {tmp_path / 'flag'} {REPO / 'pyproject.toml'} >/dev/null && ls {mine}")
+    assert other.returncode != 0 and f"cannot access '{mine}': No such file" in other.stderr, (
+        other.stdout,
+        other.stderr,
+    )
+    assert not Path(mine).exists()  # nor this machine's
+    assert on("n1", f"rm {mine}").returncode == 0
 
 
 def test_nodes_reach_each_other_over_tcp(lab: SlurmLab) -> None:

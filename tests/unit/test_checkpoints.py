@@ -17,11 +17,13 @@ class Told:
     def __init__(self, tmp_path: Path, known: str | None = None):
         self.folders: list[tuple[str, str]] = []
         self.first: list[wire.Restored] = []
+        self.said: list[wire.Restored] = []  # as each restore happened
         self.watch = checkpoints.Watch(
             lambda p, by: self.folders.append((p, by)),
             self.first.append,
             cwd=str(tmp_path / "job"),
             known=known,
+            on_restore=self.said.append,
         )
 
 
@@ -97,6 +99,29 @@ def test_the_first_step_reports_the_last_restore_before_it_or_nothing(tmp_path: 
         wire.Restored(step=0, fingerprint=digest, source=str(prefix), epoch=1, step_in_epoch=30)
     ]
     assert t.folders == [(str(prefix.parent), "tf.train.Checkpoint")]  # it restores from there: the job's
+
+
+def test_each_restore_is_said_as_it_happens_not_final_and_a_search_that_found_nothing_too(
+    tmp_path: Path,
+) -> None:
+    """Keras's fit runs collectives between BackupAndRestore's restore and the first step (issue
+    40): what each task restored, or that it looked and found nothing, is said before them."""
+    t = Told(tmp_path)
+    t.watch.found_nothing()  # restore_or_initialize in an empty /tmp/backup/chief
+    assert t.said == [wire.Restored(step=0, fingerprint=checkpoints.NOTHING, source=None, final=False)]
+    prefix = tmp_path / "backup" / "chief" / "ckpt-3"
+    prefix.parent.mkdir(parents=True)
+    (prefix.parent / "ckpt-3.index").write_bytes(b"index bytes")
+    t.watch.restored(
+        str(prefix), Checkpoint(ckpt_saved_epoch=Variable(0), ckpt_saved_batch=Variable(30)), "k"
+    )
+    t.watch.found_nothing()  # a later empty search does not undo a restore
+    assert len(t.said) == 2 and t.said[1].source == str(prefix) and not t.said[1].final
+    assert t.said[1].step_in_epoch == 30
+    t.watch.first_step()
+    assert t.first[0].final and t.first[0].source == str(prefix)  # the final one, at the first step
+    t.watch.found_nothing()
+    assert len(t.said) == 2  # nothing said after the first step
 
 
 def test_a_restores_position_by_the_custom_loop_tutorials_names(tmp_path: Path) -> None:

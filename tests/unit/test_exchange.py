@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.exchange import Folders, StateExchange, same_place
+from orchestrator.launch.exchange import StateExchange, same_place
 from orchestrator.launch.local.placement import local_placements
-from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, commit_here, differing, local_tree
+from orchestrator.launch.transfer import STAGING_PREFIX, Folders, Transfer, commit_here, differing, local_tree
 from orchestrator.plan import LaunchPlan, make_plan
 from orchestrator.spec.load import parse_spec
 from tests.conftest import wait_until
@@ -295,6 +295,33 @@ def test_a_jobs_folder_every_host_shares_is_left_as_it_is(tmp_path: Path) -> Non
     asked = sum(1 for c in disks.calls if c[0] == "shared")
     exchange.before_attempt(plan, 2)
     assert sum(1 for c in disks.calls if c[0] == "shared") == asked
+
+
+def test_beside_a_run_directory_every_host_sees_only_the_jobs_own_folder_moves(tmp_path: Path) -> None:
+    """Issue 40: Slurm nodes on a shared file system (the run directory, proven by the backend)
+    with a /tmp each of their own: the checkpoints and results under the run directory are left as
+    they are; the tutorial's /tmp/backup is each node's own, and the owner's is copied."""
+    plan = with_job_folders(plan_of(tmp_path, TWO_HOSTS), "/tmp/backup", "/runs/r1/mine")
+    disks, home = Disks(tmp_path / "disks"), tmp_path / "home"
+    disks.common.add("/runs/r1")
+    checkpoint(disks, 0, 20)
+    for folder in ("/tmp/backup/chief", "/runs/r1/mine", "/runs/r1/model"):
+        disks.at(0, folder).mkdir(parents=True)
+        (disks.at(0, folder) / "ckpt-1.index").write_text("index 1")
+    exchange = StateExchange(disks, home, every_s=60)
+    exchange.seen_everywhere("/runs/r1/")
+    assert exchange.before_attempt(plan, 0) == []
+    notes = exchange.before_attempt(plan, 1)
+    assert notes[0] == "/runs/r1/mine is on a disk every host of the job shares: left as it is", notes
+    assert notes[1].startswith("/tmp/backup of worker-0 → h1 /tmp/backup: 1 file(s)") and len(notes) == 2
+    assert files(disks.at(1, "/tmp/backup")) == files(disks.at(0, "/tmp/backup"))
+    moved = {c[2] for c in disks.calls if c[0] in ("pull", "push", "stamp")}
+    assert moved == {"/tmp/backup"}, moved  # nothing under the run directory read or written
+    assert not any(c[0] == "shared" and c[2].startswith("/runs/") for c in disks.calls)
+    assert exchange.bring_home(plan) == []  # the results are in the run directory already
+    # without the backend's word, the run directory's checkpoints are copied as before
+    plain = StateExchange(disks, tmp_path / "home2", every_s=60)
+    assert any(n.startswith("checkpoints of worker-0 copied") for n in plain.before_attempt(plan, 1))
 
 
 def test_a_folder_under_the_owners_working_folder_goes_under_each_readers() -> None:

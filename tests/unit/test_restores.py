@@ -82,6 +82,38 @@ def test_reports_are_compared_over_the_training_tasks_only() -> None:
     assert restores.check_start(_plan(), alone, 1) == (True, None)
 
 
+def test_restores_said_before_the_first_step_are_compared_only_to_explain_tensorflows_mismatch() -> None:
+    """Issue 40: Keras's fit failed on a collective mismatch before its first step, where the final
+    reports are made: the restores said as they happened name what differs, the coordinator's
+    words first; without a mismatch they are not compared (a job may restore twice)."""
+    chief = Restored(
+        step=0, fingerprint="0f3c", source="/tmp/backup/chief/ckpt-1", step_in_epoch=30, final=False
+    )
+    nothing = Restored(step=0, fingerprint=restores.NOTHING, source=None, final=False)
+    tasks = {
+        "worker-0": (True, TaskHealth("worker-0", 1, restored=chief)),
+        "worker-1": (True, TaskHealth("worker-1", 1, restored=nothing)),
+    }
+    assert restores.check_start(_plan(), tasks, 1) == (False, None)  # not final: not compared
+    (verdict,) = detect.check_task(_raised(MISMATCH), 1.0, CONFIG, 1)
+    assert verdict.failure is not None
+    settled, failure = restores.check_start(_plan(), tasks, 1, [verdict.failure])
+    assert not settled and failure is not None and failure.kind is FailureKind.DIVERGED
+    assert failure.tasks == ("worker-1",)
+    assert failure.detail.startswith(
+        "started from different states: worker-0 restored /tmp/backup/chief/ckpt-1 at epoch 0 batch 30; "
+        "worker-1 restored nothing — /tmp/backup/chief differs between the hosts"
+    ), failure.detail
+    assert "models (then worker-1 raised " in failure.detail, failure.detail
+    assert failure.detail.endswith(f"InternalError: {MISMATCH})"), failure.detail
+    # a task that said nothing before the mismatch counts as having restored nothing
+    quiet = {**tasks, "worker-1": (True, TaskHealth("worker-1", 1))}
+    assert restores.check_start(_plan(), quiet, 1, [verdict.failure])[1] is not None
+    # the same restore said by both: TensorFlow's words stand (a mismatch of another cause)
+    same = {n: (True, TaskHealth(n, 1, restored=chief)) for n in tasks}
+    assert restores.check_start(_plan(), same, 1, [verdict.failure]) == (False, None)
+
+
 def test_the_owners_folders_are_learned_once_each_the_outermost_kept_and_bounded() -> None:
     folders = restores.JobFolders()
     told = {

@@ -107,3 +107,16 @@ def test_what_a_task_is_busy_with_and_since_when(store) -> None:
     clock.now += 3
     s.ingest(beat(4, step=5))
     assert (s.snapshot()["worker-0"].busy, s.snapshot()["worker-0"].busy_changed_at) == (None, 109.0)
+
+
+def test_a_final_restore_report_stands_and_one_said_before_it_only_until_then(store) -> None:
+    s, clock, _ = store
+    early = wire.Restored(step=0, fingerprint="aa", source="/tmp/b/ckpt-1", final=False)
+    s.ingest(beat(1, restored=early))
+    assert s.snapshot()["worker-0"].restored == early and s.snapshot()["worker-0"].restored_at is None
+    clock.now += 1
+    final = wire.Restored(step=0, fingerprint="bb", source="/tmp/b/ckpt-2")
+    s.ingest(beat(2, restored=final))
+    s.ingest(beat(3, restored=early))  # a late one not final changes nothing
+    h = s.snapshot()["worker-0"]
+    assert h.restored == final and h.restored_at == 101.0  # the restore phase ends at the final one

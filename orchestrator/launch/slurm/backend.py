@@ -174,6 +174,8 @@ class SlurmBackend(SlurmTasks, Backend):
         if self._shipping:
             log.info("the nodes do not see %s: the job's files are copied to them", self._run_dir)
             self._files.ship_code(alloc.job_id, list(answers))
+        else:  # its checkpoints are not copied; a job's own folder elsewhere (its /tmp/backup) may be
+            self._exchange.seen_everywhere(str(self._run_dir))
         self._make_environments(list(answers))
         self._place(answers)
         return dict(self._placements)
@@ -284,7 +286,7 @@ class SlurmBackend(SlurmTasks, Backend):
     # --- per attempt ---
 
     def state_known(self, plan: LaunchPlan) -> None:
-        if self._shipping and self._alloc is not None:
+        if self._alloc is not None:
             self._exchange.bring_early(plan)
 
     def machines(self, plan: LaunchPlan, suspects: Mapping[str, tuple[str, str | None]]) -> list[Machine]:
@@ -321,11 +323,10 @@ class SlurmBackend(SlurmTasks, Backend):
         limit) or is about to; the tasks' ports checked again; the checkpoint to every reader."""
         self._exchange.stop_following(lost=self._lost_positions)
         if attempt == 0 or self._alloc is None:
-            if self._shipping:
-                self._exchange.follow(plan)  # the owner's checkpoints home while it trains
+            self._exchange.follow(plan)  # the owner's checkpoints home while it trains (not shared)
             return Prepared()
         notes: list[str] = []
-        if self._shipping and plan.state is not None:  # while the owner's node is still ours
+        if plan.state is not None:  # while the owner's node is still ours
             try:
                 notes += self._exchange.fetch_ran(plan, lost=self._lost_positions)
             except LaunchError as exc:
@@ -348,9 +349,8 @@ class SlurmBackend(SlurmTasks, Backend):
             )
         moved = self._place(self._answers)
         self._answers = {}
-        if self._shipping:
-            notes += self._exchange.hand_out_all(plan)
-            self._exchange.follow(plan)
+        notes += self._exchange.hand_out_all(plan)  # each folder not every node sees (exchange.py)
+        self._exchange.follow(plan)
         return Prepared(notes=notes, moved=moved, record_changed=renewed)
 
     def _renew_allocation(self, notes: list[str]) -> bool:
@@ -362,9 +362,9 @@ class SlurmBackend(SlurmTasks, Backend):
         return new is not None
 
     def bring_home(self, plan: LaunchPlan) -> list[str]:
-        """Nodes that share no disk with this machine: the model, TensorBoard's files and the latest
-        checkpoints into the run directory (launch/exchange.py). Never raises."""
-        if not self._shipping or plan.state is None or self._alloc is None:
+        """What of the model, TensorBoard's files and the latest checkpoints is not in the run
+        directory already comes into it (launch/exchange.py). Never raises."""
+        if plan.state is None or self._alloc is None:
             return []
         try:
             return self._exchange.bring_home(plan)

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.exchange import Folders
 from orchestrator.launch.placement import job_files_root
 from orchestrator.launch.runtime import FOLDERS_SOURCE, RUNTIME_ROOT
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.spec import section
-from orchestrator.launch.transfer import STAGING_PREFIX, Transfer, pull_into, to_push
+from orchestrator.launch.transfer import STAGING_PREFIX, Folders, Transfer, pull_into, to_push
 from orchestrator.record import private_open
 from orchestrator.spec.model import ClusterSpec
 

@@ -11,10 +11,9 @@ from typing import Any
 import fabric
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.exchange import Folders
 from orchestrator.launch.ssh import ship
 from orchestrator.launch.ssh.hosts import Host, probe
-from orchestrator.launch.transfer import Transfer
+from orchestrator.launch.transfer import Folders, Transfer
 
 
 class SshFolders(Folders):
