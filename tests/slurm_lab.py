@@ -402,6 +402,10 @@ class SlurmLab:
     def node(self, name: str) -> SlurmNode:
         return next(n for n in self.nodes if n.name == name)
 
+    def on_node(self, name: str, path: str) -> str:
+        """`path` as the node sees it (its own /tmp), from this machine: through its slurmd's root."""
+        return f"/proc/{self.node(name).pid}/root{path}"
+
     def node_pids(self, name: str) -> list[int]:
         """Every process in one of the node's namespaces (its slurmd included)."""
         mine = self.node(name).namespaces

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import posixpath
 import secrets
+import shutil
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import on_all
-from orchestrator.launch.transfer import Folders, Transfer, folder_slug, local_tree
+from orchestrator.launch.transfer import Folders, Transfer, folder_slug, local_tree, pull_results
 from orchestrator.plan import LaunchPlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
@@ -54,6 +55,7 @@ class StateExchange:
         self._ran: LaunchPlan | None = None  # the plan of the attempt that ran last (its owner wrote)
         self._source: tuple[int, str] | None = None  # where home's copy came from this time
         self._everywhere: set[str] = set()  # folders every host is proven to see (`seen_everywhere`)
+        self._handed: set[str] = set()  # the job's folders copied to other hosts this run
 
     def seen_everywhere(self, folder: str) -> None:
         """The backend proved that every host sees `folder` (and what is under it) at this path,
@@ -165,6 +167,7 @@ class StateExchange:
         notes = []
         for folder, home in self._job_home.items():
             targets = self._job_targets(plan, folder)
+            self._handed.add(folder)
             sent = self._send(home, targets, f"copying {folder} of {owner.name} to the hosts")
             notes += [
                 f"{folder} of {owner.name} → {self._folders.label(i)} {f}: {s.describe()}"
@@ -335,30 +338,29 @@ class StateExchange:
         self.stop_following()
         if plan.state is None:
             return []
-        wanted = self._results(plan)
+        return [*pull_results(self._folders, self._results(plan)), *self._settle_job(plan)]
 
-        def host_pulls(index: int) -> list[str]:
-            # one host's pulls one after another (they share its connection); hosts in parallel
-            lines = []
-            for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
-                try:
-                    got = self._folders.pull(index, remote, local, mirror=mirror)
-                except LaunchError as exc:
-                    lines.append(f"could not bring {remote} home from {task.name}: {exc}")
-                    continue
-                if got.files or (mirror and got.exists):  # the checkpoint: said though it came already
-                    label = self._folders.label(index)
-                    said = (
-                        got.describe()
-                        if got.files or got.removed
-                        else "already here (copied as it was saved)"
-                    )
-                    lines.append(f"{local.name}/ from {task.name} ({label}): {said}")
-            return lines
-
-        out: list[str] = []
-        for index, result in on_all(sorted({w[0].host_index for w in wanted}), host_pulls):
-            out += [f"{self._folders.label(index)}: {result}"] if isinstance(result, Exception) else result
+    def _settle_job(self, plan: LaunchPlan) -> list[str]:
+        """At the end, each of the job's own folders handed out this run is made the owner's
+        again on the other hosts (only what differs): Keras deletes its backup once `fit` is done,
+        so the copies go too, and the next run on these hosts starts as it would on one."""
+        assert plan.state is not None
+        owner, out = plan.task(plan.state.owner), []
+        for folder in (f for f in plan.state.job_folders if f in self._handed):
+            home = self._home / "job-checkpoints" / folder_slug(folder)
+            try:
+                if not self._pull(owner.host_index, folder, home).exists:
+                    shutil.rmtree(home, ignore_errors=True)
+                    home.mkdir(parents=True)  # none there: none anywhere
+                targets = self._job_targets(plan, folder)
+                sent = self._send(home, targets, f"making {folder} the same on the hosts")
+            except LaunchError as exc:
+                out.append(f"{folder} could not be made the same on every host at the end: {exc}")
+                continue
+            out += [
+                f"{folder} of {owner.name} → {self._folders.label(i)} {f} at the end: {s.describe()}"
+                for (i, f), s in zip(targets, sent, strict=True)
+            ]
         return out
 
     def _results(self, plan: LaunchPlan) -> list[tuple[TaskPlan, str, Path, bool]]:

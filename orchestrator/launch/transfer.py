@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
+from orchestrator.launch.api import on_all
 
 #: A folder's name for files received before they are committed (`tree` removes a leftover one).
 STAGING_PREFIX = ".incoming-"
@@ -185,3 +186,27 @@ class Folders(abc.ABC):
         """worker/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
         there: True if written), `read` (True if seen), `remove`. Without it: nothing is shared."""
         return False
+
+
+def pull_results(folders: Folders, wanted: list[tuple[Any, str, Path, bool]]) -> list[str]:
+    """Each (task, its folder, where it comes here, mirrored) pulled: one host's pulls one after
+    another (they share its connection), hosts in parallel. A host that cannot be reached is
+    said, not raised."""
+
+    def host_pulls(index: int) -> list[str]:
+        lines = []
+        for task, remote, local, mirror in (w for w in wanted if w[0].host_index == index):
+            try:
+                got = folders.pull(index, remote, local, mirror=mirror)
+            except LaunchError as exc:
+                lines.append(f"could not bring {remote} home from {task.name}: {exc}")
+                continue
+            if got.files or (mirror and got.exists):  # the checkpoint: said though it came already
+                said = got.describe() if got.files or got.removed else "already here (copied as it was saved)"
+                lines.append(f"{local.name}/ from {task.name} ({folders.label(index)}): {said}")
+        return lines
+
+    out: list[str] = []
+    for index, result in on_all(sorted({w[0].host_index for w in wanted}), host_pulls):
+        out += [f"{folders.label(index)}: {result}"] if isinstance(result, Exception) else result
+    return out

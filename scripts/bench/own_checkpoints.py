@@ -28,6 +28,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,8 @@ def tutorial(lab: SlurmLab, root: Path) -> dict[str, Any]:
     finally:
         proc.kill()
     out = said.read_text(errors="replace")
+    if os.environ.get("BENCH_KEEP"):  # the run's record, to read after
+        shutil.copytree(root, Path(os.environ["BENCH_KEEP"]) / root.name, dirs_exist_ok=True)
     last = status(run)
     first = [e for e in events(run) if e.get("new") == "RUNNING" and (e.get("attempt") or 0) >= 1]
     lines = [ln for ln in out.splitlines() if re.search(r"SUCCEEDED|FAILED", ln)]

@@ -5,6 +5,7 @@ After every case: nothing of ours queued (`squeue`) and no process of the run on
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -162,7 +164,8 @@ def runs(lab: SlurmLab, tmp_path: Path) -> Iterator[list[SlurmRun]]:
     wait_until(lambda: all(not j.endswith(" COMPLETING") for j in queued()), 20, interval_s=0.2)
     ours = queued()
     for proc in left:
-        proc.kill()
+        with contextlib.suppress(psutil.Error, ProcessLookupError):  # it ended meanwhile
+            proc.kill()
     for job in ours:
         lab.run(["scancel", job.split()[0]])
     assert not left and not ours, (left, ours)
@@ -332,7 +335,8 @@ def test_a_stop_leaves_nothing_on_any_node_and_nothing_queued(
         assert len(run_processes(run.run_id)) >= 2
         plan = json.loads((run.run_dir / "plan.json").read_text())
         port = int(plan["cluster"]["worker"][1].split(":")[1])
-        assert port_locked(port_lock("n2", "{port}"), port)  # another run on n2 will not choose it
+        # another run on n2 will not choose it (the lock is in n2's own /tmp)
+        assert port_locked(lab.on_node("n2", port_lock("n2", "{port}")), port)
         started = time.monotonic()
         if how == "ctrl-c":
             proc.send_signal(signal.SIGINT)
@@ -762,6 +766,10 @@ def test_the_keras_tutorials_own_tmp_backup_resumes_on_every_node_after_a_kill(
     reasons = [e.get("reason", "") for e in run.events() if e.get("kind") == "state"]
     assert any(r.startswith("/tmp/backup of worker-0 → n2 /tmp/backup: 3 file(s)") for r in reasons), reasons
     assert not any("checkpoints of" in r for r in reasons), reasons  # the run directory is shared
+    # fit deleted the chief's backup at its end: the copy on n2 goes too (a next run starts fresh)
+    ends = [e["reason"] for e in run.events() if e.get("kind") == "results"]
+    assert any(r.startswith("/tmp/backup of worker-0 → n2 /tmp/backup at the end: ") for r in ends), ends
+    assert any("removed" in r for r in ends), ends
     weights = [
         re.findall(r"WEIGHTS (\w+)", run.log(t).split("attempt 1 started")[1])
         for t in ("worker-0", "worker-1")

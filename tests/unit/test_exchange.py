@@ -318,7 +318,13 @@ def test_beside_a_run_directory_every_host_sees_only_the_jobs_own_folder_moves(t
     moved = {c[2] for c in disks.calls if c[0] in ("pull", "push", "stamp")}
     assert moved == {"/tmp/backup"}, moved  # nothing under the run directory read or written
     assert not any(c[0] == "shared" and c[2].startswith("/runs/") for c in disks.calls)
-    assert exchange.bring_home(plan) == []  # the results are in the run directory already
+    # at the end: the results are in the run directory already; the owner's backup, deleted as
+    # Keras does once fit is done, is deleted on the other host too (a next run there starts fresh)
+    shutil.rmtree(disks.at(0, "/tmp/backup/chief"))
+    assert exchange.bring_home(plan) == [
+        "/tmp/backup of worker-0 → h1 /tmp/backup at the end: 0 file(s), 0 B, 1 removed in 0.0 s"
+    ]
+    assert files(disks.at(1, "/tmp/backup")) == {}
     # without the backend's word, the run directory's checkpoints are copied as before
     plain = StateExchange(disks, tmp_path / "home2", every_s=60)
     assert any(n.startswith("checkpoints of worker-0 copied") for n in plain.before_attempt(plan, 1))
