@@ -22,6 +22,10 @@ Standard library only; each mode prints one JSON object on stdout (pack: a tar).
 - pack FOLDER SUB…        a tar of FOLDER/SUB… on stdout (the files `tree` lists: no hidden ones, no
                           scratch folders, no symlinks); a SUB may be a folder or one file, one
                           that does not exist is left out. A snapshot's FOLDER is removed after.
+- copy SOURCE TARGET      the files named on stdin (JSON, as `tree` listed them) from SOURCE into
+                          TARGET, a staging folder: where this host and the coordinator share the
+                          file system one of them is on (Slurm nodes that see the run directory),
+                          in place of a tar through the connection. No symlink is followed.
 - unpack FOLDER [replace] the tar on stdin into FOLDER, received beside it first; with `replace`,
                           each top folder of the tar is left holding exactly what the tar holds
                           (data first, index files last, as `commit`). Members that are not plain
@@ -40,7 +44,7 @@ import tarfile
 import time
 from typing import Any
 
-MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
+MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack", "copy")
 
 
 STAGING_PREFIX = ".incoming-"
@@ -184,6 +188,24 @@ def _pack(folder: str, *subs: str) -> None:
                 tar.add(top, arcname=sub, recursive=False)
 
 
+def copy(source: str, target: str) -> dict[str, Any]:
+    names, done = json.loads(sys.stdin.read() or "[]"), 0
+    try:
+        for rel in names:
+            if rel.startswith("/") or ".." in rel.split("/"):
+                raise ValueError(f"refused {rel!r}")
+            dest = os.path.join(target, rel)
+            _makedirs_private(os.path.dirname(dest))
+            fd = os.open(os.path.join(source, rel), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+                done += out.tell()
+    finally:
+        if os.path.basename(source.rstrip("/")).startswith(SNAPSHOT_PREFIX):  # used once: gone
+            shutil.rmtree(source, ignore_errors=True)
+    return {"copied": len(names), "bytes": done}
+
+
 def _makedirs_private(folder: str) -> None:
     """Every folder it creates on the way is the user's alone (0700): a node's copy of a run holds
     the job's code, and /tmp/orchestrate-<uid> holds the shim's port locks, which must be private."""
@@ -272,6 +294,7 @@ def main(argv: list[str]) -> int:
         "commit": commit,
         "shared": shared,
         "unpack": unpack,
+        "copy": copy,
     }
     print(json.dumps(handlers[mode](*args)), flush=True)
     return 0

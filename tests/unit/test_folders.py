@@ -212,3 +212,33 @@ def test_a_snapshot_keeps_what_it_listed_whole_while_the_task_saves_and_removes(
     with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
         assert sorted(tar.getnames()) == sorted(out["files"])
     assert not snap.exists()  # used once: gone
+
+
+def test_copy_carries_the_listed_files_through_a_shared_file_system_and_follows_no_symlink(
+    tmp_path: Path,
+) -> None:
+    """Slurm nodes that see the run directory (issue 40): a node copies a folder's files into it,
+    or from it, in place of a tar through srun's pipes."""
+    source, staging = tmp_path / "ckpt", tmp_path / "run" / ".incoming-x"
+    (source / "sub").mkdir(parents=True)
+    (source / "ckpt-1.index").write_bytes(b"i" * 10)
+    (source / "sub" / "data").write_bytes(b"d" * 3000)
+    (tmp_path / "secret").write_text("not yours")
+    (source / "link").symlink_to(tmp_path / "secret")
+    said = probe("copy", str(source), str(staging), stdin=json.dumps(["ckpt-1.index", "sub/data"]))
+    assert said == {"copied": 2, "bytes": 3010}
+    assert (staging / "sub" / "data").read_bytes() == b"d" * 3000
+    for bad in (["link"], ["../secret"]):
+        res = subprocess.run(
+            [sys.executable, "-c", FOLDERS, "copy", str(source), str(staging)],
+            input=json.dumps(bad),
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode != 0 and not (staging / "link").exists(), res.stderr
+    # a snapshot (tree's hard links, taken while a task saves) is used once: gone after
+    snap = source / ".orchestrate-snapshot-1"
+    snap.mkdir()
+    (snap / "ckpt-1.index").write_bytes(b"i")
+    probe("copy", str(snap), str(tmp_path / "again"), stdin=json.dumps(["ckpt-1.index"]))
+    assert not snap.exists() and (tmp_path / "again" / "ckpt-1.index").exists()

@@ -122,6 +122,7 @@ class SlurmBackend(SlurmTasks, Backend):
             self._conf.connect_timeout_s + 60,
             lambda index: self._assign.get(index),  # the node running hosts[index]'s tasks now
             lambda: self._alloc.job_id if self._alloc is not None else None,
+            lambda: not self._shipping,  # known from `open`, before anything is copied
         )
         every_s, copy_s = max(2.0, spec.health.heartbeat_interval_s), self._conf.connect_timeout_s + 60
         self._exchange = StateExchange(folders, self._run_dir, every_s=every_s, stop_wait_s=copy_s)

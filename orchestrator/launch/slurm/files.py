@@ -131,9 +131,11 @@ class NodeFolders(Folders):
         timeout_s: float,
         node: Callable[[int], str | None],
         job_id: Callable[[], str | None],
+        home_seen: Callable[[], bool] = lambda: False,
     ):
         self._slurm, self._run_id, self._python, self._timeout_s = slurm, run_id, python, timeout_s
         self._node, self._job_id = node, job_id
+        self._home_seen = home_seen  # the nodes see the run directory: files go through it
 
     def label(self, host: int) -> str:
         return self._node(host) or f"<node {host + 1}>"
@@ -149,6 +151,9 @@ class NodeFolders(Folders):
         )
 
         def fetch(files: list[str], staging: Path) -> None:
+            if self._home_seen():  # the node writes them into the run directory itself
+                self._step(node, "copy", source, str(staging), stdin=json.dumps(files))
+                return
             data = self._bytes(node, b"", "pack", source, *files)
             _extract(data, staging, set(files), f"{node}: {remote}")
 
@@ -163,7 +168,10 @@ class NodeFolders(Folders):
             return Transfer(0, 0, 0, time.monotonic() - started)
         todo, need = plan
         staging = posixpath.join(theirs["folder"], f"{STAGING_PREFIX}{secrets.token_hex(4)}")
-        self._bytes(node, pack_files(local, todo), "unpack", staging)
+        if self._home_seen():  # the node reads them from the run directory itself
+            self._step(node, "copy", str(local), staging, stdin=json.dumps(todo))
+        else:
+            self._bytes(node, pack_files(local, todo), "unpack", staging)
         done = self._step(node, "commit", theirs["folder"], staging, stdin=json.dumps(sorted(ours["files"])))
         return Transfer(len(todo), need, int(done["removed"]), time.monotonic() - started)
 
