@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import posixpath
 import secrets
-import shutil
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future
@@ -350,8 +349,7 @@ class StateExchange:
             home = self._home / "job-checkpoints" / folder_slug(folder)
             try:
                 if not self._pull(owner.host_index, folder, home).exists:
-                    shutil.rmtree(home, ignore_errors=True)
-                    home.mkdir(parents=True)  # none there: none anywhere
+                    continue  # its host cleaned (a reboot?): home's copy is the last state there is
                 targets = self._job_targets(plan, folder)
                 sent = self._send(home, targets, f"making {folder} the same on the hosts")
             except LaunchError as exc:

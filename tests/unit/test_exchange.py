@@ -325,6 +325,12 @@ def test_beside_a_run_directory_every_host_sees_only_the_jobs_own_folder_moves(t
         "/tmp/backup of worker-0 → h1 /tmp/backup at the end: 0 file(s), 0 B, 1 removed in 0.0 s"
     ]
     assert files(disks.at(1, "/tmp/backup")) == {}
+    # an owner whose folder is gone altogether (its host cleaned): home's copy and the others stay
+    (disks.at(1, "/tmp/backup") / "ckpt-2.index").write_text("index 2")
+    (home / "job-checkpoints").mkdir(exist_ok=True)
+    shutil.rmtree(disks.at(0, "/tmp/backup"))
+    assert exchange.bring_home(plan) == []
+    assert files(disks.at(1, "/tmp/backup")) == {"ckpt-2.index": b"index 2"}
     # without the backend's word, the run directory's checkpoints are copied as before
     plain = StateExchange(disks, tmp_path / "home2", every_s=60)
     assert any(n.startswith("checkpoints of worker-0 copied") for n in plain.before_attempt(plan, 1))
