@@ -156,8 +156,8 @@ def main() -> int:
         return 0
     base = Path(tempfile.mkdtemp(prefix="bench-slurm-"))  # the runs' folders: the nodes' shared file system
     tempfile.tempdir = str(base)
-    with SlurmLab(nodes=3, shared=[base]) as lab:
-        try:
+    try:
+        with SlurmLab(nodes=3, shared=[base]) as lab:  # its own folder in `base` too
             lab.wait_ready()
             floor(lab), orchestrate(lab)  # warm: the page cache, Slurm's first job
             bare, ours = [], []
@@ -165,8 +165,8 @@ def main() -> int:
                 bare.append(floor(lab))
                 ours.append(orchestrate(lab))
             lost_s, slurm_s = detection(lab)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     result = {
         "floor_first_step_s": statistics.median(bare),
         "orchestrate_first_step_s": statistics.median(ours),
