@@ -232,8 +232,8 @@ def main() -> None:
                 sys.exit(f"--backend slurm: {why_no_slurm()}")
             base = tmpdir()  # every run's folder in it: on the nodes' shared file system
             labs.callback(shutil.rmtree, base, ignore_errors=True)
+            cluster = labs.enter_context(SlurmLab(nodes=2, shared=[base]))  # its folder not in base (0700)
             tempfile.tempdir = str(base)
-            cluster = labs.enter_context(SlurmLab(nodes=2, shared=[base]))
             cluster.wait_ready(timeout_s=30)
             where = slurm_lab(cluster)
         if ns.jobs:

@@ -155,9 +155,9 @@ def main() -> int:
         print(json.dumps({"metric": "P8 Slurm launch", "skipped": why}))
         return 0
     base = Path(tempfile.mkdtemp(prefix="bench-slurm-"))  # the runs' folders: the nodes' shared file system
-    tempfile.tempdir = str(base)
     try:
-        with SlurmLab(nodes=3, shared=[base]) as lab:  # its own folder in `base` too
+        with SlurmLab(nodes=3, shared=[base]) as lab:  # its own folder beside (munged cannot pass a 0700 one)
+            tempfile.tempdir = str(base)
             lab.wait_ready()
             floor(lab), orchestrate(lab)  # warm: the page cache, Slurm's first job
             bare, ours = [], []
