@@ -150,7 +150,7 @@ class StateExchange:
             if self._is_shared(owner, folder, targets):
                 notes.append(f"{folder} is on a disk every host of the job shares: left as it is")
                 continue
-            home = self._home / "job-checkpoints" / folder_slug(folder)
+            home = self._job_copy(folder)
             if self._pull(owner.host_index, folder, home).exists:
                 self._job_home[folder] = home
             else:
@@ -161,18 +161,25 @@ class StateExchange:
         """Each folder brought home to every reader's host at the same place (under its working
         folder, where the owner's is under the owner's). Only what differs moves: a folder every
         host shares is left as it is (nothing in it differs)."""
-        assert plan.state is not None
-        owner = plan.task(plan.state.owner)
         notes = []
         for folder, home in self._job_home.items():
-            targets = self._job_targets(plan, folder)
             self._handed.add(folder)
-            sent = self._send(home, targets, f"copying {folder} of {owner.name} to the hosts")
-            notes += [
-                f"{folder} of {owner.name} → {self._folders.label(i)} {f}: {s.describe()}"
-                for (i, f), s in zip(targets, sent, strict=True)
-            ]
+            notes += self._send_job(plan, folder, home, "copying {} of {} to the hosts", "")
         return notes
+
+    def _job_copy(self, folder: str) -> Path:
+        """Home's copy of one of the job's own folders."""
+        return self._home / "job-checkpoints" / folder_slug(folder)
+
+    def _send_job(self, plan: LaunchPlan, folder: str, home: Path, what: str, when: str) -> list[str]:
+        """Home's copy of `folder` to every reader's host (only what differs): a line each."""
+        assert plan.state is not None
+        owner, targets = plan.task(plan.state.owner), self._job_targets(plan, folder)
+        sent = self._send(home, targets, what.format(folder, owner.name))
+        return [
+            f"{folder} of {owner.name} → {self._folders.label(i)} {f}{when}: {s.describe()}"
+            for (i, f), s in zip(targets, sent, strict=True)
+        ]
 
     def _pull(self, host: int, remote: str, home: Path) -> Transfer:
         """`remote` on the host mirrored into `home` (only what differs); the host said lost if not."""
@@ -346,19 +353,13 @@ class StateExchange:
         assert plan.state is not None
         owner, out = plan.task(plan.state.owner), []
         for folder in (f for f in plan.state.job_folders if f in self._handed):
-            home = self._home / "job-checkpoints" / folder_slug(folder)
+            home = self._job_copy(folder)
             try:
                 if not self._pull(owner.host_index, folder, home).exists:
                     continue  # its host cleaned (a reboot?): home's copy is the last state there is
-                targets = self._job_targets(plan, folder)
-                sent = self._send(home, targets, f"making {folder} the same on the hosts")
+                out += self._send_job(plan, folder, home, "making {} the same on the hosts", " at the end")
             except LaunchError as exc:
                 out.append(f"{folder} could not be made the same on every host at the end: {exc}")
-                continue
-            out += [
-                f"{folder} of {owner.name} → {self._folders.label(i)} {f} at the end: {s.describe()}"
-                for (i, f), s in zip(targets, sent, strict=True)
-            ]
         return out
 
     def _results(self, plan: LaunchPlan) -> list[tuple[TaskPlan, str, Path, bool]]:
