@@ -14,6 +14,9 @@ from typing import Any
 from worker import stacks
 
 _registered: dict[str, Any] = {}
+#: Who reads this task's stacks where its parent does not: a task forked by a keeper (worker/keeper.py)
+#: is read by its keeper's parent.
+READER: int | None = None
 
 
 def register(target: str) -> bool:
@@ -45,16 +48,18 @@ def register(target: str) -> bool:
 
 def _let_parent_read() -> None:
     """Under Yama's ptrace_scope 1 only a process's ancestors may read it, and py-spy is started by
-    the task's parent (the coordinator, or its shim) beside it: the parent, and what it starts, is
-    declared this task's reader (PR_SET_PTRACER). Elsewhere nothing is needed, or nothing helps;
-    an orphan (its parent gone: init or a subreaper adopted it) declares no one."""
+    the task's parent (the coordinator, or its shim; a keeper's parent, READER) beside it: the
+    parent, and what it starts, is declared this task's reader (PR_SET_PTRACER). Elsewhere nothing
+    is needed, or nothing helps; an orphan (its parent gone: init or a subreaper adopted it)
+    declares no one."""
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            if f.read().strip() != "1" or os.getppid() == 1:
+            reader = READER or os.getppid()
+            if f.read().strip() != "1" or reader == 1:
                 return
         import ctypes
 
-        ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0)  # PR_SET_PTRACER
+        ctypes.CDLL(None).prctl(0x59616D61, reader, 0, 0, 0)  # PR_SET_PTRACER
     except (OSError, AttributeError, ValueError):
         return
 

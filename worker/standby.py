@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from worker import wire
+from worker import keeper, wire
 
 #: A line the standby writes once TensorFlow is imported (followed by the seconds it took).
 READY = "orchestrate-standby: ready"
@@ -70,16 +71,23 @@ class _Import(threading.Thread):
         print(f"{READY} {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
 
 
-def main(run: Callable[[list[str]], int]) -> int:
-    """Be a standby; once handed over, `run(ARGV)` (the worker's entry point) as the task."""
+def main(run: Callable[[list[str]], int], keep: bool = False) -> int:
+    """Be a standby; once handed over, `run(ARGV)` (the worker's entry point) as the task. With
+    `keep`, a keeper (worker/keeper.py): each handover forks a task, and it stays."""
     import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
 
+    events = keeper.events_descriptor() if keep else -1
     loading = _Import()
     loading.start()
-    line = sys.stdin.buffer.readline()
+    lines = keeper.Lines(0)
+    while (line := lines.next()) is None:
+        select.select([0], [], [])
     if not line:
         os._exit(0)  # nothing to become: at once, even mid-import
     loading.join()  # a failed import has ended the process
+    if keep:
+        lines.push_back(line)
+        keeper.keep(run, _become, lines, events)
     handover: dict[str, Any] = json.loads(line)
     _become(handover)
     from worker import runtime

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 from orchestrator.launch import standby
@@ -189,6 +190,113 @@ def test_a_standby_still_importing_is_not_waited_for(tmp_path: Path, fake_tf: Pa
     assert standbys.status()[0]["state"] == "importing"
     popen, why = standbys.take(task, {**base, **task.launch_env(attempt=1, token="t")}, tmp_path / "w.log")
     assert popen is None and why.startswith("its standby was still importing TensorFlow")
+    standbys.close()
+
+
+FORKED = """
+import json, os, sys, threading, time
+import numpy, tensorflow
+out = {
+    "pid": os.getpid(),
+    "pgid": os.getpgid(0),
+    "attempt": os.environ.get("ORCHESTRATE_ATTEMPT"),
+    "main_policy": os.sched_getscheduler(threading.get_native_id()),
+    "import_policy": tensorflow.IMPORTED_BY[1],
+    "random": numpy.random.random(),
+}
+print("RESULT " + json.dumps(out), flush=True)
+if os.environ["ORCHESTRATE_ATTEMPT"] == "3":
+    time.sleep(60)
+sys.exit(int(os.environ["ORCHESTRATE_ATTEMPT"]))
+"""
+
+
+def psutil_process(pid: int) -> psutil.Process:
+    return psutil.Process(pid)
+
+
+def ready_keeper(tmp_path: Path, fake_tf: Path) -> tuple[LocalStandbys, TaskPlan, dict[str, str]]:
+    base = {**os.environ, "PYTHONPATH": f"{fake_tf}{os.pathsep}{REPO}"}
+    standbys = LocalStandbys(Standby.ON, standby.Verdict(True, ""), tmp_path / "standby")
+    task = task_plan(tmp_path)
+    (tmp_path / "train.py").write_text(FORKED)
+    standbys.prepare([task], base)
+    deadline = time.monotonic() + 20
+    while standbys.status()[0]["state"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert standbys.status()[0]["state"] == "ready"
+    return standbys, task, base
+
+
+def exit_of(child: Any, timeout_s: float = 20.0) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    while (code := child.poll()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return code
+
+
+def test_a_keeper_forks_each_attempts_task_and_stays_for_the_next(tmp_path: Path, fake_tf: Path) -> None:
+    """Each restart is warm, a second one soon after the first included: the keeper is not used up."""
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    keeper = standbys.status()[0]["pid"]
+    results = []
+    for attempt in (1, 2):
+        log = tmp_path / f"w{attempt}.log"
+        child, why = standbys.take(task, {**base, **task.launch_env(attempt=attempt, token="t")}, log)
+        assert child is not None and why == ""
+        assert exit_of(child) == attempt  # its own exit code, as its keeper reaped it
+        results.append(json.loads(wait_for_line(log, "RESULT ")[len("RESULT ") :]))
+        assert standbys.status() == [
+            {
+                "task": "worker-0",
+                "host": "",
+                "pid": keeper,
+                "state": "ready",
+                "rss_bytes": standbys.status()[0]["rss_bytes"],
+            }
+        ]
+    first, second = results
+    assert first["pid"] != second["pid"] and keeper not in (first["pid"], second["pid"])
+    assert first["pgid"] == first["pid"] and second["pgid"] == second["pid"]  # a session of its own
+    assert [r["attempt"] for r in results] == ["1", "2"]
+    assert first["import_policy"] == os.SCHED_IDLE and first["main_policy"] == os.SCHED_OTHER
+    assert first["random"] != second["random"]  # numpy's global state seeded anew, as in a new process
+    standbys.close()
+
+
+def test_a_keepers_task_dies_with_it_and_is_said_killed(tmp_path: Path, fake_tf: Path) -> None:
+    """No task outlives the one process that can say how it ended."""
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    log = tmp_path / "w3.log"
+    child, _ = standbys.take(task, {**base, **task.launch_env(attempt=3, token="t")}, log)
+    assert child is not None
+    wait_for_line(log, "RESULT ")
+    assert child.poll() is None
+    os.killpg(standbys.status()[0]["pid"], 9)  # its own group, which the task is not in
+    assert exit_of(child) == -9
+    with pytest.raises(ProcessLookupError):
+        os.kill(child.pid, 0)
+    standbys.close()
+
+
+def test_a_keeper_whose_coordinator_is_gone_waits_for_its_task_then_exits(
+    tmp_path: Path, fake_tf: Path
+) -> None:
+    """Its task stops itself when its coordinator is gone (and says how); the keeper is not its end."""
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    keeper = psutil_process(standbys.status()[0]["pid"])
+    log = tmp_path / "w3.log"
+    child, _ = standbys.take(task, {**base, **task.launch_env(attempt=3, token="t")}, log)
+    assert child is not None
+    wait_for_line(log, "RESULT ")
+    one = standbys._ready["worker-0"]
+    assert one.popen.stdin is not None
+    one.popen.stdin.close()  # what the coordinator's death does to the pipe
+    time.sleep(0.5)
+    assert keeper.is_running() and child.poll() is None
+    os.kill(child.pid, 9)
+    assert exit_of(child) == -9
+    assert one.popen.wait(timeout=10) == 0
     standbys.close()
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -50,13 +50,19 @@ log = logging.getLogger("orchestrator.launch")
 _SIGNALS = {Sig.TERM: signal.SIGTERM, Sig.KILL: signal.SIGKILL}
 
 
+class Child(Protocol):
+    """A task's process as its starter knows it: a Popen, or a task its keeper forked."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
 class LocalTaskHandle(TaskHandle):
-    def __init__(
-        self, task: TaskPlan, attempt: int, log_path: Path, popen: subprocess.Popen[bytes], warm: bool = False
-    ):
+    def __init__(self, task: TaskPlan, attempt: int, log_path: Path, popen: Child, warm: bool = False):
         super().__init__(task, attempt, log_path)
         self.popen = popen
-        self.warm = warm  # a standby made this task
+        self.warm = warm  # its keeper forked this task
         try:
             created = psutil.Process(popen.pid).create_time()
         except psutil.Error:
@@ -163,7 +169,7 @@ class LocalBackend(Backend):
             out.flush()
             warm, cold_why = self._standbys.take(task, env, log_path)
             if warm is not None:
-                log.debug("%s attempt %d: handed to its standby, pid %d", task.name, attempt, warm.pid)
+                log.debug("%s attempt %d: forked by its keeper, pid %d", task.name, attempt, warm.pid)
                 return LocalTaskHandle(task, attempt, log_path, warm, warm=True)
             if attempt > 0 and cold_why != "no standby":
                 out.write(f"orchestrate: started cold: {cold_why}\n".encode())

@@ -1,16 +1,23 @@
 """Launch layer, local backend: the run's warm standbys on this machine (launch/standby.py says
-what they are). One per task at most, each in a session of its own (its process group is its
-task's once it is handed over), its stdin a pipe from the coordinator: the handover comes on it,
-and its end (the coordinator gone, even by SIGKILL) makes a standby that is still waiting exit.
+what they are), each a keeper (worker/keeper.py) kept for the run: one per task slot, in a session
+of its own, its stdin a pipe from the coordinator. Each attempt's handover comes on it and forks
+that attempt's task (a session of its own too), whose start and exit code come back on its
+stdout; so its import is paid once per run, and every restart after it is warm, a second failure
+soon after a restart included. The pipe's end (the coordinator gone, even by SIGKILL) makes a
+keeper exit once its task has (at once without one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import select
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,9 +34,24 @@ from worker.standby import READY
 log = logging.getLogger("orchestrator.launch")
 
 _TAIL_BYTES = 4096
+#: How long a keeper may take to say it forked the task (it does so at once: a fork, no import).
+_FORK_S = 5.0
+
+
+class Forked:
+    """A task its keeper forked: its pid, and its exit code once the keeper reaped it."""
+
+    def __init__(self, keeper: _One, pid: int):
+        self._keeper = keeper
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return self._keeper.exit_of(self.pid)
 
 
 class _One:
+    """A keeper (worker/keeper.py): the standby of one task slot, kept across attempts."""
+
     def __init__(self, task: str, popen: subprocess.Popen[bytes], env: Mapping[str, str], log_path: Path):
         self.task = task
         self.popen = popen
@@ -38,6 +60,13 @@ class _One:
         self.offset = log_path.stat().st_size if log_path.exists() else 0  # where its own lines begin
         self.ready_s: str | None = None
         self.said = False  # its failure reported
+        self._lock = threading.Lock()  # its events, read by whichever thread polls first
+        self._buffer = b""
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._ended = False  # its events' end: the keeper is gone
+        assert popen.stdout is not None
+        os.set_blocking(popen.stdout.fileno(), False)
 
     def state(self) -> str:
         code = self.popen.poll()
@@ -56,14 +85,75 @@ class _One:
         except OSError:
             return []
 
+    def fork(self, handover: bytes) -> Forked:
+        """Its task forked with this handover (OSError: it did not say so in time)."""
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        self.popen.stdin.write(handover)
+        self.popen.stdin.flush()
+        deadline = time.monotonic() + _FORK_S
+        while True:
+            with self._lock:
+                self._read()
+                if self._started:
+                    return Forked(self, self._started.pop(0))
+                if self._ended:
+                    raise OSError("it exited")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(f"no task forked within {_FORK_S:g} s")
+            select.select([self.popen.stdout], [], [], left)
+
+    def exit_of(self, pid: int) -> int | None:
+        with self._lock:
+            self._read()
+            if pid in self._exits:
+                return self._exits[pid]
+            if self._ended and not _alive(pid):
+                return -signal.SIGKILL  # its keeper gone unreaped: it died with it (PR_SET_PDEATHSIG)
+            return None
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        while not self._ended:
+            try:
+                data = os.read(self.popen.stdout.fileno(), 65536)
+            except BlockingIOError:
+                return
+            self._ended = not data
+            self._buffer += data
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+            if event["event"] == "started":
+                self._started.append(int(event["pid"]))
+            elif event["event"] == "exit":
+                self._exits[int(event["pid"])] = int(event["code"])
+        except (ValueError, KeyError, TypeError):
+            log.debug("keeper of %s: %r is no event", self.task, line[:200])
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5.0)
-        if self.popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.popen.stdin.close()
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class LocalStandbys:
@@ -105,24 +195,24 @@ class LocalStandbys:
             out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
             out.flush()
             net = self._network
+            keeper = [*command, "--keep"]
             popen = subprocess.Popen(
-                net.enter(list(command), task.cwd) if net is not None else list(command),
+                net.enter(keeper, task.cwd) if net is not None else keeper,
                 pass_fds=net.fds if net is not None else (),  # in the tasks' network namespace, if any
                 cwd=task.cwd,
                 env=env,
                 stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own group: stopped as one, its task's once handed over
+                stdout=subprocess.PIPE,  # its events (its own output goes to its log)
+                stderr=out,
+                start_new_session=True,  # its own group, which its tasks are not in
             )
-        log.debug("standby of %s: pid %d", task.name, popen.pid)
+        log.debug("keeper of %s: pid %d", task.name, popen.pid)
         return _One(task.name, popen, env, path)
 
-    def take(
-        self, task: TaskPlan, env: Mapping[str, str], log_path: Path
-    ) -> tuple[subprocess.Popen[bytes] | None, str]:
-        """The task's standby made its task (the marker line already in its log), or None and why."""
-        one = self._ready.pop(task.name, None)
+    def take(self, task: TaskPlan, env: Mapping[str, str], log_path: Path) -> tuple[Forked | None, str]:
+        """The task forked by its keeper (the marker line already in its log), or None and why.
+        A keeper that cannot serve this attempt is stopped (the next is prepared once it trains)."""
+        one = self._ready.get(task.name)
         if one is None:
             return None, "no standby"
         args = standby.command(task.argv)
@@ -134,13 +224,12 @@ class LocalStandbys:
             if state == "importing"
             else standby.differs(one.env, env)
         )
-        if why is None and args is not None and one.popen.stdin is not None:
+        if why is None and args is not None:
             try:
-                one.popen.stdin.write(standby.handover(args[1], env, str(log_path)))
-                one.popen.stdin.close()
-                return one.popen, ""
+                return one.fork(standby.handover(args[1], env, str(log_path))), ""
             except OSError as exc:
                 why = f"its standby's handover failed ({exc})"
+        del self._ready[task.name]
         one.kill()
         return None, why or "no standby"
 

@@ -1,0 +1,161 @@
+"""Worker runtime: a warm standby that stays (`python -m worker standby --keep`, docs/architecture.md
+§6) — each handover forks a task from it, and it waits, TensorFlow still imported, for the next.
+
+worker/standby.py imports TensorFlow as for any standby; then this process never creates
+TensorFlow's context (nor starts a thread: the import left none but OpenBLAS's, whose fork
+handlers stop and restart them), so a fork of it is a task that has imported TensorFlow at no
+cost. Per handover line on stdin (worker/standby.py's JSON) it forks the task and says so on its
+events descriptor (its stdout as started; its own output goes on to its log) as one JSON line,
+{"event": "started", "pid": N}, and once that task is reaped {"event": "exit", "pid": N, "code": C}
+(negative C: killed by signal -C). The task is in a session of its own (stopped as one group,
+never with its keeper), dies with its keeper (PR_SET_PDEATHSIG: it is never left without the one
+process that can say how it ended) and starts as a fresh process would: its own random state,
+its own log and variables, its keeper's parent (the coordinator, a shim) as the reader of its
+stacks. End of file on stdin (its coordinator done or gone): it exits once its tasks have ended
+(a task stops itself when its coordinator is gone, §6), at once when it has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Lines:
+    """Lines of a descriptor, read only as they come (select-able: nothing waits in a buffer)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buffer = b""
+        self.ended = False
+
+    def push_back(self, line: bytes) -> None:
+        self._buffer = line + self._buffer
+
+    def next(self) -> bytes | None:
+        """A whole line if one came; b"" at end of file; None: nothing yet."""
+        while b"\n" not in self._buffer and not self.ended:
+            if not select.select([self.fd], [], [], 0)[0]:
+                return None
+            data = os.read(self.fd, 65536)
+            self._buffer += data
+            self.ended = not data
+        if b"\n" not in self._buffer:
+            return b""  # a line cut short by the end is no handover
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line + b"\n"
+
+
+def events_descriptor() -> int:
+    """The events' own descriptor (what stdout was); stdout from now on goes to the log (stderr)."""
+    sys.stdout.flush()
+    events = os.dup(1)
+    os.dup2(2, 1)
+    return events
+
+
+def keep(
+    run: Callable[[list[str]], int], become: Callable[[dict[str, Any]], None], lines: Lines, events: int
+) -> NoReturn:
+    """Fork a task per handover (`become` makes a process its task), say each start and end."""
+    woken_r, woken_w = os.pipe()
+    for fd in (woken_r, woken_w):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: only then does it wake select
+    signal.set_wakeup_fd(woken_w)
+    tasks: set[int] = set()
+    while True:
+        line = lines.next()
+        while line:
+            pid = _fork(run, become, json.loads(line), (events, woken_r, woken_w))
+            tasks.add(pid)
+            _say(events, {"event": "started", "pid": pid})
+            line = lines.next()
+        tasks -= _reaped(events, tasks)
+        if lines.ended and not tasks:
+            os._exit(0)
+        waiting = [woken_r] + ([] if lines.ended else [lines.fd])
+        with contextlib.suppress(InterruptedError):
+            select.select(waiting, [], [])
+        with contextlib.suppress(BlockingIOError):
+            os.read(woken_r, 4096)
+
+
+def _reaped(events: int, tasks: set[int]) -> set[int]:
+    done = set()
+    for pid in tasks:
+        with contextlib.suppress(ChildProcessError):
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got == pid:
+                done.add(pid)
+                _say(events, {"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    return done
+
+
+def _say(events: int, event: dict[str, Any]) -> None:
+    data = (json.dumps(event) + "\n").encode()
+    with contextlib.suppress(OSError):  # its reader gone: the tasks still end as they would
+        os.write(events, data)
+
+
+def _fork(
+    run: Callable[[list[str]], int],
+    become: Callable[[dict[str, Any]], None],
+    handover: dict[str, Any],
+    keepers: tuple[int, ...],
+) -> int:
+    keeper, reader = os.getpid(), os.getppid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 70  # EX_SOFTWARE: the child never returns into the keeper's loop
+    try:
+        _leave_keeper(keeper, reader, keepers)
+        become(handover)
+        from worker import runtime
+
+        code = run([str(a) for a in handover["argv"]])
+        runtime.flush_and_exit(code)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said in the task's log, which `become` made its stderr
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _leave_keeper(keeper: int, reader: int, keepers: tuple[int, ...]) -> None:
+    """This fork made a process of its own: a session, its keeper's end its end, the keeper's
+    descriptors (stdin: `become` replaces it) and signal handling gone, fresh random state, the
+    keeper's parent its reader."""
+    os.setsid()
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != keeper:  # the keeper died before the line above: so does this
+        os._exit(1)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in keepers:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # its legacy global state, seeded from the OS as a new process's
+        numpy_random.seed()
+    from worker import stack_dump
+
+    stack_dump.READER = reader
