@@ -1,6 +1,6 @@
 """`python -m worker run --script FILE [-- ARGS…]`: the entry point of every task (and `python -m
-worker standby [--keep]`: a warm standby, worker/standby.py, which runs the same entry point once it
-is one, or forks a task per handover that runs it, worker/keeper.py)."""
+worker standby`: a warm standby, worker/standby.py, which forks a task per handover that runs the
+same entry point, worker/keeper.py)."""
 
 from __future__ import annotations
 
@@ -61,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] in (["standby"], ["standby", "--keep"]):  # a warm standby: it runs main() itself
-        # once it is a task; a keeper (--keep) forks a task per handover instead (worker/keeper.py)
+    if sys.argv[1:] == ["standby"]:  # a warm standby: each task it forks runs main() (worker/keeper.py)
         from worker import standby
 
         environment.hold()  # its environment, kept while it waits too
 
-        sys.exit(standby.main(main, keep=sys.argv[2:] == ["--keep"]))
+        sys.exit(standby.main(main))
     runtime.flush_and_exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Worker runtime: a warm standby that stays (`python -m worker standby --keep`, docs/architecture.md
+"""Worker runtime: a warm standby that stays (`python -m worker standby`, docs/architecture.md
 §6) — each handover forks a task from it, and it waits, TensorFlow still imported, for the next.
 
 worker/standby.py imports TensorFlow as for any standby; then this process never creates

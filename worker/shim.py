@@ -8,8 +8,8 @@ Protocol (one SSH channel per task attempt):
 - stdin, first line: JSON {cache, folder, files, argv, env, cwd, log, pidfile, run_id, task,
   attempt, grace_s, and optionally error_file, stacks_file, stacks_module, follow,
   forward_signals, port_lock and standby}. The shim fills the run's folder from the cache
-  (`files`: [relpath, sha256, mode]), then starts the task (with `standby`, its warm standby
-  first: worker/shim_standby.py). The environment travels here, never on a command line.
+  (`files`: [relpath, sha256, mode]), then starts the task (`standby`: a standby kept for the
+  run, each attempt on "GO {…}": shim_standby.py). The environment travels here, never on argv.
 - stdin, later lines: "TERM" (SIGTERM + SIGCONT to the task's process group), "KILL", or
   "STACKS ID {timeout_s, native}" (the task's stacks read: worker/stacks.py). End of file (the
   coordinator closed the channel, died, or lost the connection) means TERM, then SIGKILL after
@@ -59,25 +59,27 @@ def main(argv: list[str]) -> int:
     if not line:
         return 2
     job: dict[str, Any] = json.loads(line)
-    standby = None
-    if job.get("standby") is not None:  # a warm standby first; the attempt comes on "GO {…}"
-        module = _load(job, "shim_standby", job["standby"]["module"])
-        if isinstance(standby := module.standby(job, sys.modules[__name__]), int):
-            return standby
-        job.update(standby[1])
-    ready = _prepare(job, files=standby is None)
-    try:  # what the watch needs, before the task starts: nothing fails once it runs
+    if job.get("standby") is not None:  # a warm standby kept for the run; each attempt on "GO {…}"
+        return int(_load(job, "shim_standby", job["standby"]["module"]).keep(job, sys.modules[__name__]))
+    ready = _ready(job)
+    if isinstance(ready, str):
+        _emit({"event": "error", "message": ready})
+        return 1
+    started = _start(job, stale=ready)
+    if isinstance(started, int):
+        return started
+    return _watch(job, *started)
+
+
+def _ready(job: dict[str, Any], files: bool = True) -> int | None | str:
+    """_prepare, and what the watch needs loaded before the task starts: nothing fails once it runs."""
+    ready = _prepare(job, files)
+    try:
         _load(job, "follow")
         _load(job, "stacks")
     except Exception as exc:  # noqa: BLE001 - said: the task is not started
         ready = f"cannot load the runtime's modules: {exc}"
-    if isinstance(ready, str):
-        _emit({"event": "error", "message": ready})
-        return 1
-    started = _start(job, stale=ready, child=standby[0] if standby else None)
-    if isinstance(started, int):
-        return started
-    return _watch(job, *started)
+    return ready
 
 
 def _load(job: dict[str, Any], name: str, path: str | None = None) -> Any:
@@ -126,13 +128,12 @@ def _prepare(job: dict[str, Any], files: bool = True) -> int | None | str:
             return f"cannot lock its TF port ({job['port_lock']}): {exc}"
         if held is None:
             return "its TF port is taken by another orchestrate run on this node"
+        job["port_fd"] = held  # a kept shim lets it go once the task has ended
     return stale
 
 
-def _start(
-    job: dict[str, Any], stale: int | None, child: subprocess.Popen[bytes] | None = None
-) -> tuple[subprocess.Popen[bytes], int] | int:
-    """The task started in its own session (or its standby, `child`, handed the attempt), its
+def _start(job: dict[str, Any], stale: int | None, fork: Any = None) -> tuple[Any, int] | int:
+    """The task started in its own session (or forked by its keeper: `fork(handover)`), its
     output to its log (after a marker line), and said ("started"); the child and where its output
     begins, or the exit code of a failed start."""
     out = open(job["log"], "ab")  # noqa: SIM115 - handed to the child, closed at exit
@@ -144,16 +145,13 @@ def _start(
         )
     out.flush()
     offset = out.tell()
-    if child is not None:
+    if fork is not None:
         out.close()
         try:
-            assert child.stdin is not None
-            child.stdin.write((json.dumps(job["handover"]) + "\n").encode())
-            child.stdin.close()
+            return _said_started(job, fork(job["handover"])), offset
         except OSError as exc:
             _emit({"event": "error", "message": f"cannot hand the attempt to the standby: {exc}"})
             return 1
-        return _said_started(job, child), offset
     try:
         child = subprocess.Popen(
             job["argv"],
@@ -172,9 +170,11 @@ def _start(
     return _said_started(job, child), offset
 
 
-def _said_started(job: dict[str, Any], child: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+def _said_started(job: dict[str, Any], child: Any) -> Any:
     info = {"pid": child.pid, "pgid": child.pid, "create_time": _create_time(child.pid)}
-    _write_json(job["pidfile"], {**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()})
+    with open(tmp := f"{job['pidfile']}.tmp{os.getpid()}", "w") as f:
+        json.dump({**info, "run_id": job["run_id"], "task": job["task"], "shim": os.getpid()}, f)
+    os.replace(tmp, job["pidfile"])
     step = os.environ.get("SLURM_STEP_ID")
     where = {
         "node": socket.gethostname(),
@@ -184,22 +184,24 @@ def _said_started(job: dict[str, Any], child: subprocess.Popen[bytes]) -> subpro
     return child
 
 
-def _watch(job: dict[str, Any], child: subprocess.Popen[bytes], offset: int) -> int:
-    """Until the task ends: its log followed, TERM/KILL from stdin passed on; then its error file
-    (if it failed and wrote one) and its exit said."""
+def _watch(job: dict[str, Any], child: Any, offset: int, attach: Any = None) -> int:
+    """Until the task ends: its log followed, TERM/KILL from stdin passed on (by a kept shim's
+    `attach`ed reader); then its error file (if it failed and wrote one) and its exit said."""
     pgid = child.pid
     follower = _load(job, "follow").Follower(job["log"], offset) if job.get("follow", True) else None
     if follower is not None:
         follower.start()
-    control = threading.Thread(target=_control, args=(job, pgid), daemon=True)
-    control.start()
+    if attach is None:
+        threading.Thread(target=_control, args=(job, pgid), daemon=True).start()
+    else:
+        attach(job, pgid)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if job.get("forward_signals", True):
             # sshd or an admin stopping the shim: the task goes too
             signal.signal(sig, lambda *_: _terminate_group(pgid, float(job["grace_s"])))
         else:
             signal.signal(sig, signal.SIG_IGN)  # the task had it too; the shim reports its exit
-    code = child.wait()
+    code = int(child.wait())
     _terminate_group(pgid, grace_s=2.0)  # nothing of the task outlives it (its own children included)
     if follower is not None:
         follower.finish()
@@ -268,20 +270,24 @@ def _materialize(cache: str, folder: str, files: list[list[Any]]) -> None:
 
 def _control(job: dict[str, Any], pgid: int) -> None:
     for raw in sys.stdin.buffer:
-        command = raw.strip().decode(errors="replace")
-        if command == "TERM":
-            _signal_group(pgid, signal.SIGTERM)
-            _signal_group(pgid, signal.SIGCONT)
-        elif command == "KILL":
-            _signal_group(pgid, signal.SIGKILL)
-        elif command.startswith("STACKS "):  # "STACKS ID {…}": read on a thread (worker/stacks.py)
-            ident, _, asked = command[7:].partition(" ")
-            try:
-                _load(job, "stacks").answer(job, pgid, ident, asked, _emit)
-            except Exception as exc:  # noqa: BLE001 - said; the control thread goes on
-                _emit({"event": "stacks", "id": ident, "document": {"notes": [f"cannot read them: {exc}"]}})
+        command(job, pgid, raw.strip().decode(errors="replace"))
     # End of file: the coordinator or its connection is gone. Stop the task; never orphan it.
     _terminate_group(pgid, float(job["grace_s"]))
+
+
+def command(job: dict[str, Any], pgid: int, said: str) -> None:
+    """The coordinator's TERM, KILL, or STACKS ID {…} (read on a thread: worker/stacks.py)."""
+    if said == "TERM":
+        _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)
+    elif said == "KILL":
+        _signal_group(pgid, signal.SIGKILL)
+    elif said.startswith("STACKS "):
+        ident, _, asked = said[7:].partition(" ")
+        try:
+            _load(job, "stacks").answer(job, pgid, ident, asked, _emit)
+        except Exception as exc:  # noqa: BLE001 - said; the reader of stdin goes on
+            _emit({"event": "stacks", "id": ident, "document": {"notes": [f"cannot read them: {exc}"]}})
 
 
 def _terminate_groups(pgids: list[int], grace_s: float) -> None:
@@ -382,13 +388,6 @@ def _emit(event: dict[str, Any]) -> None:
     with _EMITTING, contextlib.suppress(OSError):
         while data:
             data = data[os.write(2, data) :]
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Remote side: a task's warm standby (orchestrator/launch/standby.py), kept by its shim.
+"""Remote side: a task's warm standby (orchestrator/launch/standby.py), kept by its shim for the
+run (docs/architecture.md §6).
 
 worker/shim.py loads this file from the path its job names (`standby.module`: the cache's copy
 over ssh, the package's under Slurm) when the job asks for a standby. Standard library only, as
@@ -7,105 +8,232 @@ the shim: it imports nothing of this package, and uses the shim's own helpers (`
 The standby starts where the host keeps the memory for it (`standby.need` bytes leave at least
 `standby.keep` and a tenth of the host's memory available; else "standby_refused" with the
 figures) and is said ("standby"; "standby_ready" once TensorFlow is imported; "standby_failed"
-with its log's last lines when it exits first, a broken host found before it was needed). The
-coordinator's next line is the attempt's part of the job, "GO {…}" (attempt, env, log, pidfile,
-error_file, port_lock, and the `handover` line the standby reads); end of file instead stops it,
-and so does silence: the coordinator says "ALIVE" every few seconds, and a standby that hears
-nothing for `standby.alive_s` (its host cut off, where sshd may never see the connection end)
-stops.
+with its log's last lines when it exits, a broken host found before it was needed). It is a
+keeper (worker/keeper.py): each line "GO {…}" (attempt, env, log, pidfile, error_file,
+stacks_file, port_lock, and the `handover` line the keeper reads) forks the attempt's task from
+it, which the shim watches as it would a task it started ("started", "failure", "exit"; TERM,
+KILL and STACKS passed on); then it waits for the next GO, the standby still there. End of file
+stops it (a task still running first, as any shim's), and so does silence: the coordinator says
+"ALIVE" every few seconds, and a shim that hears nothing for `standby.alive_s` (its host cut
+off, where sshd may never see the connection end) stops its standby and task.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
+_FORK_S = 5.0  # how long a keeper may take to say it forked (a fork: at once)
 
-def standby(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], dict[str, Any]] | int:
-    """The task's warm standby (orchestrator/launch/standby.py) started, where the host keeps
-    the memory for it, and said ("standby", "standby_ready" once it has imported TensorFlow,
-    "standby_failed" with its last lines if it exits first); then the attempt's part of the job
-    (the line "GO {…}"). End of file instead: it is stopped. An int: the shim's exit code."""
+
+def keep(job: dict[str, Any], shim: Any) -> int:
+    """The task's standby started (where the host keeps the memory for it) and kept: each GO an
+    attempt, until end of file or silence. The shim's exit code."""
+    started = _start(job, shim)
+    if isinstance(started, int):
+        return started
+    keeper, log, start = started
+    inbox = _Inbox(shim, float(job["standby"].get("alive_s") or 0) or None)
+    events = _Events(keeper)
+    stopping = threading.Event()
+    ready = threading.Thread(target=_ready, args=(shim, log, start, keeper, stopping), daemon=True)
+    ready.start()
+    while (go := inbox.next_go(keeper)) is not None:
+        attempt = {**job, **go}
+        try:
+            _attempt(attempt, shim, lambda handover: events.fork(keeper, handover), inbox)
+        finally:
+            inbox.attach(attempt, None)
+            if attempt.get("port_fd") is not None:
+                os.close(attempt["port_fd"])  # the task's TF port: free for the next attempt's
+    if keeper.poll() is None:  # the coordinator is done with it, or gone
+        stopping.set()
+        shim._terminate_group(keeper.pid, 0.0)
+    keeper.wait()
+    ready.join(timeout=2.0)  # a keeper that ended by itself is said first
+    shim._emit({"event": "exit", "code": 0})
+    return 0
+
+
+def _attempt(job: dict[str, Any], shim: Any, fork: Any, inbox: _Inbox) -> None:
+    """One attempt: prepared as any shim's, its task forked, watched, its exit said ("error" and
+    an exit code where it could not start: the standby stays for the next)."""
+    stale = shim._ready(job, files=False)
+    if isinstance(stale, str):
+        shim._emit({"event": "error", "message": stale})
+        shim._emit({"event": "exit", "code": 1})
+        return
+    begun = shim._start(job, stale, fork=fork)
+    if isinstance(begun, int):
+        shim._emit({"event": "exit", "code": begun})
+        return
+    shim._watch(job, *begun, attach=inbox.attach)
+
+
+def _start(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], str, int] | int:
     memory = _meminfo()
-    need, keep = job["standby"].get("need"), job["standby"].get("keep")
-    if need is not None and memory and memory[0] - need < max(keep, memory[1] // 10):
+    need, keep_free = job["standby"].get("need"), job["standby"].get("keep")
+    if need is not None and memory and memory[0] - need < max(keep_free, memory[1] // 10):
         shim._emit({"event": "standby_refused", "available": memory[0], "total": memory[1]})
         shim._emit({"event": "exit", "code": 0})
         return 0
+    log = job["standby"]["log"]
     try:
         shim._materialize(job["cache"], job["folder"], job["files"])
-        os.makedirs(os.path.dirname(job["standby"]["log"]), mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(log), mode=0o700, exist_ok=True)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(job["standby"]["log"], flags, 0o600), "ab") as out:
+        with os.fdopen(os.open(log, flags, 0o600), "ab") as out:
             out.write(
                 f"===== orchestrate: standby of {job['task']} ({time.strftime('%H:%M:%S')}) =====\n".encode()
             )
             out.flush()
             start = os.fstat(out.fileno()).st_size  # its own lines: a log may hold an earlier standby's
-            env = {**os.environ, **job["env"]}
-            child = subprocess.Popen(
+            keeper = subprocess.Popen(
                 job["argv"],
                 cwd=job["cwd"],
-                env=env,
+                env={**os.environ, **job["env"]},
                 stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE,  # its events: each task forked, and its end
+                stderr=out,
                 start_new_session=True,
             )
     except OSError as exc:
         shim._emit({"event": "error", "message": f"cannot start the standby of {job['task']}: {exc}"})
         return 1
-    shim._emit(
-        {"event": "standby", "pid": child.pid, "pgid": child.pid, "create_time": shim._create_time(child.pid)}
-    )
-    told = threading.Event()
-    log = job["standby"]["log"]
-    threading.Thread(target=_watch, args=(shim, log, start, child, told), daemon=True).start()
-    line = _next_line(float(job["standby"].get("alive_s") or 0) or None)
-    told.set()
-    if not line.startswith(b"GO "):
-        shim._terminate_group(child.pid, 0.0)  # the coordinator is done with it, or gone
-        child.wait()  # killed: at once
-        shim._emit({"event": "exit", "code": 0})
-        return 0
-    return child, json.loads(line[3:])
+    info = {"pid": keeper.pid, "pgid": keeper.pid, "create_time": shim._create_time(keeper.pid)}
+    shim._emit({"event": "standby", **info})
+    return keeper, log, start
 
 
-def _next_line(alive_s: float | None) -> bytes:
-    """The coordinator's next line other than "ALIVE" (it says so every few seconds); b"" at end
-    of file, or when it said nothing for `alive_s` (its host cut off: sshd may never notice).
-    Read a byte at a time from fd 0: nothing past the line is taken from the shim's stdin, whose
-    later lines (TERM, KILL) are the task's."""
-    while True:
-        line = b""
-        while not line.endswith(b"\n"):
-            if alive_s is not None and not select.select([0], [], [], alive_s)[0]:
-                return b""
-            byte = os.read(0, 1)
-            if not byte:
-                return b""  # end of file (a line cut short is no GO)
-            line += byte
-        if line.strip() != b"ALIVE":
-            return line
+class _Forked:
+    """A task the keeper forked, as the shim watches it: its pid, and its end (waited for)."""
+
+    def __init__(self, pid: int, events: _Events):
+        self.pid = pid
+        self._events = events
+
+    def wait(self) -> int:
+        return self._events.exit_of(self.pid)
 
 
-def _watch(shim: Any, log: str, start: int, child: subprocess.Popen[bytes], told: threading.Event) -> None:
-    ready = False
-    while child.poll() is None and not told.is_set():
-        if not ready and b"orchestrate-standby: ready" in _tail(log, start):
-            ready = True
+class _Events:
+    """The keeper's stdout: {"event": "started", "pid"} per fork, {"event": "exit", "pid", "code"}
+    per task reaped. Read by the shim's main thread alone."""
+
+    def __init__(self, keeper: subprocess.Popen[bytes]):
+        assert keeper.stdout is not None
+        self._fd = keeper.stdout.fileno()
+        self._buffer = b""
+        self._ended = False
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+
+    def fork(self, keeper: subprocess.Popen[bytes], handover: Any) -> _Forked:
+        assert keeper.stdin is not None
+        keeper.stdin.write((json.dumps(handover) + "\n").encode())
+        keeper.stdin.flush()
+        deadline = time.monotonic() + _FORK_S
+        while not self._started:
+            if self._ended or not self._read(deadline - time.monotonic()):
+                raise OSError("its keeper did not fork the task" if not self._ended else "its keeper exited")
+        return _Forked(self._started.pop(0), self)
+
+    def exit_of(self, pid: int) -> int:
+        while pid not in self._exits:
+            if self._ended:
+                return -9  # its keeper gone unreaped: the task died with it (PR_SET_PDEATHSIG)
+            self._read(None)
+        return self._exits.pop(pid)
+
+    def _read(self, timeout_s: float | None) -> bool:
+        if timeout_s is not None and (timeout_s <= 0 or not select.select([self._fd], [], [], timeout_s)[0]):
+            return False
+        data = os.read(self._fd, 65536)
+        self._ended = not data
+        self._buffer += data
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            try:
+                event = json.loads(line)
+                if event["event"] == "started":
+                    self._started.append(int(event["pid"]))
+                elif event["event"] == "exit":
+                    self._exits[int(event["pid"])] = int(event["code"])
+            except (ValueError, KeyError, TypeError):
+                continue  # no event: nothing the keeper says otherwise goes here
+        return True
+
+
+class _Inbox(threading.Thread):
+    """The shim's stdin, read for its whole life: each GO queued, ALIVE heard, TERM/KILL/STACKS
+    passed on to the attempt's task (shim.command); end of file stops a task still running, as
+    any shim's."""
+
+    def __init__(self, shim: Any, alive_s: float | None):
+        super().__init__(name="inbox", daemon=True)
+        self._shim = shim
+        self._alive_s = alive_s
+        self._gos: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._heard = time.monotonic()
+        self._lock = threading.Lock()
+        self._task: tuple[dict[str, Any], int] | None = None
+        self.start()
+
+    def attach(self, job: dict[str, Any], pgid: int | None) -> None:
+        with self._lock:
+            self._task = (job, pgid) if pgid is not None else None
+            self._heard = time.monotonic()  # silence is counted from the task's end on
+
+    def run(self) -> None:
+        for raw in sys.stdin.buffer:
+            said = raw.strip().decode(errors="replace")
+            self._heard = time.monotonic()
+            if said.startswith("GO "):
+                self._gos.put(json.loads(said[3:]))
+            elif said != "ALIVE":
+                with self._lock:
+                    task = self._task
+                if task is not None:
+                    self._shim.command(task[0], task[1], said)
+        with self._lock:
+            task, self._task = self._task, None
+        if task is not None:  # the coordinator or its connection is gone: never orphan the task
+            self._shim._terminate_group(task[1], float(task[0]["grace_s"]))
+        self._gos.put(None)
+
+    def next_go(self, keeper: subprocess.Popen[bytes]) -> dict[str, Any] | None:
+        """The next attempt; None at end of file, after silence, or once the keeper is gone."""
+        while True:
+            try:
+                return self._gos.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            if keeper.poll() is not None:
+                return None
+            if self._alive_s is not None and time.monotonic() - self._heard > self._alive_s:
+                return None
+
+
+def _ready(
+    shim: Any, log: str, start: int, keeper: subprocess.Popen[bytes], stopping: threading.Event
+) -> None:
+    """ "standby_ready" once the keeper has imported TensorFlow; "standby_failed" with its log's
+    last lines once it exits unless the shim stopped it (it could not import TensorFlow, or died)."""
+    while keeper.poll() is None:
+        if b"orchestrate-standby: ready" in _tail(log, start):
             shim._emit({"event": "standby_ready"})
+            keeper.wait()
         time.sleep(0.2)
-    if child.poll() is not None and not told.is_set():  # it could not import TensorFlow
+    if not stopping.is_set():
         tail = _tail(log, start).decode(errors="replace")
-        shim._emit({"event": "standby_failed", "code": child.returncode, "tail": tail})
-        shim._emit({"event": "exit", "code": child.returncode})
-        os._exit(0)
+        shim._emit({"event": "standby_failed", "code": keeper.returncode, "tail": tail})
 
 
 def _tail(path: str, start: int = 0, size: int = 2048) -> bytes:

@@ -1,24 +1,24 @@
 """Worker runtime: a warm standby — a process that imports TensorFlow before its attempt exists,
-at the lowest CPU priority, and becomes its task when told (docs/architecture.md §6).
+at the lowest CPU priority, and forks its task from itself when told (docs/architecture.md §6).
 
 `python -m worker standby` is started with its task's environment except the variables that
 change per attempt (wire.PER_ATTEMPT_ENV: TensorFlow reads none of them at import, §7). It
 imports numpy at its own priority first (OpenBLAS starts its threads then, and they keep the
 priority of the thread that started them), then TensorFlow and Keras on a thread of the lowest
 priority (SCHED_IDLE, else nice 19), never creating TensorFlow's context (a
-MultiWorkerMirroredStrategy configures it first). Its main thread meanwhile waits for one line on
+MultiWorkerMirroredStrategy configures it first). Its main thread meanwhile waits for a line on
 stdin, the handover (JSON): {"argv": the worker's arguments, "env": the attempt's variables,
-"log": the task's log}. It then waits for the import to end, writes to the task's log, takes the
-variables and runs `python -m worker ARGV` in this process. End of file instead (its coordinator
-is done with it, or gone): it exits at once. Its own output before the handover is its log's;
-when TensorFlow cannot be imported it says why there and exits EXIT_STANDBY_FAILED.
+"log": the task's log}. Once the import has ended it is a keeper (worker/keeper.py): each
+handover forks a task that writes to the task's log, takes the variables and runs `python -m
+worker ARGV`, and the keeper stays for the next. End of file before any (its coordinator is done
+with it, or gone): it exits at once, even mid-import. Its own output is its log's; when
+TensorFlow cannot be imported it says why there and exits EXIT_STANDBY_FAILED.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import select
 import sys
@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from worker import keeper, wire
 
@@ -71,12 +71,12 @@ class _Import(threading.Thread):
         print(f"{READY} {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
 
 
-def main(run: Callable[[list[str]], int], keep: bool = False) -> int:
-    """Be a standby; once handed over, `run(ARGV)` (the worker's entry point) as the task. With
-    `keep`, a keeper (worker/keeper.py): each handover forks a task, and it stays."""
+def main(run: Callable[[list[str]], int]) -> NoReturn:
+    """Be a standby, then a keeper: each handover forks a task that runs `run(ARGV)` (the
+    worker's entry point)."""
     import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
 
-    events = keeper.events_descriptor() if keep else -1
+    events = keeper.events_descriptor()
     loading = _Import()
     loading.start()
     lines = keeper.Lines(0)
@@ -85,19 +85,12 @@ def main(run: Callable[[list[str]], int], keep: bool = False) -> int:
     if not line:
         os._exit(0)  # nothing to become: at once, even mid-import
     loading.join()  # a failed import has ended the process
-    if keep:
-        lines.push_back(line)
-        keeper.keep(run, _become, lines, events)
-    handover: dict[str, Any] = json.loads(line)
-    _become(handover)
-    from worker import runtime
-
-    runtime.flush_and_exit(run([str(a) for a in handover["argv"]]))
-    return 0  # not reached
+    lines.push_back(line)
+    keeper.keep(run, _become, lines, events)
 
 
 def _become(handover: dict[str, Any]) -> None:
-    """Output to the task's log, stdin from nothing, the attempt's variables."""
+    """(In the forked task) output to the task's log, stdin from nothing, the attempt's variables."""
     sys.stdout.flush()
     sys.stderr.flush()
     log = os.open(

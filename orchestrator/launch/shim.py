@@ -69,6 +69,15 @@ def shim_job(
     }
 
 
+def parse(line: str) -> dict[str, Any] | None:
+    """A line of the shim's stderr as its event; None for text that is not one."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
 class ShimEvents:
     """What a shim said on its stderr, as it arrives."""
 
@@ -88,14 +97,14 @@ class ShimEvents:
         self.stacks_came = threading.Condition()
 
     def feed(self, line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict) or "event" not in event:
+        event = parse(line)
+        if event is None:
             if line.strip():
                 self._keep(line.strip())
             return
+        self.take(event)
+
+    def take(self, event: dict[str, Any]) -> None:
         if event["event"] == "started":
             self.info = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
             self.step = event.get("step")
@@ -187,15 +196,25 @@ class Transport(abc.ABC):
 
 
 class ShimHandle(TaskHandle):
-    """One task attempt run by its shim, over any transport."""
+    """One task attempt run by its shim, over any transport. A kept shim (a standby's,
+    worker/shim_standby.py) runs an attempt per GO: each has a handle of its own
+    (`next_attempt`) over the one transport, whose events and output go to the attempt it runs."""
 
-    def __init__(self, task: TaskPlan, attempt: int, log_path: Path, transport: Transport):
+    def __init__(
+        self, task: TaskPlan, attempt: int, log_path: Path, transport: Transport, line: _Line | None = None
+    ):
         super().__init__(task, attempt, log_path)
         self.transport = transport
         self._events = ShimEvents()
-        pumps = [self._pump_events] + ([self._pump_output] if transport.streams_output else [])
-        for pump in pumps:
-            threading.Thread(target=pump, daemon=True, name=f"{task.name}-{pump.__name__[6:]}").start()
+        if line is None:
+            line = _Line(transport, self._events, log_path, task.name)
+        else:
+            line.attach(self._events, log_path)
+        self._line = line
+
+    def next_attempt(self, task: TaskPlan, attempt: int, log_path: Path) -> ShimHandle:
+        """The handle of the attempt this kept shim is about to be handed (before its GO is sent)."""
+        return type(self)(task, attempt, log_path, self.transport, line=self._line)
 
     @property
     def process(self) -> ProcessInfo:
@@ -226,6 +245,11 @@ class ShimHandle(TaskHandle):
         return not (self.transport.unreachable_at_end and self._events.ended.is_set())
 
     def release(self) -> None:
+        """A kept shim's attempt that ended lets go of the shim alone (it waits for the next GO);
+        anything else lets go of the transport."""
+        if self._line.own is not self._events and self.poll() is not None and not self._line.ended:
+            self._line.detach(self._events)
+            return
         self.transport.close(self.poll() is not None, self._events)
 
     def wait_started(self, timeout_s: float) -> None:
@@ -262,11 +286,65 @@ class ShimHandle(TaskHandle):
     def written_error(self) -> failure.Written | None:
         return failure.parse(self._events.failure) if self._events.failure is not None else None
 
+
+class _Line:
+    """A shim's transport, read for the shim's whole life: each event goes to the attempt handed to
+    it that listens now (a standby's own events, "standby…", and those between attempts to the
+    first handle's), and the task's output to that attempt's log."""
+
+    def __init__(self, transport: Transport, own: ShimEvents, log_path: Path, name: str):
+        self.transport = transport
+        self.own = own
+        self.ended = False
+        self._lock = threading.Lock()
+        self._current: tuple[ShimEvents, Path] | None = None
+        self._own_log = log_path
+        pumps = [self._pump_events] + ([self._pump_output] if transport.streams_output else [])
+        for pump in pumps:
+            threading.Thread(target=pump, daemon=True, name=f"{name}-{pump.__name__[6:]}").start()
+
+    def attach(self, events: ShimEvents, log_path: Path) -> None:
+        with self._lock:
+            self._current = (events, log_path)
+
+    def detach(self, events: ShimEvents) -> None:
+        with self._lock:
+            if self._current is not None and self._current[0] is events:
+                self._current = None
+
+    def _to(self, event: dict[str, Any] | None) -> ShimEvents:
+        with self._lock:
+            current = self._current
+            if current is None or (event is not None and str(event["event"]).startswith("standby")):
+                return self.own
+            if event is not None and event["event"] == "exit":
+                self._current = None  # the attempt is over: what follows is the shim's own
+            return current[0]
+
+    def _feed(self, text: str) -> None:
+        event = parse(text)
+        target = self._to(event)
+        if event is not None:
+            target.take(event)
+        else:
+            target.feed(text)
+
     def _pump_output(self) -> None:
-        with private_open(self.log_path) as out:
+        path, out = None, None
+        try:
             while data := self.transport.read_output():
+                with self._lock:
+                    wanted = self._current[1] if self._current is not None else self._own_log
+                if wanted != path:
+                    if out is not None:
+                        out.close()
+                    path, out = wanted, private_open(wanted)
+                assert out is not None
                 out.write(data)
                 out.flush()
+        finally:
+            if out is not None:
+                out.close()
 
     def _pump_events(self) -> None:
         buffer = b""
@@ -274,10 +352,15 @@ class ShimHandle(TaskHandle):
             buffer += data
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                self._events.feed(line.decode(errors="replace"))
+                self._feed(line.decode(errors="replace"))
             if len(buffer) > _MAX_LINE_BYTES:
-                self._events.feed(buffer[:_KEPT_CHARS].decode(errors="replace"))
+                self._feed(buffer[:_KEPT_CHARS].decode(errors="replace"))
                 buffer = b""
         if buffer:
-            self._events.feed(buffer.decode(errors="replace"))
-        self._events.close()
+            self._feed(buffer.decode(errors="replace"))
+        with self._lock:
+            self.ended = True
+            current, self._current = self._current, None
+        self.own.close()
+        if current is not None:
+            current[0].close()

@@ -1,7 +1,8 @@
 """Launch layer: warm standbys kept by shims on other hosts (ssh hosts, Slurm nodes), as
 launch/standby.py says what they are. Each is a shim run in standby mode
-(worker/shim_standby.py) over its own transport: its handle is the task's handle once the attempt
-is handed to it ("GO {…}" on the shim's stdin); closing it stops the standby.
+(worker/shim_standby.py) over its own transport, kept for the run: each attempt handed to it
+("GO {…}" on the shim's stdin) forks its task from the standby and has a handle of its own over
+that transport (ShimHandle.next_attempt); closing it stops the standby.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from orchestrator.launch import standby
@@ -115,12 +117,13 @@ class ShimStandbys:
                 self._alive.start()
 
     def take(
-        self, task: TaskPlan, env: Mapping[str, str], place: str, go: dict[str, Any]
+        self, task: TaskPlan, env: Mapping[str, str], place: str, go: dict[str, Any], log_path: Path
     ) -> tuple[ShimHandle | None, str]:
-        """The task's standby handed its attempt (`go`: the attempt's part of the shim's job), or
-        None and why it starts cold."""
+        """The attempt's handle, its task forked by the task's standby (`go`: the attempt's part of
+        the shim's job; the standby stays for the next), or None and why it starts cold (a
+        standby that cannot serve it is stopped)."""
         with self._lock:
-            one = self._ready.pop(task.name, None)
+            one = self._ready.get(task.name)
         if one is None:
             return None, "no standby"
         events = one.handle.events
@@ -134,9 +137,11 @@ class ShimStandbys:
             else standby.differs(one.env, env)
         )
         if why is None:
-            one.handle.attempt = int(go["attempt"])
+            handle = one.handle.next_attempt(task, int(go["attempt"]), log_path)
             one.handle.transport.send(f"GO {json.dumps(go)}\n".encode())
-            return one.handle, ""
+            return handle, ""
+        with self._lock:
+            self._ready.pop(task.name, None)
         _stop([one], wait_s=0.0)
         return None, why
 

@@ -123,6 +123,8 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(
         (folder / "ckpt-999.data-00000-of-00001").write_bytes(os.urandom(5000))
         (folder / "ckpt-999.index").write_bytes(b"\x00half")
         os.kill(job.task("worker-1")["pid"], signal.SIGKILL)  # on host 1; pids are global here
+        assert wait_until(lambda: any(e["kind"] == "recovery" for e in job.events()), 90), job.events()[-5:]
+        kept = {s["task"]: (s["host"], s["pid"]) for s in job.status()["standbys"]}
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -136,14 +138,15 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(
     assert starts[0]["step"] == starts[1]["step"] >= 30, starts
     assert starts[0]["fingerprint"] == starts[1]["fingerprint"], starts
     assert "ckpt-999" not in starts[0]["source"]  # the previous complete checkpoint was used
-    # attempt 1's tasks were the standbys, on their hosts; the restart's timeline was said
+    # attempt 1's tasks were forked by the standbys on their hosts, which stayed for the next
+    # attempt; the restart's timeline was said
     attempt_1 = {
         e["task"]: e["reason"] for e in job.events() if e.get("new") == "STARTING" and e["attempt"] == 1
     }
-    assert attempt_1 == {t: f"pid {pid} on {host}" for t, (host, pid) in standbys.items()}, (
-        attempt_1,
-        standbys,
-    )
+    assert kept == standbys and set(attempt_1) == set(standbys), (kept, attempt_1)
+    for task, (host, pid) in standbys.items():
+        assert attempt_1[task].endswith(f" on {host}") and attempt_1[task] != f"pid {pid} on {host}"
+    assert "started cold" not in (job.run_dir / "logs" / "worker-1.log").read_text()
     [recovery] = [e for e in job.events() if e["kind"] == "recovery"]
     assert recovery["reason"].startswith("attempt 1 training again") and recovery["reason"] in out
     host1 = lab.hosts[1]

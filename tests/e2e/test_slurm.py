@@ -289,13 +289,18 @@ def test_a_killed_task_restarts_from_the_standby_steps_waiting_on_the_nodes(
         standbys = {s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]}
         kill_task(run, "worker-1")
         assert wait_until(lambda: any(e["kind"] == "recovery" for e in events()), 90), events()[-5:]
+        kept = {s["task"]: (s["host"], s["pid"]) for s in run.status()["standbys"]}
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    # attempt 1's steps were the standbys' (steps that waited on the nodes), the timeline said
+    # attempt 1's tasks were forked by the standbys (in steps that waited on the nodes), which
+    # stayed for the next attempt; the timeline said
     attempt_1 = {e["task"]: e["reason"] for e in events() if e.get("new") == "STARTING" and e["attempt"] == 1}
-    assert attempt_1 == {t: f"pid {pid} on {node}" for t, (node, pid) in standbys.items()}, attempt_1
+    assert kept == standbys and set(attempt_1) == set(standbys), (kept, attempt_1)
+    for task, (node, pid) in standbys.items():
+        assert attempt_1[task].endswith(f" on {node}") and attempt_1[task] != f"pid {pid} on {node}"
+    assert "started cold" not in (run.run_dir / "logs" / "worker-1.log").read_text()
     [recovery] = [e for e in events() if e["kind"] == "recovery"]
     assert recovery["reason"].startswith("attempt 1 training again") and recovery["reason"] in out
     assert nothing_left(lab, run)

@@ -410,30 +410,81 @@ def until(said: list[dict], event: str, timeout_s: float = 20.0) -> dict:
     raise AssertionError(f"no {event!r} within {timeout_s} s: {said}")
 
 
-def test_a_shim_keeps_a_standby_and_hands_it_the_attempt(tmp_path: Path, fake_tf: Path) -> None:
+def test_a_shim_keeps_its_standby_and_forks_each_attempts_task_from_it(tmp_path: Path, fake_tf: Path) -> None:
     proc, said = shim_standby(tmp_path, fake_tf)
     waiting = until(said, "standby")
     until(said, "standby_ready")
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    (tmp_path / "train.py").write_text(FORKED)
+    log = tmp_path / "run" / "logs" / "worker-0.log"
+    assert proc.stdin is not None
+    for attempt in (1, 2):
+        env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "secret"}
+        go = {
+            "attempt": attempt,
+            "log": str(log),
+            "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
+            "error_file": str(tmp_path / "run" / "errors" / f"worker-0-{attempt}.json"),
+            "handover": json.loads(
+                standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
+            ),
+        }
+        proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
+        proc.stdin.flush()
+        started = until(said, "started")
+        assert started["pid"] != waiting["pid"]  # forked from the standby, which stays
+        assert until(said, "exit")["code"] == attempt  # the task's own exit code
+        said.clear()
+        recorded = json.loads((tmp_path / "run" / "tasks" / "worker-0.json").read_text())
+        assert recorded["pgid"] == started["pid"] and recorded["run_id"] == "r-standby"
+    text = log.read_text()
+    assert "===== orchestrate: worker-0 attempt 2 started" in text
+    results = [json.loads(x[7:]) for x in text.splitlines() if x.startswith("RESULT ")]
+    assert [r["attempt"] for r in results] == ["1", "2"] and results[0]["pid"] != results[1]["pid"]
+    assert proc.poll() is None
+    os.kill(waiting["pid"], 0)  # still there, for the next attempt
+    proc.stdin.close()  # the coordinator done with it: stopped, and said
+    assert until(said, "exit")["code"] == 0 and proc.wait(timeout=10) == 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(waiting["pgid"], 0)
+
+
+def test_a_kept_shims_end_of_file_stops_the_task_it_runs_and_its_standby(
+    tmp_path: Path, fake_tf: Path
+) -> None:
+    """As any shim's: a task never outlives its coordinator's connection."""
+    proc, said = shim_standby(tmp_path, fake_tf)
+    waiting = until(said, "standby")
+    until(said, "standby_ready")
+    (tmp_path / "train.py").write_text(FORKED)
     log = tmp_path / "run" / "logs" / "worker-0.log"
     env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: "3", wire.ENV_TOKEN: "secret"}
     go = {
         "attempt": 3,
         "log": str(log),
         "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
-        "error_file": str(tmp_path / "run" / "errors" / "worker-0-3.json"),
-        "handover": json.loads(standby.handover(["run", "--script", str(script)], env, str(log))),
+        "handover": json.loads(
+            standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
+        ),
     }
     assert proc.stdin is not None
     proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
     proc.stdin.flush()
-    started = until(said, "started")
-    assert started["pid"] == waiting["pid"]  # the standby is the task
-    assert until(said, "exit")["code"] == 0
-    assert "===== orchestrate: worker-0 attempt 3 started" in log.read_text()
-    assert json.loads(wait_for_line(log, "RESULT ")[7:])["attempt"] == "3"
-    assert json.loads((tmp_path / "run" / "tasks" / "worker-0.json").read_text())["pgid"] == waiting["pgid"]
+    task = until(said, "started")["pid"]
+    wait_for_line(log, "RESULT ")  # it sleeps now
+    proc.stdin.write(b"ALIVE\nTERM\n")  # passed on to the task's group
+    proc.stdin.flush()
+    assert until(said, "exit")["code"] == 143  # the runtime's own answer to SIGTERM
+    said.clear()
+    proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
+    proc.stdin.flush()
+    again = until(said, "started")["pid"]
+    wait_for_line(log, "RESULT ")
+    proc.stdin.close()
+    assert proc.wait(timeout=15) == 0
+    assert [e["event"] for e in said] == ["started", "exit", "exit"]  # the task's, then the shim's
+    for pid in (task, again, waiting["pid"]):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_a_shim_reads_only_its_own_standbys_ready_line(tmp_path: Path, fake_tf: Path) -> None:
@@ -496,7 +547,9 @@ def _shim_handle() -> Any:
     events = SimpleNamespace(
         ended=threading.Event(), standby_failed=None, standby_refused=None, standby_ready=True, standby=None
     )
-    return SimpleNamespace(transport=_Transport(), events=events, attempt=0)
+    handle = SimpleNamespace(transport=_Transport(), events=events, attempts=[])
+    handle.next_attempt = lambda task, attempt, log: handle.attempts.append(attempt) or f"attempt {attempt}"
+    return handle
 
 
 def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path: Path) -> None:
@@ -532,11 +585,13 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
         "warm standbys started for worker-0, worker-1 (at the lowest CPU priority)",
     ]
     assert [s["task"] for s in standbys.status()] == ["worker-0", "worker-1"]
-    # a standby handed its attempt is the task's: the run's end leaves it to the task's stop
-    assert standbys.take(tasks[0], dict(tasks[0].env), "h0", {"attempt": 1})[0] is handles["worker-0"]
+    # a standby handed an attempt has a handle for it, and stays for the next
+    log = tmp_path / "w.log"
+    assert standbys.take(tasks[0], dict(tasks[0].env), "h0", {"attempt": 1}, log)[0] == "attempt 1"
     assert handles["worker-0"].transport.sent == [b'GO {"attempt": 1}\n']
-    standbys.take(tasks[1], {"OTHER": "1"}, "h0", {"attempt": 1})  # not used: stopped
-    assert handles["worker-1"].transport.ended and standbys.status() == []
+    assert handles["worker-0"].attempts == [1] and len(standbys.status()) == 2
+    standbys.take(tasks[1], {"OTHER": "1"}, "h0", {"attempt": 1}, log)  # not used: stopped
+    assert handles["worker-1"].transport.ended and [s["task"] for s in standbys.status()] == ["worker-0"]
     # the run ends while a standby is still being started: it is stopped once it is there
     slow.clear()
     standbys.prepare(tasks[1:2], open_one)
@@ -549,4 +604,4 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
     while not handles["worker-1"].transport.closed and time.monotonic() < deadline:
         time.sleep(0.02)
     assert handles["worker-1"].transport.ended and standbys.status() == []
-    assert not handles["worker-0"].transport.ended
+    assert handles["worker-0"].transport.ended  # kept standbys end with the run

@@ -195,9 +195,8 @@ class LocalStandbys:
             out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
             out.flush()
             net = self._network
-            keeper = [*command, "--keep"]
             popen = subprocess.Popen(
-                net.enter(keeper, task.cwd) if net is not None else keeper,
+                net.enter(list(command), task.cwd) if net is not None else list(command),
                 pass_fds=net.fds if net is not None else (),  # in the tasks' network namespace, if any
                 cwd=task.cwd,
                 env=env,

@@ -50,7 +50,7 @@ class SlurmTasks:
         go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "stacks_file", "port_lock")}
         args = standby.command(task.argv)
         go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
-        warm, _ = self._standbys.take(task, job["env"], self._node_of[task.name], go)
+        warm, _ = self._standbys.take(task, job["env"], self._node_of[task.name], go, log_path)
         handle = warm if isinstance(warm, SlurmTaskHandle) else self._open_step(task, job, log_path)
         with self._lock:
             self._handles[task.name] = handle

@@ -253,7 +253,7 @@ class SshBackend(Backend):
             go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "stacks_file")}
             args = standby.command(task.argv)
             go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
-            handle, _ = self._standbys.take(task, job["env"], host.label, go)
+            handle, _ = self._standbys.take(task, job["env"], host.label, go, log_path)
             if handle is None:
                 handle = self._open(task, job, log_path)
             handle.wait_started(self._ssh.connect_timeout_s + 10.0)
