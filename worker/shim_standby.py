@@ -41,14 +41,20 @@ def keep(job: dict[str, Any], shim: Any) -> int:
         return started
     keeper, log, start = started
     inbox = _Inbox(shim, float(job["standby"].get("alive_s") or 0) or None)
-    events = _Events(keeper)
+    assert keeper.stdout is not None
+    events = KeeperEvents(keeper.stdout.fileno())
     stopping = threading.Event()
     ready = threading.Thread(target=_ready, args=(shim, log, start, keeper, stopping), daemon=True)
     ready.start()
+
+    def fork(handover: Any) -> _Forked:
+        line = (json.dumps(handover) + "\n").encode()
+        return _Forked(events.fork(keeper.stdin, line, _FORK_S), events)
+
     while (go := inbox.next_go(keeper)) is not None:
         attempt = {**job, **go}
         try:
-            _attempt(attempt, shim, lambda handover: events.fork(keeper, handover), inbox)
+            _attempt(attempt, shim, fork, inbox)
         finally:
             inbox.attach(attempt, None)
             if attempt.get("port_fd") is not None:
@@ -115,59 +121,66 @@ def _start(job: dict[str, Any], shim: Any) -> tuple[subprocess.Popen[bytes], str
 class _Forked:
     """A task the keeper forked, as the shim watches it: its pid, and its end (waited for)."""
 
-    def __init__(self, pid: int, events: _Events):
+    def __init__(self, pid: int, events: KeeperEvents):
         self.pid = pid
         self._events = events
 
     def wait(self) -> int:
-        return self._events.exit_of(self.pid)
+        code = self._events.exit_of(self.pid, wait=True)
+        return -9 if code is None else code  # its keeper gone unreaped: it died with it (PDEATHSIG)
 
 
-class _Events:
-    """The keeper's stdout: {"event": "started", "pid"} per fork, {"event": "exit", "pid", "code"}
-    per task reaped. Read by the shim's main thread alone."""
+class KeeperEvents:
+    """A keeper's stdout (worker/keeper.py) as it comes: {"event": "started", "pid"} per fork,
+    {"event": "exit", "pid", "code"} per task reaped. Read by one thread at a time (the shim's
+    main thread; the local backend's under its lock); nothing else the keeper says goes there."""
 
-    def __init__(self, keeper: subprocess.Popen[bytes]):
-        assert keeper.stdout is not None
-        self._fd = keeper.stdout.fileno()
+    def __init__(self, fd: int):
+        self._fd = fd
         self._buffer = b""
-        self._ended = False
-        self._started: list[int] = []
-        self._exits: dict[int, int] = {}
+        self.ended = False
+        self.started: list[int] = []
+        self.exits: dict[int, int] = {}
 
-    def fork(self, keeper: subprocess.Popen[bytes], handover: Any) -> _Forked:
-        assert keeper.stdin is not None
-        keeper.stdin.write((json.dumps(handover) + "\n").encode())
-        keeper.stdin.flush()
-        deadline = time.monotonic() + _FORK_S
-        while not self._started:
-            if self._ended or not self._read(deadline - time.monotonic()):
-                raise OSError("its keeper did not fork the task" if not self._ended else "its keeper exited")
-        return _Forked(self._started.pop(0), self)
+    def fork(self, stdin: Any, handover: bytes, within_s: float) -> int:
+        """The pid of the task forked with this handover line (OSError: the keeper is gone, or
+        said nothing in time)."""
+        stdin.write(handover)
+        stdin.flush()
+        deadline = time.monotonic() + within_s
+        while not self.started:
+            if self.ended:
+                raise OSError("its keeper exited")
+            if not self.read(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                raise OSError(f"its keeper forked no task within {within_s:g} s")
+        return self.started.pop(0)
 
-    def exit_of(self, pid: int) -> int:
-        while pid not in self._exits:
-            if self._ended:
-                return -9  # its keeper gone unreaped: the task died with it (PR_SET_PDEATHSIG)
-            self._read(None)
-        return self._exits.pop(pid)
+    def exit_of(self, pid: int, wait: bool) -> int | None:
+        """The task's exit code once its keeper reaped it; None while it runs (`wait`: until it
+        ends) and once the keeper is gone without saying."""
+        while pid not in self.exits and self.read(None if wait else 0.0):
+            pass
+        return self.exits.get(pid)
 
-    def _read(self, timeout_s: float | None) -> bool:
-        if timeout_s is not None and (timeout_s <= 0 or not select.select([self._fd], [], [], timeout_s)[0]):
+    def read(self, timeout_s: float | None) -> bool:
+        """What came within `timeout_s` (None: until something does) taken; False if nothing."""
+        if self.ended:
+            return False
+        if timeout_s is not None and not select.select([self._fd], [], [], max(0.0, timeout_s))[0]:
             return False
         data = os.read(self._fd, 65536)
-        self._ended = not data
+        self.ended = not data
         self._buffer += data
         while b"\n" in self._buffer:
             line, self._buffer = self._buffer.split(b"\n", 1)
             try:
                 event = json.loads(line)
                 if event["event"] == "started":
-                    self._started.append(int(event["pid"]))
+                    self.started.append(int(event["pid"]))
                 elif event["event"] == "exit":
-                    self._exits[int(event["pid"])] = int(event["code"])
+                    self.exits[int(event["pid"])] = int(event["code"])
             except (ValueError, KeyError, TypeError):
-                continue  # no event: nothing the keeper says otherwise goes here
+                continue
         return True
 
 
