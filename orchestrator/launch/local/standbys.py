@@ -17,9 +17,15 @@ import subprocess
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from orchestrator.launch import standby
+from orchestrator.launch.local.netns import Network
+from orchestrator.plan import TaskPlan
+from orchestrator.record import now_iso, private_open
+from orchestrator.spec.model import Standby
 from worker.shim_standby import KeeperEvents
 from worker.standby import READY
 
@@ -94,3 +100,107 @@ class _One:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
+
+
+class LocalStandbys:
+    def __init__(self, mode: Standby, run: standby.Verdict, logs: Path, network: Network | None = None):
+        self._mode = mode
+        self._run = run  # whether the run may have standbys at all
+        self._logs = logs  # each standby's output before its handover
+        self._network = network  # the tasks' (a standby starts where its task would)
+        self._ready: dict[str, _One] = {}
+        self.said: str | None = None  # why there are none, once said
+
+    def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
+        """A standby for each task that has none; lines for the record (why none, said once)."""
+        missing = [t for t in tasks if t.name not in self._ready and standby.command(t.argv)]
+        if not missing:
+            return []
+        memory = psutil.virtual_memory()
+        verdict = (
+            self._run
+            if not self._run.on
+            else standby.for_host(self._mode, len(missing), memory.available, memory.total)
+        )
+        if not verdict.on:
+            if self.said == verdict.why:
+                return []
+            self.said = verdict.why
+            return [f"no warm standbys: {verdict.why}"]
+        for task in missing:
+            env = standby.stable_env({**base_env, **task.launch_env(attempt=0, token="")})
+            self._ready[task.name] = self._start(task, env)
+        names = ", ".join(t.name for t in missing)
+        return [f"warm standbys started for {names} ({verdict.why}; at the lowest CPU priority)"]
+
+    def _start(self, task: TaskPlan, env: dict[str, str]) -> _One:
+        command, _ = standby.command(task.argv) or ((), ())
+        path = self._logs / f"{task.name}.log"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with private_open(path) as out:
+            out.write(f"===== orchestrate: standby of {task.name} started {now_iso()} =====\n".encode())
+            out.flush()
+            net = self._network
+            popen = subprocess.Popen(
+                net.enter(list(command), task.cwd) if net is not None else list(command),
+                pass_fds=net.fds if net is not None else (),  # in the tasks' network namespace, if any
+                cwd=task.cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,  # its events (its own output goes to its log)
+                stderr=out,
+                start_new_session=True,  # its own group, which its tasks are not in
+            )
+        log.debug("keeper of %s: pid %d", task.name, popen.pid)
+        return _One(task.name, popen, env, path)
+
+    def take(self, task: TaskPlan, env: Mapping[str, str], log_path: Path) -> tuple[Forked | None, str]:
+        """The task forked by its keeper (the marker line already in its log), or None and why.
+        A keeper that cannot serve this attempt is stopped (the next is prepared once it trains)."""
+        one = self._ready.get(task.name)
+        if one is None:
+            return None, "no standby"
+        args = standby.command(task.argv)
+        state = one.state()
+        why = (
+            f"its standby {state}"
+            if state in ("failed", "gone")
+            else "its standby was still importing TensorFlow (it does so at the lowest priority)"
+            if state == "importing"
+            else standby.differs(one.env, env)
+        )
+        if why is None and args is not None:
+            try:
+                return one.fork(standby.handover(args[1], env, str(log_path))), ""
+            except OSError as exc:
+                why = f"its standby's handover failed ({exc})"
+        del self._ready[task.name]
+        one.kill()
+        return None, why or "no standby"
+
+    def news(self) -> list[str]:
+        """Standbys that could not import TensorFlow, each said once with its last lines."""
+        out = []
+        for one in self._ready.values():
+            if not one.said and one.state() == "failed":
+                one.said = True
+                tail = " | ".join(x for x in one.lines()[-3:] if x.strip())
+                out.append(f"the standby of {one.task} (this machine) exited {one.popen.returncode}: {tail}")
+        return out
+
+    def status(self) -> list[dict[str, Any]]:
+        rows = []
+        for one in self._ready.values():
+            try:
+                rss = psutil.Process(one.popen.pid).memory_info().rss if one.popen.poll() is None else None
+            except psutil.Error:
+                rss = None
+            rows.append(
+                {"task": one.task, "host": "", "pid": one.popen.pid, "state": one.state(), "rss_bytes": rss}
+            )
+        return rows
+
+    def close(self) -> None:
+        for one in self._ready.values():
+            one.kill()
+        self._ready.clear()
