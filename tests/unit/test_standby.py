@@ -20,10 +20,13 @@ import pytest
 
 from orchestrator.launch import standby
 from orchestrator.launch.local.standbys import LocalStandbys
+from orchestrator.launch.shim import ShimHandle
 from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.plan import TaskPlan
 from orchestrator.spec import parse_spec
 from orchestrator.spec.model import Role, Standby
+from tests.conftest import wait_until
+from tests.unit.test_shim_handle import Pipes
 from worker import wire
 from worker.standby import READY
 
@@ -353,7 +356,7 @@ def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it
 
 
 def shim_standby(
-    tmp_path: Path, fake_tf: Path, env: dict[str, str] | None = None, **part: Any
+    tmp_path: Path, fake_tf: Path, env: dict[str, str] | None = None, read: bool = True, **part: Any
 ) -> tuple[subprocess.Popen[bytes], list[dict]]:
     """worker/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
     checksum (as in a host's cache); its events collected as they come."""
@@ -392,11 +395,12 @@ def shim_standby(
     said: list[dict] = []
     stderr = proc.stderr
 
-    def read() -> None:
+    def read_all() -> None:
         for line in stderr:
             said.append(json.loads(line))
 
-    threading.Thread(target=read, daemon=True).start()
+    if read:
+        threading.Thread(target=read_all, daemon=True).start()
     return proc, said
 
 
@@ -485,6 +489,43 @@ def test_a_kept_shims_end_of_file_stops_the_task_it_runs_and_its_standby(
     for pid in (task, again, waiting["pid"]):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_each_attempt_of_a_kept_shim_has_a_handle_of_its_own(tmp_path: Path, fake_tf: Path) -> None:
+    """The coordinator's side: each attempt's events and output go to its own handle, over the one
+    transport; what the standby says stays with the first; an attempt's end lets go of it alone."""
+    proc, _ = shim_standby(tmp_path, fake_tf, read=False)
+    task = task_plan(tmp_path)
+    (tmp_path / "train.py").write_text(FORKED)
+    own = ShimHandle(task, 0, tmp_path / "standby-out.log", Pipes(proc))
+    assert wait_until(lambda: own.events.standby_ready, 20)
+    keeper = own.events.standby
+    assert keeper is not None
+    for attempt in (1, 2):
+        log = tmp_path / f"attempt-{attempt}.log"
+        handle = own.next_attempt(task, attempt, log)
+        env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "t"}
+        on_host = tmp_path / "run" / "logs" / f"worker-0.{attempt}.log"
+        go = {
+            "attempt": attempt,
+            "log": str(on_host),
+            "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
+            "handover": json.loads(
+                standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(on_host))
+            ),
+        }
+        own.transport.send(f"GO {json.dumps(go)}\n".encode())
+        handle.wait_started(20)
+        assert handle.process.pid not in (0, keeper.pid)
+        assert wait_until(lambda h=handle: h.poll() is not None, 20)
+        assert handle.poll() == attempt and handle.exited, (handle.events.messages, on_host.read_text())
+        said = f'"attempt": "{attempt}"'
+        assert wait_until(lambda f=log, a=said: a in (f.read_text() if f.exists() else ""), 10)
+        handle.release()  # the shim and its standby stay
+        assert proc.poll() is None and own.poll() is None and not own.events.ended.is_set()
+    assert own.events.standby == keeper and own.events.info is None
+    own.transport.close(True, own.events)  # the run's end: the standby stopped, the shim gone
+    assert wait_until(own.events.ended.is_set, 10) and own.events.exit_code == 0
 
 
 def test_a_shim_reads_only_its_own_standbys_ready_line(tmp_path: Path, fake_tf: Path) -> None:
