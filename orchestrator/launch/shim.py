@@ -297,19 +297,19 @@ class _Line:
         self.own = own
         self.ended = False
         self._lock = threading.Lock()
-        self._current: tuple[ShimEvents, Path] | None = None
-        self._own_log = log_path
+        self._current: ShimEvents | None = None
+        self._log = log_path  # where output goes: the latest attempt's log (its last lines may come late)
         pumps = [self._pump_events] + ([self._pump_output] if transport.streams_output else [])
         for pump in pumps:
             threading.Thread(target=pump, daemon=True, name=f"{name}-{pump.__name__[6:]}").start()
 
     def attach(self, events: ShimEvents, log_path: Path) -> None:
         with self._lock:
-            self._current = (events, log_path)
+            self._current, self._log = events, log_path
 
     def detach(self, events: ShimEvents) -> None:
         with self._lock:
-            if self._current is not None and self._current[0] is events:
+            if self._current is events:
                 self._current = None
 
     def _to(self, event: dict[str, Any] | None) -> ShimEvents:
@@ -319,7 +319,7 @@ class _Line:
                 return self.own
             if event is not None and event["event"] == "exit":
                 self._current = None  # the attempt is over: what follows is the shim's own
-            return current[0]
+            return current
 
     def _feed(self, text: str) -> None:
         event = parse(text)
@@ -334,7 +334,7 @@ class _Line:
         try:
             while data := self.transport.read_output():
                 with self._lock:
-                    wanted = self._current[1] if self._current is not None else self._own_log
+                    wanted = self._log
                 if wanted != path:
                     if out is not None:
                         out.close()
@@ -363,4 +363,4 @@ class _Line:
             current, self._current = self._current, None
         self.own.close()
         if current is not None:
-            current[0].close()
+            current.close()
