@@ -40,6 +40,7 @@ def start_reporting() -> Reporter:
         tf_tuning.configure_coordination(extended)
         rep.mark_connecting()
         tf_tuning.wait_for_leader(extended)  # its first attempt then never meets a closed port
+        tf_tuning.wait_for_servers(extended)  # a ParameterServerStrategy's chief: the strategy itself
 
     def up(_strategy: object) -> None:
         rep.mark_ready()

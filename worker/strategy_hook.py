@@ -23,11 +23,13 @@ _MODULE = "tensorflow.python.distribute.distribute_lib"
 _SERVER_MODULE = "tensorflow.python.training.server_lib"  # tf.distribute.Server: ps and PS workers
 _DEFAULT_STRATEGY = "_DefaultDistributionStrategy"
 _DEFAULT_EXTENDED = "_DefaultDistributionExtended"
+_PS_MODULE = "tensorflow.python.distribute.parameter_server_strategy_v2"
 
 
 def install(on_connecting: Callable[[Any], None], on_strategy_up: Callable[[Any], None]) -> None:
     """Call `on_connecting(extended)` when a strategy starts construction (it may wait there for its
-    peers), and `on_strategy_up(strategy)` after every non-default strategy is constructed."""
+    peers; a ParameterServerStrategy's chief: `on_connecting(strategy)` before it connects to its
+    servers), and `on_strategy_up(strategy)` after every non-default strategy is constructed."""
 
     def patch(module: ModuleType) -> None:
         base = getattr(module, "StrategyBase", None)
@@ -66,8 +68,23 @@ def install(on_connecting: Callable[[Any], None], on_strategy_up: Callable[[Any]
 
         server.__init__ = server_init_hooked
 
+    def patch_ps(module: ModuleType) -> None:
+        strategy = getattr(module, "ParameterServerStrategyV2", None)
+        connect = getattr(strategy, "_connect_to_cluster", None)
+        if strategy is None or connect is None:
+            return  # only an optimisation is lost: the chief then connects as it would have
+
+        # A ParameterServerStrategy's chief connects to its servers before it builds its extended
+        # part: "connecting" is said (and its servers waited for) just before.
+        def connect_hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            on_connecting(self)
+            return connect(self, *args, **kwargs)
+
+        strategy._connect_to_cluster = connect_hooked
+
     after_import(_MODULE, patch)
     after_import(_SERVER_MODULE, patch_server)
+    after_import(_PS_MODULE, patch_ps)
 
 
 def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:

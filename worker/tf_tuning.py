@@ -8,7 +8,8 @@ and the cluster registration timeout (health.startup_timeout_s). Called from the
 when TensorFlow is already imported; it never raises (tuning is optional).
 
 Also: a task that is not the coordination service's leader waits until the leader's TF port
-accepts connections before it connects. TensorFlow's first attempt to register with a leader not
+accepts connections before it connects (and a ParameterServerStrategy's chief, until every ps
+and worker task's does). TensorFlow's first attempt to register with a leader not
 yet listening fails, and its retry comes ~1 s later (gRPC's reconnect backoff): measured, the
 strategy came up 0.4–0.9 s after the last task's import without this, 0.1 s with it.
 """
@@ -98,17 +99,49 @@ def wait_for_leader(extended: Any) -> float | None:
         return None
     try:
         leader = leader_address(json.loads(os.environ.get("TF_CONFIG") or "{}"))
-        if leader is None:
-            return None
-        limit_s = float(os.environ.get(wire.ENV_TF_REGISTER_TIMEOUT_S) or 120.0)
-        start = time.monotonic()
-        while time.monotonic() - start < limit_s:
-            try:
-                socket.create_connection(leader, timeout=LEADER_CONNECT_S).close()
-                return time.monotonic() - start
-            except OSError:
-                time.sleep(LEADER_POLL_S)
-        return time.monotonic() - start
+        return _listening([leader]) if leader is not None else None
     except Exception as exc:  # noqa: BLE001 - an optimisation: the strategy connects as it would have
         log.debug("waiting for the leader: %s", exc)
         return None
+
+
+def server_addresses(tf_config: dict[str, Any]) -> list[tuple[str, int]]:
+    """(host, port) of every ps and worker task a ParameterServerStrategy's chief connects to;
+    [] for any other task."""
+    cluster = tf_config.get("cluster") or {}
+    if (tf_config.get("task") or {}).get("type") != "chief" or not cluster.get("ps"):
+        return []
+    out = []
+    for address in [*cluster["ps"], *(cluster.get("worker") or [])]:
+        host, _, port = str(address).rpartition(":")
+        if host and port.isdigit():
+            out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def wait_for_servers(strategy: Any) -> float | None:
+    """For a ParameterServerStrategy's chief about to connect: wait until every ps and worker
+    task's TF port accepts a connection, as wait_for_leader (its first connection to a server
+    still starting would wait out gRPC's ~1 s reconnect backoff). Never raises."""
+    if type(strategy).__name__ != "ParameterServerStrategyV2":
+        return None
+    try:
+        servers = server_addresses(json.loads(os.environ.get("TF_CONFIG") or "{}"))
+        return _listening(servers) if servers else None
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the strategy connects as it would have
+        log.debug("waiting for the servers: %s", exc)
+        return None
+
+
+def _listening(addresses: list[tuple[str, int]]) -> float:
+    """Seconds until each address accepts a connection (at most the registration timeout)."""
+    limit_s = float(os.environ.get(wire.ENV_TF_REGISTER_TIMEOUT_S) or 120.0)
+    start = time.monotonic()
+    waiting = list(addresses)
+    while waiting and time.monotonic() - start < limit_s:
+        try:
+            socket.create_connection(waiting[0], timeout=LEADER_CONNECT_S).close()
+            waiting.pop(0)
+        except OSError:
+            time.sleep(LEADER_POLL_S)
+    return time.monotonic() - start

@@ -74,3 +74,50 @@ def test_a_leader_that_never_listens_is_waited_for_no_longer_than_the_registrati
     began = time.monotonic()
     waited = tf_tuning.wait_for_leader(CollectiveAllReduceExtended())
     assert waited is not None and waited >= 0.3 and time.monotonic() - began < 3.0
+
+
+class ParameterServerStrategyV2:
+    """Named as ParameterServerStrategy (the wait looks at the type's name)."""
+
+
+def free_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = int(probe.getsockname()[1])
+    probe.close()
+    return port
+
+
+def test_a_ps_chief_connects_once_every_ps_and_worker_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first connection to a server still starting would wait out gRPC's backoff."""
+    ps, worker = free_port(), free_port()
+    cluster = {"chief": ["127.0.0.1:1"], "ps": [f"127.0.0.1:{ps}"], "worker": [f"[127.0.0.1]:{worker}"]}
+    assert tf_tuning.server_addresses({"cluster": cluster, "task": {"type": "chief", "index": 0}}) == [
+        ("127.0.0.1", ps),
+        ("127.0.0.1", worker),
+    ]
+    assert tf_tuning.server_addresses({"cluster": cluster, "task": {"type": "worker", "index": 0}}) == []
+    assert (
+        tf_tuning.server_addresses(
+            {"cluster": {"chief": ["a:1"], "worker": ["b:2"]}, "task": {"type": "chief"}}
+        )
+        == []
+    )
+    tf_config(monkeypatch, cluster, ("chief", 0))
+    servers = [socket.socket(), socket.socket()]
+
+    def listen_later() -> None:
+        for delay, port, server in ((0.3, worker, servers[1]), (0.3, ps, servers[0])):
+            time.sleep(delay)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    try:
+        waited = tf_tuning.wait_for_servers(ParameterServerStrategyV2())
+    finally:
+        for server in servers:
+            server.close()
+    assert waited is not None and 0.5 < waited < 5.0  # until the last one listened
+    assert tf_tuning.wait_for_servers(CollectiveAllReduceExtended()) is None
