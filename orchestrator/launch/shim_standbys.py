@@ -182,6 +182,13 @@ class ShimStandbys:
             rows.append({"task": name, "host": one.place, "pid": pid, "state": state, "rss_bytes": None})
         return rows
 
+    def drop(self) -> None:
+        """Every standby stopped (their nodes' allocation is gone); new ones come as they would."""
+        with self._lock:
+            ones = list(self._ready.values())
+            self._ready.clear()
+        _stop(ones, wait_s=0.0)
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:

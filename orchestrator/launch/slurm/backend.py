@@ -359,6 +359,7 @@ class SlurmBackend(SlurmTasks, Backend):
         new = self._alloc.renewed(self._slurm, self._spec, self._run_id, self._folder, self._cancel, notes)
         if new is not None:
             self._alloc = new
+            self._standbys.drop()  # steps of the old allocation, on nodes that may bear the same names
             self._addresses = node_addresses(self._slurm, self._cluster_nodes, new.nodes)
         return new is not None
 
