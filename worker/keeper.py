@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 _PR_SET_PDEATHSIG = 1
+_PASSED_OVER = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Lines:
@@ -70,6 +71,8 @@ def keep(
     for fd in (woken_r, woken_w):
         os.set_blocking(fd, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: only then does it wake select
+    for sig in _PASSED_OVER:  # Slurm signals every process of a step: the tasks answer, not this
+        signal.signal(sig, signal.SIG_IGN)  # (it is stopped by SIGKILL or the end of its stdin)
     signal.set_wakeup_fd(woken_w)
     tasks: set[int] = set()
     while True:
@@ -150,6 +153,8 @@ def _leave_keeper(keeper: int, reader: int, keepers: tuple[int, ...]) -> None:
         os._exit(1)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in _PASSED_OVER:  # ignored dispositions survive a fork: a task's are a new process's
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for fd in keepers:
         with contextlib.suppress(OSError):
             os.close(fd)

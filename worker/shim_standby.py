@@ -44,15 +44,23 @@ def keep(job: dict[str, Any], shim: Any) -> int:
     assert keeper.stdout is not None
     events = KeeperEvents(keeper.stdout.fileno())
     stopping = threading.Event()
+    attempt: dict[str, Any] = {}
     ready = threading.Thread(target=_ready, args=(shim, log, start, keeper, stopping), daemon=True)
     ready.start()
 
     def fork(handover: Any) -> _Forked:
         line = (json.dumps(handover) + "\n").encode()
-        return _Forked(events.fork(keeper.stdin, line, _FORK_S), events)
+        try:
+            forked = _Forked(events.fork(keeper.stdin, line, _FORK_S), events)
+        except OSError:
+            shim._terminate_group(keeper.pid, 0.0)  # a late fork would be no one's: no keeper left
+            raise
+        inbox.attach(attempt, forked.pid)  # before "started": TERM, KILL, end of file reach it
+        return forked
 
     while (go := inbox.next_go(keeper)) is not None:
-        attempt = {**job, **go}
+        attempt.clear()
+        attempt.update(job, **go)
         try:
             _attempt(attempt, shim, fork, inbox)
         finally:
@@ -197,12 +205,16 @@ class _Inbox(threading.Thread):
         self._heard = time.monotonic()
         self._lock = threading.Lock()
         self._task: tuple[dict[str, Any], int] | None = None
+        self._eof = False
         self.start()
 
     def attach(self, job: dict[str, Any], pgid: int | None) -> None:
         with self._lock:
             self._task = (job, pgid) if pgid is not None else None
             self._heard = time.monotonic()  # silence is counted from the task's end on
+            late = pgid is not None and self._eof
+        if late:  # its coordinator went after its GO: never orphan the task
+            self._shim._terminate_group(pgid, float(job["grace_s"]))
 
     def run(self) -> None:
         for raw in sys.stdin.buffer:
@@ -216,7 +228,7 @@ class _Inbox(threading.Thread):
                 if task is not None:
                     self._shim.command(task[0], task[1], said)
         with self._lock:
-            task, self._task = self._task, None
+            task, self._task, self._eof = self._task, None, True
         if task is not None:  # the coordinator or its connection is gone: never orphan the task
             self._shim._terminate_group(task[1], float(task[0]["grace_s"]))
         self._gos.put(None)
@@ -225,7 +237,9 @@ class _Inbox(threading.Thread):
         """The next attempt; None at end of file, after silence, or once the keeper is gone."""
         while True:
             try:
-                return self._gos.get(timeout=0.2)
+                go = self._gos.get(timeout=0.2)
+                with self._lock:
+                    return None if self._eof else go  # a GO before end of file: no one to run it for
             except queue.Empty:
                 pass
             if keeper.poll() is not None:

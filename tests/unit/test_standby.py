@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -646,3 +647,19 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
         time.sleep(0.02)
     assert handles["worker-1"].transport.ended and standbys.status() == []
     assert handles["worker-0"].transport.ended  # kept standbys end with the run
+
+
+def test_a_keeper_lets_its_task_answer_a_sigterm_sent_to_both(tmp_path: Path, fake_tf: Path) -> None:
+    """Slurm signals every process of a step (a time limit, a preemption): the task saves and
+    exits as it would; its keeper stays, and its task is not killed with it."""
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    keeper = standbys.status()[0]["pid"]
+    log = tmp_path / "w3.log"
+    child, _ = standbys.take(task, {**base, **task.launch_env(attempt=3, token="t")}, log)
+    assert child is not None
+    wait_for_line(log, "RESULT ")
+    os.kill(keeper, signal.SIGTERM)
+    os.kill(child.pid, signal.SIGTERM)
+    assert exit_of(child) == 143  # the runtime's own answer, not its keeper's end (-9)
+    assert standbys.status()[0]["state"] == "ready"
+    standbys.close()

@@ -96,10 +96,12 @@ class _One:
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5.0)
-        for pipe in (self.popen.stdin, self.popen.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        with self._lock:  # its events end here: no poll reads a closed (or reused) descriptor
+            self._events.ended = True
+            for pipe in (self.popen.stdin, self.popen.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
 
 
 class LocalStandbys:
