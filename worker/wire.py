@@ -32,8 +32,8 @@ ENV_COORDINATOR_TIMEOUT_S = "ORCHESTRATE_COORDINATOR_TIMEOUT_S"
 ENV_TF_HEARTBEAT_TIMEOUT_S = "ORCHESTRATE_TF_HEARTBEAT_TIMEOUT_S"
 ENV_TF_REGISTER_TIMEOUT_S = "ORCHESTRATE_TF_REGISTER_TIMEOUT_S"
 #: What may change from one attempt of a task to the next (ports, the attempt, its credential,
-#: where it reports: a host's relay or tunnel may be new): a warm standby gets these only when it
-#: becomes its task (TensorFlow reads none of them at import; docs/architecture.md §7).
+#: where it reports: a host's relay or tunnel may be new): a warm standby's task gets these with
+#: its handover (TensorFlow reads none of them at import; docs/architecture.md §7).
 PER_ATTEMPT_ENV = ("TF_CONFIG", ENV_ATTEMPT, ENV_TOKEN, ENV_COORDINATOR)
 
 #: Set by the orchestrator for every task; a spec may not set them.

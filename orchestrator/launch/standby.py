@@ -1,11 +1,12 @@
 """Launch layer: warm standbys (docs/architecture.md §6) — what every backend shares: whether a
 run has them (`restart.standby`, the memory they cost, a job that sets an import-time variable
-itself), a standby's command, the handover that makes it its task, and the rule that it is used
-only where its task's attempt has exactly the environment it was started with.
+itself), a standby's command, the handover that forks its task from it, and the rule that it
+is used only where its task's attempt has exactly the environment it was started with.
 
 A standby (worker/standby.py) is started once an attempt trains, imports TensorFlow at the
-lowest CPU priority and waits; the next attempt's `start` hands the task to it (or starts cold,
-saying why), and the backend prepares the next one once that attempt trains.
+lowest CPU priority and waits; each later attempt's `start` hands it that attempt, and it forks
+the task and stays for the next (a keeper, worker/keeper.py), or the task starts cold, saying why
+(a standby that cannot serve is stopped; a new one is prepared once that attempt trains).
 """
 
 from __future__ import annotations
