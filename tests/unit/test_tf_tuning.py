@@ -24,6 +24,29 @@ def tf_config(monkeypatch: pytest.MonkeyPatch, cluster: dict, task: tuple[str, i
     )
 
 
+def free_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = int(probe.getsockname()[1])
+    probe.close()
+    return port
+
+
+def listen_later(schedule: list[tuple[float, int]]) -> list[socket.socket]:
+    """Sockets that start listening on 127.0.0.1, each port after its delay (one after another)."""
+    servers = [socket.socket() for _ in schedule]
+
+    def listen() -> None:
+        for (delay, port), server in zip(schedule, servers, strict=True):
+            time.sleep(delay)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+
+    threading.Thread(target=listen, daemon=True).start()
+    return servers
+
+
 def test_the_leader_is_the_chief_else_worker_0_and_waits_for_no_one() -> None:
     two = {"worker": ["10.0.0.1:2000", "10.0.0.2:2000"]}
     assert tf_tuning.leader_address({"cluster": two, "task": {"type": "worker", "index": 1}}) == (
@@ -41,24 +64,14 @@ def test_the_leader_is_the_chief_else_worker_0_and_waits_for_no_one() -> None:
 
 
 def test_a_worker_connects_as_soon_as_its_leader_listens(monkeypatch: pytest.MonkeyPatch) -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()  # a port nothing listens on, yet
+    port = free_port()  # a port nothing listens on, yet
     tf_config(monkeypatch, {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}, ("worker", 1))
-    leader = socket.socket()
-    leader.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-
-    def listen_later() -> None:
-        time.sleep(0.5)
-        leader.bind(("127.0.0.1", port))
-        leader.listen()
-
-    threading.Thread(target=listen_later, daemon=True).start()
+    leader = listen_later([(0.5, port)])
     try:
         waited = tf_tuning.wait_for_leader(CollectiveAllReduceExtended())
     finally:
-        leader.close()
+        for server in leader:
+            server.close()
     assert waited is not None and 0.4 < waited < 5.0
     # other strategies, and the leader itself, wait for nothing
     assert tf_tuning.wait_for_leader(object()) is None
@@ -80,14 +93,6 @@ class ParameterServerStrategyV2:
     """Named as ParameterServerStrategy (the wait looks at the type's name)."""
 
 
-def free_port() -> int:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = int(probe.getsockname()[1])
-    probe.close()
-    return port
-
-
 def test_a_ps_chief_connects_once_every_ps_and_worker_listens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its first connection to a server still starting would wait out gRPC's backoff."""
     ps, worker = free_port(), free_port()
@@ -104,16 +109,7 @@ def test_a_ps_chief_connects_once_every_ps_and_worker_listens(monkeypatch: pytes
         == []
     )
     tf_config(monkeypatch, cluster, ("chief", 0))
-    servers = [socket.socket(), socket.socket()]
-
-    def listen_later() -> None:
-        for delay, port, server in ((0.3, worker, servers[1]), (0.3, ps, servers[0])):
-            time.sleep(delay)
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(("127.0.0.1", port))
-            server.listen()
-
-    threading.Thread(target=listen_later, daemon=True).start()
+    servers = listen_later([(0.3, worker), (0.3, ps)])
     try:
         waited = tf_tuning.wait_for_servers(ParameterServerStrategyV2())
     finally:
