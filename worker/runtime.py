@@ -83,7 +83,7 @@ def run_reported(main: Callable[[], object]) -> int:
     try:
         main()
     except SystemExit as exc:
-        code = _exit_code(exc.code)
+        code = exit_code(exc.code)
         rep.finish(None if code == 0 else wire.TaskError("SystemExit", f"exit code {code}", ""))
         return code
     except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything; we report it
@@ -132,7 +132,8 @@ def describe(exc: BaseException) -> wire.TaskError:
     return wire.TaskError(type=name, message=str(exc)[:2000], traceback=tb)
 
 
-def _exit_code(code: object) -> int:
+def exit_code(code: object) -> int:
+    """A SystemExit's code as an exit status: None is 0, a message is said and is 1."""
     if code is None:
         return 0
     if isinstance(code, int):

@@ -236,10 +236,11 @@ def _read_error_file(path: str) -> Any:
 
 
 def _lock_port(path: str) -> int | None:
-    """Hold the node-local lock of the task's TF port for as long as the shim lives (the task's
-    life): another run's probe on this node then chooses another port, and two TensorFlow servers
-    (which bind with SO_REUSEPORT) never share one. None when another process holds it. The
-    folders are private and ours; no symlink is followed."""
+    """Hold the node-local lock of the task's TF port for the task's life (a plain shim's life; a
+    kept standby's shim lets go of it after each attempt): another run's probe on this node then
+    chooses another port, and two TensorFlow servers (which bind with SO_REUSEPORT) never share
+    one. None when another process holds it. The folders are private and ours; no symlink is
+    followed."""
     ports = os.path.dirname(path)
     for folder in (os.path.dirname(ports), ports):
         with contextlib.suppress(FileExistsError):

@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -58,6 +59,7 @@ def keep(job: dict[str, Any], shim: Any) -> int:
         inbox.attach(attempt, forked.pid)  # before "started": TERM, KILL, end of file reach it
         return forked
 
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     while (go := inbox.next_go(keeper)) is not None:
         attempt.clear()
         attempt.update(job, **go)
@@ -65,6 +67,8 @@ def keep(job: dict[str, Any], shim: Any) -> int:
             _attempt(attempt, shim, fork, inbox)
         finally:
             inbox.attach(attempt, None)
+            for sig, handler in handlers.items():  # the ended task's group is no one's to signal now
+                signal.signal(sig, handler)
             if attempt.get("port_fd") is not None:
                 os.close(attempt["port_fd"])  # the task's TF port: free for the next attempt's
     if keeper.poll() is None:  # the coordinator is done with it, or gone
@@ -185,6 +189,7 @@ class KeeperEvents:
                 event = json.loads(line)
                 if event["event"] == "started":
                     self.started.append(int(event["pid"]))
+                    self.exits.pop(int(event["pid"]), None)  # a pid used again: not the old task's end
                 elif event["event"] == "exit":
                     self.exits[int(event["pid"])] = int(event["code"])
             except (ValueError, KeyError, TypeError):

@@ -80,12 +80,13 @@ def main(run: Callable[[list[str]], int]) -> NoReturn:
     loading = _Import()
     loading.start()
     lines = keeper.Lines(0)
-    while (line := lines.next()) is None:
-        select.select([0], [], [])
-    if not line:
+    while (line := lines.next()) is None and loading.is_alive():
+        select.select([0], [], [], 0.2)  # a handover, or the import's end (a keeper from then on)
+    if line == b"":
         os._exit(0)  # nothing to become: at once, even mid-import
     loading.join()  # a failed import has ended the process
-    lines.push_back(line)
+    if line:
+        lines.push_back(line)
     keeper.keep(run, _become, lines, events)
 
 

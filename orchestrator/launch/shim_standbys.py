@@ -146,8 +146,8 @@ class ShimStandbys:
         return None, why
 
     def news(self) -> list[str]:
-        """Standbys started (or not) since last asked, and those that could not import TensorFlow
-        or were refused for memory, each said once."""
+        """Standbys started (or not) since last asked, those that could not import TensorFlow (or
+        exited later) or were refused for memory, each said once."""
         with self._lock:
             out, self._notes = self._notes, []
         for name, one in list(self._ready.items()):
@@ -157,7 +157,10 @@ class ShimStandbys:
             if events.standby_failed is not None:
                 one.said = True
                 tail = " | ".join(x for x in events.standby_failed.splitlines()[-3:] if x.strip())
-                out.append(f"the standby of {name} on {one.place} could not import TensorFlow: {tail}")
+                what = "could not import TensorFlow"
+                if events.standby_ready:
+                    what = "exited after importing TensorFlow"
+                out.append(f"the standby of {name} on {one.place} {what}: {tail}")
             elif events.standby_refused is not None:
                 one.said = True
                 available, total = events.standby_refused

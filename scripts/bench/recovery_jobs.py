@@ -1,6 +1,7 @@
 """P5 per kind of job (issue 39): a warm restart (every task handed to its standby) against a cold
 one (no standbys), the kill at the same step, with the restart's phases; and the warm run's second
-kill, 3 s after its attempt 1's first step (its own standbys still importing).
+kill, 3 s after its attempt 1's first step (before keepers, its standbys were still importing then:
+a cold restart; now the same keepers fork it).
 
 Jobs, each with Python in its input pipeline where named `-py` (a `tf.numpy_function` or
 `tf.py_function` map, as augmentation or decoding has):
@@ -123,7 +124,7 @@ def one_run(job: str, standby: str, where, at_step: int) -> dict:
             wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
         out["killed_at_step"] = step()
         restarts = [_kill(run, pid(), 1)]
-        if standby == "on":  # a failure soon after a start: its standbys are still importing
+        if standby == "on":  # a failure soon after a start (the keepers fork its tasks again)
             first = first_step_of_attempt(run, 1)[0]
             time.sleep(max(0.0, first + 3.0 - time.time()))
             restarts.append(_kill(run, pid(), 2))

@@ -138,7 +138,7 @@ def test_plan_text_of_a_local_spec(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "ORCHESTRATE_ATTEMPT=<0, 1, … per attempt>" in out
     standbys = "warm standbys (restart.standby: auto; each imports TensorFlow for the next attempt):\n"
     assert (
-        standbys + "  127.0.0.1: 2 × 600 MiB = 1,200 MiB, where 2,048 MiB stay available with them\n" in out
+        standbys + "  127.0.0.1: 2 × 750 MiB = 1,500 MiB, where 2,048 MiB stay available with them\n" in out
     )
 
 

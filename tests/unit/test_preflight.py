@@ -287,9 +287,9 @@ def test_the_shared_column_is_empty_when_the_spec_declares_no_shared_folder() ->
 @pytest.mark.parametrize(
     ("restart", "available", "cell"),
     [
-        ("", 10 * GIB, "2 × 600 MiB"),
+        ("", 10 * GIB, "2 × 750 MiB"),
         ("", 2 * GIB, "off: low memory (2.0 GiB available)"),
-        ("restart: {standby: on}\n", 2 * GIB, "2 × 600 MiB"),
+        ("restart: {standby: on}\n", 2 * GIB, "2 × 750 MiB"),
         ("restart: {standby: off}\n", 10 * GIB, "off"),
     ],
 )

@@ -268,6 +268,41 @@ def test_a_keeper_forks_each_attempts_task_and_stays_for_the_next(tmp_path: Path
     standbys.close()
 
 
+def test_a_keeper_hands_an_attempt_to_the_spare_it_made_ahead(tmp_path: Path, fake_tf: Path) -> None:
+    """A spare is forked as soon as the keeper is ready (its shared pages copied while it is
+    single-threaded) and becomes the next attempt's task; one within SPARE_AFTER_S of a handover is
+    forked then; a spare that died is no task's end and not said."""
+    from worker.keeper import SPARE_AFTER_S
+
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    keeper = psutil_process(standbys.status()[0]["pid"])
+    assert wait_until(lambda: len(keeper.children()) == 1, timeout_s=10)
+    spare = keeper.children()[0].pid
+
+    def attempt(n: int) -> Any:
+        child, why = standbys.take(
+            task, {**base, **task.launch_env(attempt=n, token="t")}, tmp_path / f"w{n}.log"
+        )
+        assert child is not None and why == "" and exit_of(child) == n
+        return child
+
+    assert attempt(1).pid == spare
+    handed = time.monotonic()
+    assert attempt(2).pid != spare and keeper.children() == []  # none made yet: the task has the cores
+    assert wait_until(lambda: len(keeper.children()) == 1, timeout_s=SPARE_AFTER_S + 10)
+    assert time.monotonic() - handed >= SPARE_AFTER_S - 0.5
+    again = keeper.children()[0].pid
+    os.kill(again, signal.SIGKILL)
+    assert wait_until(lambda: not psutil.pid_exists(again), timeout_s=10)  # reaped by its keeper
+    fourth = attempt(4)
+    assert (
+        fourth.pid != again
+        and json.loads(wait_for_line(tmp_path / "w4.log", "RESULT ")[7:])["attempt"] == "4"
+    )
+    assert standbys.status()[0]["state"] == "ready"
+    standbys.close()
+
+
 def test_a_keepers_task_dies_with_it_and_is_said_killed(tmp_path: Path, fake_tf: Path) -> None:
     """No task outlives the one process that can say how it ended."""
     standbys, task, base = ready_keeper(tmp_path, fake_tf)
@@ -330,7 +365,7 @@ def test_standbys_are_for_runs_that_can_restart_and_jobs_that_leave_import_time_
     ("mode", "tasks", "available", "on"),
     [
         (Standby.AUTO, 2, 8 * 2**30, True),
-        (Standby.AUTO, 2, 2 * 2**30, False),  # 1.2 GiB of standbys would leave under 2 GiB
+        (Standby.AUTO, 2, 2 * 2**30, False),  # 1.5 GiB of standbys would leave under 2 GiB
         (Standby.ON, 2, 2 * 2**30, True),
         (Standby.AUTO, 8, 6 * 2**30, False),
     ],
@@ -338,7 +373,7 @@ def test_standbys_are_for_runs_that_can_restart_and_jobs_that_leave_import_time_
 def test_auto_keeps_standbys_only_where_the_host_keeps_memory_available(mode, tasks, available, on) -> None:
     verdict = standby.for_host(mode, tasks, available, 16 * 2**30)
     assert verdict.on is on
-    assert f"{tasks} × 600 MiB" in verdict.why
+    assert f"{tasks} × 750 MiB" in verdict.why
 
 
 def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it() -> None:
@@ -451,6 +486,40 @@ def test_a_shim_keeps_its_standby_and_forks_each_attempts_task_from_it(tmp_path:
     assert until(said, "exit")["code"] == 0 and proc.wait(timeout=10) == 0
     with pytest.raises(ProcessLookupError):
         os.killpg(waiting["pgid"], 0)
+
+
+def test_a_kept_shim_between_attempts_answers_sigterm_itself(tmp_path: Path, fake_tf: Path) -> None:
+    """The ended task's group is no one's to signal: sshd stopping the shim then stops the shim,
+    and its standby follows (end of file)."""
+    proc, said = shim_standby(tmp_path, fake_tf)
+    waiting = until(said, "standby")
+    until(said, "standby_ready")
+    (tmp_path / "train.py").write_text(FORKED)
+    log = tmp_path / "run" / "logs" / "worker-0.log"
+    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: "1", wire.ENV_TOKEN: "secret"}
+    go = {
+        "attempt": 1,
+        "log": str(log),
+        "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
+        "handover": json.loads(
+            standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
+        ),
+    }
+    assert proc.stdin is not None
+    proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
+    proc.stdin.flush()
+    until(said, "started")
+    assert until(said, "exit")["code"] == 1  # the task's own exit code
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert wait_until(lambda: _gone(waiting["pid"]), timeout_s=10)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_a_kept_shims_end_of_file_stops_the_task_it_runs_and_its_standby(
@@ -634,6 +703,10 @@ def test_shim_standbys_start_hosts_in_parallel_on_a_thread_of_their_own(tmp_path
     assert handles["worker-0"].attempts == [1] and len(standbys.status()) == 2
     standbys.take(tasks[1], {"OTHER": "1"}, "h0", {"attempt": 1}, log)  # not used: stopped
     assert handles["worker-1"].transport.ended and [s["task"] for s in standbys.status()] == ["worker-0"]
+    handles["worker-0"].events.standby_failed = "MemoryError\nKilled"  # ready, then gone: said so
+    assert standbys.news() == [
+        "the standby of worker-0 on h0 exited after importing TensorFlow: MemoryError | Killed"
+    ]
     # the run ends while a standby is still being started: it is stopped once it is there
     slow.clear()
     standbys.prepare(tasks[1:2], open_one)
@@ -663,3 +736,23 @@ def test_a_keeper_lets_its_task_answer_a_sigterm_sent_to_both(tmp_path: Path, fa
     assert exit_of(child) == 143  # the runtime's own answer, not its keeper's end (-9)
     assert standbys.status()[0]["state"] == "ready"
     standbys.close()
+
+
+def test_a_pid_used_again_is_not_taken_for_the_old_tasks_end() -> None:
+    """A keeper's events: an exit belongs to the task of that pid until a fork says the pid again."""
+    from worker.shim_standby import KeeperEvents
+
+    read, write = os.pipe()
+    try:
+        events = KeeperEvents(read)
+        os.write(write, b'{"event": "started", "pid": 100}\n{"event": "exit", "pid": 100, "code": 3}\n')
+        assert events.read(5.0) and events.started == [100]
+        assert events.exit_of(100, wait=False) == 3
+        os.write(write, b'{"event": "started", "pid": 100}\nnot json\n')
+        assert events.read(5.0) and events.started == [100, 100]
+        assert events.exit_of(100, wait=False) is None  # the new task runs
+        os.write(write, b'{"event": "exit", "pid": 100, "code": -9}\n')
+        assert events.exit_of(100, wait=True) == -9
+    finally:
+        os.close(read)
+        os.close(write)

@@ -1,4 +1,5 @@
-"""Launch layer, slurm backend: one task attempt as one job step — the shim's transport (its events
+"""Launch layer, slurm backend: one task attempt as one job step (a kept standby's step serves all
+its attempts, a handle each: ShimHandle.next_attempt) — the shim's transport (its events
 from srun's stderr, TERM/KILL on its stdin, the log streamed back when nothing is shared) and the
 node-local lock of its TF port.
 

@@ -1,5 +1,6 @@
-"""Launch layer, ssh backend: a task's shim over one SSH channel (one per task attempt) — the
-transport of the one shim handle (launch/shim.py)."""
+"""Launch layer, ssh backend: a task's shim over one SSH channel (one per task attempt; a kept
+standby's, one for the run, its attempts each a handle over it: ShimHandle.next_attempt) — the
+transport of the shim's handles (launch/shim.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class SshTaskHandle(ShimHandle):
 
 
 class SshChannel(Transport):
-    """A shim's streams over one SSH channel (one per task attempt)."""
+    """A shim's streams over one SSH channel (one per task attempt, or per kept standby)."""
 
     closed_text = "the channel closed"
     unreachable_at_end = True  # the channel's end: its connection is gone, nothing more is learned
