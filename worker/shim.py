@@ -195,13 +195,16 @@ def _watch(job: dict[str, Any], child: Any, offset: int, attach: Any = None) -> 
         threading.Thread(target=_control, args=(job, pgid), daemon=True).start()
     else:
         attach(job, pgid)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig in previous:
         if job.get("forward_signals", True):
             # sshd or an admin stopping the shim: the task goes too
             signal.signal(sig, lambda *_: _terminate_group(pgid, float(job["grace_s"])))
         else:
             signal.signal(sig, signal.SIG_IGN)  # the task had it too; the shim reports its exit
     code = int(child.wait())
+    for sig, handler in previous.items():  # the ended task's group is no one's to signal now
+        signal.signal(sig, handler)
     _terminate_group(pgid, grace_s=2.0)  # nothing of the task outlives it (its own children included)
     if follower is not None:
         follower.finish()

@@ -24,7 +24,6 @@ import json
 import os
 import queue
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -59,7 +58,6 @@ def keep(job: dict[str, Any], shim: Any) -> int:
         inbox.attach(attempt, forked.pid)  # before "started": TERM, KILL, end of file reach it
         return forked
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     while (go := inbox.next_go(keeper)) is not None:
         attempt.clear()
         attempt.update(job, **go)
@@ -67,8 +65,6 @@ def keep(job: dict[str, Any], shim: Any) -> int:
             _attempt(attempt, shim, fork, inbox)
         finally:
             inbox.attach(attempt, None)
-            for sig, handler in handlers.items():  # the ended task's group is no one's to signal now
-                signal.signal(sig, handler)
             if attempt.get("port_fd") is not None:
                 os.close(attempt["port_fd"])  # the task's TF port: free for the next attempt's
     if keeper.poll() is None:  # the coordinator is done with it, or gone

@@ -9,8 +9,9 @@ priority (SCHED_IDLE, else nice 19), never creating TensorFlow's context (a
 MultiWorkerMirroredStrategy configures it first). Its main thread meanwhile waits for a line on
 stdin, the handover (JSON): {"argv": the worker's arguments, "env": the attempt's variables,
 "log": the task's log}. Once the import has ended it is a keeper (worker/keeper.py): each
-handover forks a task that writes to the task's log, takes the variables and runs `python -m
-worker ARGV`, and the keeper stays for the next. End of file before any (its coordinator is done
+handover makes a task of a fork of it (a spare forked ahead, worker/spare.py, or one forked then)
+that writes to the task's log, takes the variables and runs `python -m worker ARGV`, and the
+keeper stays for the next. End of file before any (its coordinator is done
 with it, or gone): it exits at once, even mid-import. Its own output is its log's; when
 TensorFlow cannot be imported it says why there and exits EXIT_STANDBY_FAILED.
 """
