@@ -529,23 +529,28 @@ def test_a_shim_keeps_its_standby_and_forks_each_attempts_task_from_it(tmp_path:
         os.killpg(waiting["pgid"], 0)
 
 
-def test_a_kept_shim_between_attempts_answers_sigterm_itself(tmp_path: Path, fake_tf: Path) -> None:
-    """The ended task's group is no one's to signal: sshd stopping the shim then stops the shim,
-    and its standby follows (end of file)."""
-    proc, said = shim_standby(tmp_path, fake_tf)
-    waiting = until(said, "standby")
-    until(said, "standby_ready")
+def kept_go(tmp_path: Path, attempt: int) -> dict[str, Any]:
+    """What a GO line carries for a kept shim's worker-0 (its task: FORKED)."""
     (tmp_path / "train.py").write_text(FORKED)
     log = tmp_path / "run" / "logs" / "worker-0.log"
-    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: "1", wire.ENV_TOKEN: "secret"}
-    go = {
-        "attempt": 1,
+    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "secret"}
+    return {
+        "attempt": attempt,
         "log": str(log),
         "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
         "handover": json.loads(
             standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
         ),
     }
+
+
+def test_a_kept_shim_between_attempts_answers_sigterm_itself(tmp_path: Path, fake_tf: Path) -> None:
+    """The ended task's group is no one's to signal: sshd stopping the shim then stops the shim,
+    and its standby follows (end of file)."""
+    proc, said = shim_standby(tmp_path, fake_tf)
+    waiting = until(said, "standby")
+    until(said, "standby_ready")
+    go = kept_go(tmp_path, 1)
     assert proc.stdin is not None
     proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
     proc.stdin.flush()
@@ -570,17 +575,8 @@ def test_a_kept_shims_end_of_file_stops_the_task_it_runs_and_its_standby(
     proc, said = shim_standby(tmp_path, fake_tf)
     waiting = until(said, "standby")
     until(said, "standby_ready")
-    (tmp_path / "train.py").write_text(FORKED)
-    log = tmp_path / "run" / "logs" / "worker-0.log"
-    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: "3", wire.ENV_TOKEN: "secret"}
-    go = {
-        "attempt": 3,
-        "log": str(log),
-        "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
-        "handover": json.loads(
-            standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
-        ),
-    }
+    go = kept_go(tmp_path, 3)
+    log = Path(go["log"])
     assert proc.stdin is not None
     proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
     proc.stdin.flush()
