@@ -52,7 +52,12 @@ class Spare:
     ) -> None:
         read, self._pipe = os.pipe()  # the handover: keeper → spare
         self._took, took = os.pipe()  # the spare's answer, one byte once it has it
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            for fd in (read, self._pipe, self._took, took):
+                os.close(fd)
+            raise
         if self.pid:
             os.close(read)
             os.close(took)
@@ -161,13 +166,12 @@ class Slot:
             return None
         now = time.monotonic()
         if self._spare is None and now >= self._due:
-            self._spare = self._make()
             self._due = now + SPARE_AFTER_S
+            try:
+                self._spare = self._make()
+            except OSError:  # no fork or pipe to be had now (memory, descriptors): as a spare lost
+                self._died()
         return None if self._spare is not None else max(0.0, self._due - now)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._spare is None else self._spare.pid
 
     def _died(self) -> None:
         self._deaths += 1

@@ -305,6 +305,25 @@ def test_a_keeper_hands_an_attempt_to_the_spare_it_made_ahead(tmp_path: Path, fa
     assert wait_until(lambda: not psutil.pid_exists(last), timeout_s=10)
 
 
+def test_a_keeper_stops_making_spares_that_keep_dying(monkeypatch: Any, capsys: Any) -> None:
+    """A spare that dies unused is made again later; after GIVE_UP_AFTER in a row no more, said
+    once; each handover is then forked by the keeper."""
+    from worker import spare
+
+    monkeypatch.setattr(spare, "SPARE_AFTER_S", 0.0)
+    made = []
+
+    class Dead:
+        def ended(self) -> bool:
+            return True
+
+    slot = spare.Slot(lambda: made.append(Dead()) or made[-1])
+    for _ in range(10):
+        slot.tend(closing=False)
+    assert len(made) == spare.GIVE_UP_AFTER and slot.hand(b"{}\n") is None
+    assert capsys.readouterr().err.count("spares in a row died unused") == 1
+
+
 def test_a_spare_has_copied_the_pages_it_shared_with_its_keeper() -> None:
     """What a spare does before its handover (worker/spare.py): pages its keeper wrote are its own
     afterwards (pagemap: exclusively mapped), so its task's first step does not fault on them."""
