@@ -8,7 +8,7 @@
    process, in three kinds of process interleaved round by round: `cold` (a fresh interpreter
    that imports TensorFlow), `fork` (forked from a keeper-like parent that imported it on a
    SCHED_IDLE thread, worker/standby.py's way) and `spare` (the same fork after
-   worker/keeper.py's `_own_pages`, which a spare does before its handover). Medians of the
+   worker/spare.py's `own_pages`, which a spare does before its handover). Medians of the
    rounds: wall and CPU seconds, minor faults; `fork` and `spare` as ratios to `cold`.
 
 `python scripts/bench/fork_pages.py [--rounds 8]` prints one JSON document.
@@ -84,8 +84,8 @@ time.sleep(0.5)
 pid = os.fork()
 if pid == 0:
     if kind == "spare":
-        from worker import keeper
-        keeper._own_pages()
+        from worker import spare
+        spare.own_pages()
     first_step()
     os._exit(0)
 os.waitpid(pid, 0)
@@ -133,13 +133,16 @@ def one(kind: str) -> tuple[float, float, int]:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     out = subprocess.run(
         [sys.executable, "-c", STEP.format(repo=str(REPO)), kind],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         timeout=300,
         env=env,
-        check=True,
+        check=False,
     ).stdout
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{kind}: no result\n{out[-2000:]}")
     wall, cpu, faults = line.split()[1:]
     return float(wall), float(cpu), int(faults)
 
