@@ -147,18 +147,16 @@ def _be_task(
     run: Callable[[list[str]], int], become: Callable[[dict[str, Any]], None], handover: Any
 ) -> NoReturn:
     """(In a fork) the task: its log and variables, then the worker's entry point; never returns."""
+    from worker import runtime
+
     code = 70
     try:
         for sig in _PASSED_OVER:  # ignored dispositions survive a fork: a task's are a new process's
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         become(handover)
-        from worker import runtime
-
         code = run([str(a) for a in handover["argv"]])
         runtime.flush_and_exit(code)
     except SystemExit as exc:
-        from worker import runtime
-
         code = runtime.exit_code(exc.code)  # None: 0; a message: said, and 1
     except BaseException:  # noqa: BLE001 - said in the task's log, which `become` made its stderr
         import traceback

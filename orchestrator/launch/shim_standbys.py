@@ -185,19 +185,16 @@ class ShimStandbys:
             rows.append({"task": name, "host": one.place, "pid": pid, "state": state, "rss_bytes": None})
         return rows
 
-    def drop(self) -> None:
+    def drop(self, wait_s: float = 0.0) -> None:
         """Every standby stopped (their nodes' allocation is gone); new ones come as they would."""
         with self._lock:
             ones = list(self._ready.values())
             self._ready.clear()
-        _stop(ones, wait_s=0.0)
+        _stop(ones, wait_s)
 
     def close(self) -> None:
         self._closed.set()
-        with self._lock:
-            ones = list(self._ready.values())
-            self._ready.clear()
-        _stop(ones)
+        self.drop(wait_s=5.0)
 
     def _say_alive(self) -> None:
         """Every ALIVE_EVERY_S, to each standby's shim: the coordinator is there (whatever the

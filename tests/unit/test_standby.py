@@ -510,24 +510,30 @@ def until(said: list[dict], event: str, timeout_s: float = 20.0) -> dict:
     raise AssertionError(f"no {event!r} within {timeout_s} s: {said}")
 
 
+def kept_go(tmp_path: Path, attempt: int) -> dict[str, Any]:
+    """What a GO line carries for a kept shim's worker-0 (its task: FORKED)."""
+    (tmp_path / "train.py").write_text(FORKED)
+    log = tmp_path / "run" / "logs" / "worker-0.log"
+    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "secret"}
+    return {
+        "attempt": attempt,
+        "log": str(log),
+        "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
+        "handover": json.loads(
+            standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
+        ),
+    }
+
+
 def test_a_shim_keeps_its_standby_and_forks_each_attempts_task_from_it(tmp_path: Path, fake_tf: Path) -> None:
     proc, said = shim_standby(tmp_path, fake_tf)
     waiting = until(said, "standby")
     until(said, "standby_ready")
-    (tmp_path / "train.py").write_text(FORKED)
     log = tmp_path / "run" / "logs" / "worker-0.log"
     assert proc.stdin is not None
     for attempt in (1, 2):
-        env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "secret"}
-        go = {
-            "attempt": attempt,
-            "log": str(log),
-            "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
-            "error_file": str(tmp_path / "run" / "errors" / f"worker-0-{attempt}.json"),
-            "handover": json.loads(
-                standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
-            ),
-        }
+        error_file = tmp_path / "run" / "errors" / f"worker-0-{attempt}.json"
+        go = kept_go(tmp_path, attempt) | {"error_file": str(error_file)}
         proc.stdin.write(f"GO {json.dumps(go)}\n".encode())
         proc.stdin.flush()
         started = until(said, "started")
@@ -546,21 +552,6 @@ def test_a_shim_keeps_its_standby_and_forks_each_attempts_task_from_it(tmp_path:
     assert until(said, "exit")["code"] == 0 and proc.wait(timeout=10) == 0
     with pytest.raises(ProcessLookupError):
         os.killpg(waiting["pgid"], 0)
-
-
-def kept_go(tmp_path: Path, attempt: int) -> dict[str, Any]:
-    """What a GO line carries for a kept shim's worker-0 (its task: FORKED)."""
-    (tmp_path / "train.py").write_text(FORKED)
-    log = tmp_path / "run" / "logs" / "worker-0.log"
-    env = {"TF_CONFIG": "{}", wire.ENV_ATTEMPT: str(attempt), wire.ENV_TOKEN: "secret"}
-    return {
-        "attempt": attempt,
-        "log": str(log),
-        "pidfile": str(tmp_path / "run" / "tasks" / "worker-0.json"),
-        "handover": json.loads(
-            standby.handover(["run", "--script", str(tmp_path / "train.py")], env, str(log))
-        ),
-    }
 
 
 def test_a_kept_shim_between_attempts_answers_sigterm_itself(tmp_path: Path, fake_tf: Path) -> None:
