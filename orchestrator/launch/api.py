@@ -157,6 +157,12 @@ class TaskHandle(abc.ABC):
         """False once nothing more can be learned of it (its host's connection is gone)."""
         return True
 
+    @property
+    def unanswering(self) -> bool:
+        """Whether its host gave no answer the last time it was asked something (its stacks): cut
+        off, likely. A stop after its heartbeats ended does not wait for it (`stop_all(gone=…)`)."""
+        return False
+
     def release(self) -> None:
         """Let go of what watching it holds (a channel); called once it is stopped or given up."""
         return None
@@ -185,15 +191,19 @@ def stop_all(
     hurry: threading.Event | None = None,
     *,
     quick: Collection[TaskHandle] = (),
+    gone: Collection[TaskHandle] = (),
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     on_exit: Callable[[TaskHandle], None] | None = None,
 ) -> list[TaskHandle]:
     """SIGTERM every handle's group, wait up to `grace_s` (QUICK_GRACE_S at most for the `quick`
     ones, which save nothing; less once `hurry` is set), SIGKILL what is left, wait for the exits to
-    be confirmed. Returns the handles whose exit could not be. `on_exit` is told of each handle once
-    its exit is confirmed (one already gone included), while the others still stop."""
+    be confirmed. The `gone` ones (silent, their hosts cut off) are sent SIGKILL, which reaches
+    them if their hosts come back, and not waited for. Returns the handles whose exit could not be
+    confirmed. `on_exit` is told of each handle once its exit is confirmed (one already gone
+    included), while the others still stop."""
     told: set[int] = set()
+    gone_ids = {id(h) for h in gone}
 
     def settled(hs: Sequence[TaskHandle]) -> bool:
         if on_exit is not None:
@@ -201,11 +211,13 @@ def stop_all(
                 if id(h) not in told and h.exited:
                     told.add(id(h))
                     on_exit(h)
-        return all(h.exited or not h.reachable for h in hs)
+        return all(h.exited or not h.reachable or id(h) in gone_ids for h in hs)
 
     settled(handles)
-
-    live = [h for h in handles if not h.exited and h.reachable]
+    for h in gone:
+        if not h.exited and h.reachable:
+            h.signal(Sig.KILL)
+    live = [h for h in handles if not h.exited and h.reachable and id(h) not in gone_ids]
     for h in live:
         h.signal(Sig.TERM)
     start = clock()

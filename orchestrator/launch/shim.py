@@ -211,6 +211,7 @@ class ShimHandle(TaskHandle):
         else:
             line.attach(self._events, log_path)
         self._line = line
+        self._unanswered = False  # its last stacks request went unanswered
 
     def next_attempt(self, task: TaskPlan, attempt: int, log_path: Path) -> ShimHandle:
         """The handle of the attempt this kept shim is about to be handed (before its GO is sent)."""
@@ -244,6 +245,10 @@ class ShimHandle(TaskHandle):
     def reachable(self) -> bool:
         return not (self.transport.unreachable_at_end and self._events.ended.is_set())
 
+    @property
+    def unanswering(self) -> bool:
+        return self._unanswered and not self._events.ended.is_set()
+
     def release(self) -> None:
         """A kept shim's attempt that ended lets go of the shim alone (it waits for the next GO);
         anything else lets go of the transport."""
@@ -275,6 +280,7 @@ class ShimHandle(TaskHandle):
                 if not self._events.stacks_came.wait(timeout=max(0.0, until - time.monotonic())):
                     break
             doc = self._events.stacks.pop(ident, None)
+        self._unanswered = doc is None
         if doc is None:
             if self._events.ended.is_set():
                 return gone

@@ -152,6 +152,21 @@ class Stopping:
             if self.timeline.current is not None:
                 self.timeline.current.cause = what_happened(new)
 
+    def _cut_off(self, handles: list[TaskHandle]) -> list[TaskHandle]:
+        """The tasks this stop gives up at once: silent (no heartbeat for heartbeat_timeout_s) and
+        their hosts did not answer the stacks read just before (`_looked_at`): cut off. Waiting
+        for their exits (the grace, then `kill_wait_s`) would only delay the restart: nothing can
+        confirm them, and their shims stop them once the connection is gone."""
+        now, health = self._clock(), self._store.snapshot()
+
+        def silent(h: TaskHandle) -> bool:
+            beat = health.get(h.task.name)
+            last = beat.last_heartbeat_at if beat is not None else None
+            last = last if last is not None else self.tasks[h.task.name].launched_at
+            return last is None or now - last > self.config.heartbeat_timeout_s
+
+        return [h for h in handles if h.unanswering and silent(h)]
+
     def _said(self, recovery: Recovery | None) -> None:
         """A restart's timeline, complete: an event (`recovery`) with its line and phases."""
         if recovery is not None:
@@ -182,6 +197,7 @@ class Stopping:
             grace_s,
             self.hurry,
             quick=quick,
+            gone=self._cut_off(handles),
             clock=self._clock,
             sleep=self._sleep,
             on_exit=self._state_known if self._restarts_after(self._stop) else None,

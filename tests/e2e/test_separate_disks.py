@@ -26,7 +26,8 @@ from tests.lab import make_lab, why_no_lab
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_lab() is not None, reason=why_no_lab() or "")]
 
 # Deterministic: seeded weights, data in a fixed order; Adam, so optimizer state matters too.
-# Each batch sleeps a little, so a test can kill a task mid-run.
+# Each step sleeps a little (in its loss, not its data: a resumed epoch skips batches at once),
+# so a test can kill a task mid-run.
 LOOP = """
     import os
     import time
@@ -45,12 +46,13 @@ LOOP = """
         return tf.keras.optimizers.Adam(0.01)
 
     def make_loss():
-        return lambda labels, predictions: tf.reduce_mean(tf.square(labels - predictions), axis=-1)
-
-    def _slow(x, y):
         pause = float(os.environ.get("STEP_PAUSE_S", "0.03"))
-        tf.numpy_function(lambda: time.sleep(pause) or np.float32(0), [], tf.float32)
-        return x, y
+
+        def loss(labels, predictions):
+            tf.numpy_function(lambda: time.sleep(pause) or np.float32(0), [], tf.float32)
+            return tf.reduce_mean(tf.square(labels - predictions), axis=-1)
+
+        return loss
 
     def make_dataset(ctx, global_batch_size):
         rng = np.random.default_rng(7)
@@ -58,7 +60,7 @@ LOOP = """
         y = (x @ rng.normal(size=(6, 1)) + 0.1).astype("float32")
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         ds = ds.batch(ctx.get_per_replica_batch_size(global_batch_size), drop_remainder=True)
-        return ds.map(_slow)
+        return ds
 """
 TRAIN = {"steps": 90, "global_batch_size": 32, "checkpoint_every": 10}
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,31 @@ def test_a_stopped_task_wrote_no_error_and_says_none(tmp_path: Path) -> None:
 def test_a_shim_that_cannot_start_its_task_says_why(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="cannot start worker-0 on this machine: cannot start /no/python"):
         run_by_shim(tmp_path, "", python="/no/python")
+
+
+def test_a_shim_that_does_not_answer_a_stacks_request_is_said_unanswering_until_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shim stopped (SIGSTOP: a host cut off, its connection not known lost): the stacks
+    request goes unanswered, and the handle says so (a stop after a lost heartbeat does not wait
+    for it); the shim going on, its next answer clears that."""
+    from orchestrator.stacks import record
+
+    monkeypatch.setattr(record, "TRANSPORT_S", 0.2)
+    handle = run_by_shim(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    shim = handle.transport.popen  # type: ignore[attr-defined]
+    try:
+        assert not handle.unanswering
+        os.kill(shim.pid, signal.SIGSTOP)
+        doc = handle.stacks(time.monotonic() + 0.3, native=False)
+        assert doc["state"] == "unknown" and "no answer from this machine" in doc["notes"][0], doc
+        assert handle.unanswering and handle.reachable
+        os.kill(shim.pid, signal.SIGCONT)
+        doc = handle.stacks(time.monotonic() + 20, native=False)
+        assert doc["state"] != "unknown" and doc["threads"], doc
+        assert not handle.unanswering
+    finally:
+        os.kill(shim.pid, signal.SIGCONT)
+        handle.signal(Sig.TERM)
+        wait_until(lambda: handle.poll() is not None, 30)
+        handle.release()

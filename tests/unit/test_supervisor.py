@@ -55,6 +55,8 @@ class FakeHandle(TaskHandle):
         self.code: int | None = None
         self.ignores_term = False  # a task stuck where SIGTERM cannot reach it: only KILL ends it
         self.cut_off = False  # its host is unreachable: no signal arrives, no exit is ever learned
+        self.unheard = False  # the same, its connection not yet known lost (a link just cut)
+        self.answers_stacks = True  # whether its host answers a stacks request
         self.written: Written | None = None  # its error file
         self._proc = ProcessInfo(pid, pid, 0.0)
         self._backend = backend
@@ -68,7 +70,7 @@ class FakeHandle(TaskHandle):
 
     def signal(self, sig: Sig) -> None:
         self._backend.signals.append((self.task.name, sig))
-        if self.cut_off or self.code is not None:
+        if self.cut_off or self.unheard or self.code is not None:
             return
         if sig is Sig.KILL:
             self.code = -9
@@ -82,6 +84,14 @@ class FakeHandle(TaskHandle):
     @property
     def reachable(self) -> bool:
         return not self.cut_off
+
+    def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
+        self.asked_stacks = True
+        return super().stacks(deadline, native)
+
+    @property
+    def unanswering(self) -> bool:
+        return getattr(self, "asked_stacks", False) and not self.answers_stacks
 
     def release(self) -> None:
         self._backend.released.append(self.task.name)
@@ -200,6 +210,34 @@ def beat(store: HealthStore, task: str, attempt: int = 0, **kw: Any) -> None:
     # every heartbeat a task sends has a new seq (the store takes a repeated one as already seen)
     hb = Heartbeat(task=task, attempt=attempt, seq=next(_seq), sent_at=0.0, pid=1, **kw)
     assert store.ingest(hb) == 200
+
+
+@pytest.mark.parametrize("answers", [False, True])
+def test_a_silent_task_whose_host_gave_no_answer_is_not_waited_for(tmp_path, answers):
+    """A host's link cut: no heartbeat, no signal arrives, no exit comes, the connection not yet
+    known lost. Its host not answering the stacks read before the stop, the stop gives up both
+    its silent tasks at once (said unconfirmed) instead of waiting out the grace and the kill's
+    confirmation; a host that answered is waited for as before."""
+    sup, launcher, store, clock, sink = make(tmp_path, workers=3, max_restarts=1, failure_grace_s=3.0)
+    start_running(sup, launcher, store, clock)
+    for name in ("worker-1", "worker-2"):  # one host, cut off: both its tasks
+        launcher.handles[name].unheard, launcher.handles[name].answers_stacks = True, answers
+    clock.advance(9)
+    beat(store, "worker-0", ready=True)
+    clock.advance(1.5)  # worker-1 and worker-2 silent for 10.6 s > 10 s
+    sup.step()
+    assert sup.root_cause.kind is FailureKind.LOST
+    began = clock.now
+    while sup.state is not ClusterState.RESTARTING:
+        sup.step()
+    waited = clock.now - began
+    if answers:
+        assert waited >= 3.0 + FakeHandle.kill_wait_s, waited
+    else:
+        assert waited < 1.0, waited
+        assert {("worker-1", Sig.KILL), ("worker-2", Sig.KILL)} <= set(launcher.signals)
+    event = next(e for e in sink.events if e["kind"] == "unconfirmed")
+    assert event["tasks"] == ["worker-1", "worker-2"] and "exit not confirmed" in event["reason"]
 
 
 def start_running(sup, launcher, store, clock, attempt: int = 0) -> None:
