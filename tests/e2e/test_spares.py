@@ -53,7 +53,7 @@ def loop_job(lab, root, jobs, hosts: list, **spec: object) -> SshJob:
     job = SshJob(lab, root, LOOP, hosts=len(lab.hosts))
     data = yaml.safe_load(job.spec.read_text())
     data["hosts"] = hosts
-    data["job"] = {"loop": "job/job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2", "STEP_PAUSE_S": "0.25"}}
+    data["job"] = {"loop": "job/job.py", "env": {"TF_CPP_MIN_LOG_LEVEL": "2", "STEP_PAUSE_S": "0.1"}}
     data["train"] = dict(TRAIN)
     data["health"].update(heartbeat_timeout_s=4, stacks_timeout_s=1)  # a cut task's never answer
     data["restart"] = {"max_restarts": 3, "backoff_s": 1, "standby": "off"}
