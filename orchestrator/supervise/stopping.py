@@ -117,17 +117,18 @@ class Stopping:
         # read first thing in the stop (`_teardown`), and may name another task as the one
         self._move(ClusterState.STOPPING, stop.reason)
 
-    def _looked_at(self, stop: Stop) -> None:
+    def _looked_at(self, stop: Stop) -> list[TaskHandle]:
         """A hung job (stalled, lost, not up in time): every live task's stacks, read before its
         tasks are stopped (health.stacks_timeout_s at most), kept, said, and let name whom the
-        others wait for (the stop's failure, the run's root cause and the restart's cause then)."""
+        others wait for (the stop's failure, the run's root cause and the restart's cause then).
+        Returns the tasks whose hosts did not answer."""
         decision = stop.decision
         timeout_s = self.config.stacks_timeout_s
         if decision is None or decision.failure.kind not in HUNG or timeout_s <= 0 or self.hurry.is_set():
-            return
+            return []
         handles = [r.handle for r in self.tasks.values() if r.handle is not None and r.handle.poll() is None]
         if not handles:
-            return
+            return []
         why = f"{BEFORE_STOP}: {decision.failure.describe()}"
         capture = self._capture(handles, timeout_s, why, False)  # Python frames: tens of ms
         if not (self._restarts_after(stop) and any(w.culprit for w in capture.wheres())):
@@ -151,12 +152,13 @@ class Stopping:
             self.root_cause = new if self.root_cause is old else self.root_cause
             if self.timeline.current is not None:
                 self.timeline.current.cause = what_happened(new)
+        return [h for h in handles if h.unanswering]
 
-    def _cut_off(self, handles: list[TaskHandle]) -> list[TaskHandle]:
-        """The tasks this stop gives up at once: silent (no heartbeat for heartbeat_timeout_s) and
-        their hosts did not answer the stacks read just before (`_looked_at`): cut off. Waiting
-        for their exits (the grace, then `kill_wait_s`) would only delay the restart: nothing can
-        confirm them, and their shims stop them once the connection is gone."""
+    def _cut_off(self, unanswered: list[TaskHandle]) -> list[TaskHandle]:
+        """The tasks this stop gives up at once: their hosts did not answer the stacks read just
+        before (`_looked_at`), and they are silent (no heartbeat for heartbeat_timeout_s): cut
+        off. Waiting for their exits (the grace, then `kill_wait_s`) would only delay the restart:
+        nothing can confirm them, and their shims stop them once the connection is gone."""
         now, health = self._clock(), self._store.snapshot()
 
         def silent(h: TaskHandle) -> bool:
@@ -165,7 +167,7 @@ class Stopping:
             last = last if last is not None else self.tasks[h.task.name].launched_at
             return last is None or now - last > self.config.heartbeat_timeout_s
 
-        return [h for h in handles if h.unanswering and silent(h)]
+        return [h for h in unanswered if silent(h)]
 
     def _said(self, recovery: Recovery | None) -> None:
         """A restart's timeline, complete: an event (`recovery`) with its line and phases."""
@@ -179,7 +181,7 @@ class Stopping:
 
     def _teardown(self) -> None:
         assert self._stop is not None
-        self._looked_at(self._stop)
+        unanswered = self._looked_at(self._stop)
         handles = [r.handle for r in self.tasks.values() if r.handle is not None]
         failed = self._stop.outcome is ClusterState.FAILED
         failure = self._stop.decision.failure if self._stop.decision is not None else None
@@ -197,7 +199,7 @@ class Stopping:
             grace_s,
             self.hurry,
             quick=quick,
-            gone=self._cut_off(handles),
+            gone=self._cut_off(unanswered),
             clock=self._clock,
             sleep=self._sleep,
             on_exit=self._state_known if self._restarts_after(self._stop) else None,

@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="exit,heartbeat,stall")
     parser.add_argument("--backend", choices=("local", "ssh", "slurm"), default="local")
     parser.add_argument("--jobs", help="P5 per kind of job instead: loop,loop-py,fit-py,ps-py")
+    parser.add_argument("--first-steps", type=int, metavar="K", help="--jobs: first steps, K kills a run")
     ns = parser.parse_args()
     out: dict = {
         "backend": ns.backend,
@@ -236,6 +237,10 @@ def main() -> None:
             tempfile.tempdir = str(base)
             cluster.wait_ready(timeout_s=30)
             where = slurm_lab(cluster)
+        if ns.jobs and ns.first_steps:
+            steps = recovery_jobs.first_steps(ns.jobs.split(","), ns.first_steps, ns.runs, where)
+            print(json.dumps(out | steps, indent=2))
+            return
         if ns.jobs:
             table = recovery_jobs.table(ns.jobs.split(","), ns.runs, where, tf_import_s)
             print(json.dumps(out | table, indent=2))

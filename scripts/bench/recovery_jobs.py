@@ -9,7 +9,8 @@ Jobs, each with Python in its input pipeline where named `-py` (a `tf.numpy_func
 - `fit-py`: Keras `model.fit` in the job's own script (mode 1) with `BackupAndRestore`;
 - `ps-py`: ParameterServerStrategy's chief (the built-in loop; chief, 2 workers, 1 ps): the
   chief is the one killed (a whole-job restart).
-Run by `recovery.py --jobs loop,loop-py,fit-py,ps-py [--backend ssh|slurm]`.
+Run by `recovery.py --jobs loop,loop-py,fit-py,ps-py [--backend ssh|slurm]`; with `--first-steps
+K`, only the first step after each restart, K kills per run (`first_steps`).
 """
 
 from __future__ import annotations
@@ -169,6 +170,49 @@ def table(jobs: list[str], runs_each: int, where, import_s) -> dict:
             if "after_3s" in r:
                 r["after_3s"]["ratio_to_import"] = round(r["after_3s"]["recovery_s"] / out["tf_import_s"], 2)
     return out
+
+
+def first_steps(jobs: list[str], kills: int, runs_each: int, where) -> dict:
+    """Point 2's question with more samples than one restart per run gives: per job, runs warm and
+    cold interleaved, each killed `kills` times, 6 s after the previous attempt's first step (the
+    keepers' spares made by then; warm, once every standby is ready).
+    Each restart's `first step` phase; medians, and how many warm ones are above the cold median."""
+    out: dict = {}
+    for job in jobs:
+        seen: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(runs_each):
+            for standby in ("on", "off"):
+                seen[standby] += _first_steps_of_one_run(job, standby, where, kills)
+        cold = median(seen["off"])
+        out[job] = {m: {"median_s": round(median(v), 3), "n": len(v), "all": v} for m, v in seen.items()}
+        out[job]["warm_above_cold_median"] = f"{sum(v > cold for v in seen['on'])} of {len(seen['on'])}"
+    return out
+
+
+def _first_steps_of_one_run(job: str, standby: str, where, kills: int) -> list[float]:
+    folder = tmpdir()
+    spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
+    spec.write_text(spec.read_text().replace("max_restarts: 2", f"max_restarts: {kills}"))
+    run = folder / "run"
+    proc = start_up(spec, run, where.env)
+    victim, seen = victim_of(job), []
+    try:
+        wait_for(lambda: first_step_of_attempt(run, 0) is not None, 240)
+        for attempt in range(1, kills + 1):
+            if standby == "on":
+                wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+            # the same time after each first step warm and cold: the same steps trained, so the
+            # same batches of a resumed epoch to skip (their cost grows with the kill's step)
+            time.sleep(max(0.0, first_step_of_attempt(run, attempt - 1)[0] + 6.0 - time.time()))
+            pid = next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim)
+            seen.append(_kill(run, pid, attempt)["phases_s"]["first_step"])
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        proc.kill()
+        if os.environ.get("BENCH_KEEP") is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return seen
 
 
 def _summary(runs: list[dict]) -> dict:
