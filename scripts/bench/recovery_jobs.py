@@ -15,11 +15,13 @@ K`, only the first step after each restart, K kills per run (`first_steps`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -103,39 +105,47 @@ def victim_of(job: str) -> str:
     return "chief-0" if job == "ps-py" else "worker-1"
 
 
-def one_run(job: str, standby: str, where, at_step: int) -> dict:
-    """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
-    again 3 s after attempt 1's first step. Each restart's seconds and phases."""
+@contextlib.contextmanager
+def _running(job: str, standby: str, where, max_restarts: int = 2) -> Iterator[Path]:
+    """`orchestrate up` of the job in a folder of its own: its run directory; interrupted (SIGINT)
+    at the end, killed if that fails, the folder removed (kept with BENCH_KEEP set)."""
     folder = tmpdir()
     spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
-    run = folder / "run"
-    proc = start_up(spec, run, where.env)
-    victim = victim_of(job)
-
-    def step() -> int:
-        return max((t.get("last_step") or 0) for t in status(run).get("tasks") or [{}])
-
-    def pid() -> int:
-        return next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim)
-
-    out: dict = {"job": job, "standby": standby}
+    spec.write_text(spec.read_text().replace("max_restarts: 2", f"max_restarts: {max_restarts}"))
+    proc = start_up(spec, folder / "run", where.env)
     try:
-        wait_for(lambda: step() >= at_step, 240)
-        if standby == "on":  # every task's standby ready
-            wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
-        out["killed_at_step"] = step()
-        restarts = [_kill(run, pid(), 1)]
-        if standby == "on":  # a failure soon after a start (the keepers fork its tasks again)
-            first = first_step_of_attempt(run, 1)[0]
-            time.sleep(max(0.0, first + 3.0 - time.time()))
-            restarts.append(_kill(run, pid(), 2))
-        out["restarts"] = restarts
+        yield folder / "run"
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
     finally:
         proc.kill()
         if os.environ.get("BENCH_KEEP") is None:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _victim_pid(run: Path, job: str) -> int:
+    return next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim_of(job))
+
+
+def one_run(job: str, standby: str, where, at_step: int) -> dict:
+    """One run: killed at `at_step` at least (and, warm, once every standby is ready); warm, killed
+    again 3 s after attempt 1's first step. Each restart's seconds and phases."""
+    out: dict = {"job": job, "standby": standby}
+    with _running(job, standby, where) as run:
+
+        def step() -> int:
+            return max((t.get("last_step") or 0) for t in status(run).get("tasks") or [{}])
+
+        wait_for(lambda: step() >= at_step, 240)
+        if standby == "on":  # every task's standby ready
+            wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+        out["killed_at_step"] = step()
+        restarts = [_kill(run, _victim_pid(run, job), 1)]
+        if standby == "on":  # a failure soon after a start (the keepers fork its tasks again)
+            first = first_step_of_attempt(run, 1)[0]
+            time.sleep(max(0.0, first + 3.0 - time.time()))
+            restarts.append(_kill(run, _victim_pid(run, job), 2))
+        out["restarts"] = restarts
     return out
 
 
@@ -190,13 +200,8 @@ def first_steps(jobs: list[str], kills: int, runs_each: int, where) -> dict:
 
 
 def _first_steps_of_one_run(job: str, standby: str, where, kills: int) -> list[float]:
-    folder = tmpdir()
-    spec = job_folder(folder, job, standby, hosts_for(job, where.spec))
-    spec.write_text(spec.read_text().replace("max_restarts: 2", f"max_restarts: {kills}"))
-    run = folder / "run"
-    proc = start_up(spec, run, where.env)
-    victim, seen = victim_of(job), []
-    try:
+    seen: list[float] = []
+    with _running(job, standby, where, max_restarts=kills) as run:
         wait_for(lambda: first_step_of_attempt(run, 0) is not None, 240)
         for attempt in range(1, kills + 1):
             if standby == "on":
@@ -204,14 +209,7 @@ def _first_steps_of_one_run(job: str, standby: str, where, kills: int) -> list[f
             # the same time after each first step warm and cold: the same steps trained, so the
             # same batches of a resumed epoch to skip (their cost grows with the kill's step)
             time.sleep(max(0.0, first_step_of_attempt(run, attempt - 1)[0] + 6.0 - time.time()))
-            pid = next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim)
-            seen.append(_kill(run, pid, attempt)["phases_s"]["first_step"])
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
-    finally:
-        proc.kill()
-        if os.environ.get("BENCH_KEEP") is None:
-            shutil.rmtree(folder, ignore_errors=True)
+            seen.append(_kill(run, _victim_pid(run, job), attempt)["phases_s"]["first_step"])
     return seen
 
 
