@@ -57,6 +57,7 @@ class FakeHandle(TaskHandle):
         self.cut_off = False  # its host is unreachable: no signal arrives, no exit is ever learned
         self.unheard = False  # the same, its connection not yet known lost (a link just cut)
         self.answers_stacks = True  # whether its host answers a stacks request
+        self.asked_stacks = False
         self.written: Written | None = None  # its error file
         self._proc = ProcessInfo(pid, pid, 0.0)
         self._backend = backend
@@ -91,7 +92,7 @@ class FakeHandle(TaskHandle):
 
     @property
     def unanswering(self) -> bool:
-        return getattr(self, "asked_stacks", False) and not self.answers_stacks
+        return self.asked_stacks and not self.answers_stacks
 
     def release(self) -> None:
         self._backend.released.append(self.task.name)
