@@ -70,6 +70,11 @@ def first_line(text: str, limit: int = 300) -> str:
     return first + (" …" if len(lines) > 1 else "")
 
 
+def last_heard(h: TaskHealth | None, launched_at: float) -> float:
+    """When a task was last heard from: its last heartbeat, else its launch."""
+    return h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else launched_at
+
+
 def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: int) -> list[Verdict]:
     """Every state change of one live task this iteration (at most: up, then failed or lost)."""
     h, me = task.health, (task.name,)
@@ -95,8 +100,7 @@ def check_task(task: TaskView, now: float, config: SupervisorConfig, attempt: in
     if state is TaskState.STARTING and h is not None and h.ready_at is not None:
         out.append(Verdict(task.name, TaskState.RUNNING, "strategy up"))
         state = TaskState.RUNNING
-    last = h.last_heartbeat_at if h is not None and h.last_heartbeat_at is not None else task.launched_at
-    silent_s = now - last
+    silent_s = now - last_heard(h, task.launched_at)
     in_strategy = state is TaskState.STARTING and h is not None and h.connecting_at is not None
     limit = config.heartbeat_timeout_s
     if state is TaskState.STARTING:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ from orchestrator.plan import LaunchPlan
 from orchestrator.record import now_iso
 from orchestrator.spec.model import AtEnd
 from orchestrator.stacks.record import BEFORE_STOP
-from orchestrator.supervise import policy
+from orchestrator.supervise import detect, policy
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
 from orchestrator.supervise.records import EventSink, TaskRecord
@@ -162,10 +163,9 @@ class Stopping:
         now, health = self._clock(), self._store.snapshot()
 
         def silent(h: TaskHandle) -> bool:
-            beat = health.get(h.task.name)
-            last = beat.last_heartbeat_at if beat is not None else None
-            last = last if last is not None else self.tasks[h.task.name].launched_at
-            return last is None or now - last > self.config.heartbeat_timeout_s
+            launched = self.tasks[h.task.name].launched_at
+            last = detect.last_heard(health.get(h.task.name), launched if launched is not None else -math.inf)
+            return now - last > self.config.heartbeat_timeout_s
 
         return [h for h in unanswered if silent(h)]
 
