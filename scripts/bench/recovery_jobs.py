@@ -123,6 +123,10 @@ def _running(job: str, standby: str, where, max_restarts: int = 2) -> Iterator[P
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _standbys_ready(run: Path) -> None:
+    wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+
+
 def _victim_pid(run: Path, job: str) -> int:
     return next(t["pid"] for t in status(run)["tasks"] if t["task"] == victim_of(job))
 
@@ -138,7 +142,7 @@ def one_run(job: str, standby: str, where, at_step: int) -> dict:
 
         wait_for(lambda: step() >= at_step, 240)
         if standby == "on":  # every task's standby ready
-            wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+            _standbys_ready(run)
         out["killed_at_step"] = step()
         restarts = [_kill(run, _victim_pid(run, job), 1)]
         if standby == "on":  # a failure soon after a start (the keepers fork its tasks again)
@@ -205,7 +209,7 @@ def _first_steps_of_one_run(job: str, standby: str, where, kills: int) -> list[f
         wait_for(lambda: first_step_of_attempt(run, 0) is not None, 240)
         for attempt in range(1, kills + 1):
             if standby == "on":
-                wait_for(lambda: {s["state"] for s in status(run).get("standbys", [])} == {"ready"}, 240)
+                _standbys_ready(run)
             # the same time after each first step warm and cold: the same steps trained, so the
             # same batches of a resumed epoch to skip (their cost grows with the kill's step)
             time.sleep(max(0.0, first_step_of_attempt(run, attempt - 1)[0] + 6.0 - time.time()))
