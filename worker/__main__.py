@@ -61,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["standby"]:  # a warm standby: each task it forks runs main() (worker/keeper.py)
-        from worker import standby
+    argv = sys.argv[1:]
+    if argv == ["standby"]:  # a warm standby, whose forks come back here as tasks (worker/keeper.py)
+        from worker import keeper, standby
 
         environment.hold()  # its environment, kept while it waits too
-
-        sys.exit(standby.main(main))
-    runtime.flush_and_exit(main(sys.argv[1:]))
+        try:
+            standby.main()
+        except keeper.Become as task:  # a fork, now the task: run below, as a cold task is
+            argv = task.argv
+    runtime.flush_and_exit(main(argv))

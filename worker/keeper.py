@@ -13,9 +13,11 @@ is reaped {"event": "exit", "pid": N, "code": C} (negative C: killed by signal -
 in a session of its own (stopped as one group, never with its keeper), dies with its keeper
 (PR_SET_PDEATHSIG: it is never left without the one process that can say how it ended) and
 starts as a fresh process would: its own random state, its own log and variables, its keeper's
-parent (the coordinator, a shim) as the reader of its stacks. End of file on stdin (its
-coordinator done or gone): its spare is stopped, and it exits once its tasks have ended (a task
-stops itself when its coordinator is gone, §6), at once when it has none.
+parent (the coordinator, a shim) as the reader of its stacks. A fork leaves the keeper's code by
+raising `Become` up to `python -m worker`'s top level, which runs the task from there as a cold
+task's process does: the same Python frames beneath it. End of file on stdin (its coordinator
+done or gone): its spare is stopped, and it exits once its tasks have ended (a task stops itself
+when its coordinator is gone, §6), at once when it has none.
 """
 
 from __future__ import annotations
@@ -33,6 +35,21 @@ from worker import spare
 
 _PR_SET_PDEATHSIG = 1
 _PASSED_OVER = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Become(BaseException):
+    """Raised in a fork made the task (its log, variables and signals its own): it unwinds the
+    keeper's frames to `python -m worker`'s top level, which runs the worker's entry point with
+    `argv` from there, beneath the same Python frames as a cold task's. Run from inside the
+    keeper's loop instead, the task ran 5-7 frames deeper than a cold one: CPython 3.11 allocates its
+    frames in 16 KiB chunks and maps and unmaps one whenever a call crosses a chunk's start, so a
+    different depth crosses at other calls; in a Keras `fit` with a `py_function` map, 7,400 such
+    crossings in a first step against 4,000 cold (issue 39, docs/architecture.md §6). It also keeps
+    a job's recursion limit where a cold task has it."""
+
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__("a fork of the keeper, now its task")
+        self.argv = argv
 
 
 class Lines:
@@ -68,11 +85,10 @@ def events_descriptor() -> int:
     return events
 
 
-def keep(
-    run: Callable[[list[str]], int], become: Callable[[dict[str, Any]], None], lines: Lines, events: int
-) -> NoReturn:
+def keep(become: Callable[[dict[str, Any]], None], lines: Lines, events: int) -> NoReturn:
     """Fork a task per handover (`become` makes a process its task), say each start and end; a
-    spare made ahead takes the handover where there is one (worker/spare.py)."""
+    spare made ahead takes the handover where there is one (worker/spare.py). Returns in no
+    process: a fork made the task raises `Become`."""
     woken_r, woken_w = os.pipe()
     for fd in (woken_r, woken_w):
         os.set_blocking(fd, False)
@@ -85,7 +101,7 @@ def keep(
     slot = spare.Slot(
         lambda: spare.Spare(
             lambda closing: _leave_keeper(keeper, reader, closing),
-            lambda handover: _be_task(run, become, handover),
+            lambda handover: _be_task(become, handover),
             fds,
         )
     )
@@ -94,7 +110,7 @@ def keep(
         line = lines.next()
         while line:
             handover = json.loads(line)
-            pid = slot.hand(line) or _fork(run, become, handover, fds)
+            pid = slot.hand(line) or _fork(become, handover, fds)
             tasks.add(pid)
             _say(events, {"event": "started", "pid": pid})
             line = lines.next()
@@ -127,10 +143,7 @@ def _say(events: int, event: dict[str, Any]) -> None:
 
 
 def _fork(
-    run: Callable[[list[str]], int],
-    become: Callable[[dict[str, Any]], None],
-    handover: dict[str, Any],
-    keepers: tuple[int, ...],
+    become: Callable[[dict[str, Any]], None], handover: dict[str, Any], keepers: tuple[int, ...]
 ) -> int:
     keeper, reader = os.getpid(), os.getppid()
     pid = os.fork()
@@ -138,35 +151,32 @@ def _fork(
         return pid
     try:
         _leave_keeper(keeper, reader, keepers)
-        _be_task(run, become, handover)
-    finally:
-        os._exit(70)  # EX_SOFTWARE: the child never returns into the keeper's loop
+    except BaseException:  # noqa: BLE001 - the child never returns into the keeper's loop
+        _said_and_gone()
+    _be_task(become, handover)
 
 
-def _be_task(
-    run: Callable[[list[str]], int], become: Callable[[dict[str, Any]], None], handover: Any
-) -> NoReturn:
-    """(In a fork) the task: its log and variables, then the worker's entry point; never returns."""
-    from worker import runtime
-
-    code = 70
+def _be_task(become: Callable[[dict[str, Any]], None], handover: Any) -> NoReturn:
+    """(In a fork) the task: its log, variables and signals; then `Become` to run it."""
     try:
         for sig in _PASSED_OVER:  # ignored dispositions survive a fork: a task's are a new process's
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         become(handover)
-        code = run([str(a) for a in handover["argv"]])
-        runtime.flush_and_exit(code)
-    except SystemExit as exc:
-        code = runtime.exit_code(exc.code)  # None: 0; a message: said, and 1
-    except BaseException:  # noqa: BLE001 - said in the task's log, which `become` made its stderr
-        import traceback
+        argv = [str(a) for a in handover["argv"]]
+    except BaseException:  # noqa: BLE001 - said in the task's log if `become` made it its stderr
+        _said_and_gone()
+    raise Become(argv)
 
+
+def _said_and_gone() -> NoReturn:
+    """(In a fork, handling an exception) its traceback said; the process ends (EX_SOFTWARE)."""
+    import traceback
+
+    with contextlib.suppress(BaseException):
         traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(70)
 
 
 def _leave_keeper(keeper: int, reader: int, keepers: tuple[int, ...]) -> None:

@@ -42,7 +42,8 @@ _PAGEMAP_CHUNK = 1 << 16  # entries read at a time (512 KiB)
 
 class Spare:
     """One spare: `leave(fds)` makes the fork a process of its own (closing the keeper's `fds`),
-    `be_task(handover)` makes it the task and never returns."""
+    `be_task(handover)` makes it the task and never returns (it raises keeper.Become, which the
+    spare lets through)."""
 
     def __init__(
         self,
@@ -62,7 +63,6 @@ class Spare:
             os.close(read)
             os.close(took)
             return
-        code = 0  # no handover: a spare no one needed
         try:
             leave(fds + (self._pipe, self._took))
             nothing = os.open(os.devnull, os.O_RDONLY)
@@ -70,19 +70,18 @@ class Spare:
             os.close(nothing)
             own_pages()
             line = _read_line(read)
-            if line:
-                code = 70  # EX_SOFTWARE: a task that did not run
-                handover = json.loads(line)
-                os.write(took, b"!")
-                os.close(took)
-                os.close(read)
-                be_task(handover)
+            if not line:
+                os._exit(0)  # no handover: a spare no one needed
+            handover = json.loads(line)
+            os.write(took, b"!")
+            os.close(took)
+            os.close(read)
         except BaseException:  # noqa: BLE001 - in the standby's log; the keeper forks the task itself
             import traceback
 
             traceback.print_exc()
-        finally:
-            os._exit(code)
+            os._exit(70)  # EX_SOFTWARE: a task that did not run
+        be_task(handover)  # never returns here: it raises out of the keeper's frames (worker/keeper.py)
 
     def hand(self, line: bytes) -> int | None:
         """The spare's pid once it has taken the handover line; None (and it stopped) if not."""

@@ -10,10 +10,11 @@ MultiWorkerMirroredStrategy configures it first). Its main thread meanwhile wait
 stdin, the handover (JSON): {"argv": the worker's arguments, "env": the attempt's variables,
 "log": the task's log}. Once the import has ended it is a keeper (worker/keeper.py): each
 handover makes a task of a fork of it (a spare forked ahead, worker/spare.py, or one forked then)
-that writes to the task's log, takes the variables and runs `python -m worker ARGV`, and the
-keeper stays for the next. End of file before any (its coordinator is done
-with it, or gone): it exits at once, even mid-import. Its own output is its log's; when
-TensorFlow cannot be imported it says why there and exits EXIT_STANDBY_FAILED.
+that writes to the task's log, takes the variables and raises keeper.Become, on which
+`python -m worker` runs ARGV as a cold task does; the keeper stays for the next. End of file
+before any (its coordinator is done with it, or gone): it exits at once, even mid-import. Its
+own output is its log's; when TensorFlow cannot be imported it says why there and exits
+EXIT_STANDBY_FAILED.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from worker import keeper, wire
@@ -72,9 +72,9 @@ class _Import(threading.Thread):
         print(f"{READY} {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
 
 
-def main(run: Callable[[list[str]], int]) -> NoReturn:
-    """Be a standby, then a keeper: each handover forks a task that runs `run(ARGV)` (the
-    worker's entry point)."""
+def main() -> NoReturn:
+    """Be a standby, then a keeper: each handover forks a task, which leaves here by raising
+    keeper.Become (its ARGV for the worker's entry point)."""
     import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
 
     events = keeper.events_descriptor()
@@ -88,7 +88,7 @@ def main(run: Callable[[list[str]], int]) -> NoReturn:
     loading.join()  # a failed import has ended the process
     if line:
         lines.push_back(line)
-    keeper.keep(run, _become, lines, events)
+    keeper.keep(_become, lines, events)
 
 
 def _become(handover: dict[str, Any]) -> None:

@@ -210,7 +210,12 @@ out = {
     "main_policy": os.sched_getscheduler(threading.get_native_id()),
     "import_policy": tensorflow.IMPORTED_BY[1],
     "random": numpy.random.random(),
+    "stack": [],
 }
+frame = sys._getframe()
+while frame is not None:  # the Python frames beneath the job's code
+    out["stack"].append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+    frame = frame.f_back
 print("RESULT " + json.dumps(out), flush=True)
 if os.environ["ORCHESTRATE_ATTEMPT"] == "3":
     time.sleep(60)
@@ -303,6 +308,38 @@ def test_a_keeper_hands_an_attempt_to_the_spare_it_made_ahead(tmp_path: Path, fa
     last = keeper.children()[0].pid
     standbys.close()
     assert wait_until(lambda: not psutil.pid_exists(last), timeout_s=10)
+
+
+def test_a_keepers_task_runs_beneath_the_frames_a_cold_task_runs_beneath(
+    tmp_path: Path, fake_tf: Path
+) -> None:
+    """Taken by the spare or forked then, the task's job runs under the same Python frames as a
+    cold task's (keeper.Become): CPython 3.11 maps and unmaps a 16 KiB chunk of frames each time a
+    call crosses a chunk's start, so a task run deeper, inside the keeper's loop, crossed at other
+    calls (a Keras first step: 7,400 crossings against 4,000 cold, issue 39); and a job's recursion
+    limit is where it would be without us."""
+    standbys, task, base = ready_keeper(tmp_path, fake_tf)
+    keeper = psutil_process(standbys.status()[0]["pid"])
+    assert wait_until(lambda: len(keeper.children()) == 1, timeout_s=10)
+    spare = keeper.children()[0].pid
+    stacks = []
+    for n in (1, 2):  # its spare, then a fork made at the handover (the next spare is not due yet)
+        log = tmp_path / f"w{n}.log"
+        child, why = standbys.take(task, {**base, **task.launch_env(attempt=n, token="t")}, log)
+        assert child is not None and why == "" and exit_of(child) == n
+        assert (child.pid == spare) == (n == 1)
+        stacks.append(json.loads(wait_for_line(log, "RESULT ")[len("RESULT ") :])["stack"])
+    standbys.close()
+    cold = tmp_path / "cold.log"
+    with open(cold, "wb") as out:
+        env = {**base, **task.launch_env(attempt=1, token="t")}
+        assert (
+            subprocess.run(task.argv, env=env, cwd=task.cwd, stdout=out, timeout=60, check=False).returncode
+            == 1
+        )
+    cold_stack = json.loads(wait_for_line(cold, "RESULT ")[len("RESULT ") :])["stack"]
+    assert any(f.endswith("worker/__main__.py:<module>") for f in cold_stack)
+    assert stacks == [cold_stack, cold_stack]
 
 
 def test_a_keeper_stops_making_spares_that_keep_dying(monkeypatch: Any, capsys: Any) -> None:
