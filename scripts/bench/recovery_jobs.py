@@ -136,14 +136,10 @@ def one_run(job: str, standby: str, where, at_step: int) -> dict:
     again 3 s after attempt 1's first step. Each restart's seconds and phases."""
     out: dict = {"job": job, "standby": standby}
     with _running(job, standby, where) as run:
-
-        def step() -> int:
-            return max((t.get("last_step") or 0) for t in status(run).get("tasks") or [{}])
-
-        wait_for(lambda: step() >= at_step, 240)
+        wait_for(lambda: _step(run) >= at_step, 240)
         if standby == "on":  # every task's standby ready
             _standbys_ready(run)
-        out["killed_at_step"] = step()
+        out["killed_at_step"] = _step(run)
         restarts = [_kill(run, _victim_pid(run, job), 1)]
         if standby == "on":  # a failure soon after a start (the keepers fork its tasks again)
             first = first_step_of_attempt(run, 1)[0]
@@ -188,33 +184,57 @@ def table(jobs: list[str], runs_each: int, where, import_s) -> dict:
 
 def first_steps(jobs: list[str], kills: int, runs_each: int, where) -> dict:
     """Point 2's question with more samples than one restart per run gives: per job, runs warm and
-    cold interleaved, each killed `kills` times, 6 s after the previous attempt's first step (the
-    keepers' spares made by then; warm, once every standby is ready).
-    Each restart's `first step` phase; medians, and how many warm ones are above the cold median."""
+    cold interleaved, each killed `kills` times. The warm run is killed 6 s after each attempt's
+    first step, once every standby is ready (the keepers' spares made by then); the cold run after
+    it at the same steps, so that each resumed epoch skips as many batches (their cost grows with
+    the kill's step: a time after each first step put the cold kills hundreds of steps earlier,
+    the warm run's first kill having waited for its standbys). Each restart's `first step` phase
+    and the step killed at; medians, and how many warm ones are above the cold median."""
     out: dict = {}
     for job in jobs:
         seen: dict[str, list[float]] = {"on": [], "off": []}
+        at: dict[str, list[int]] = {"on": [], "off": []}
         for _ in range(runs_each):
-            for standby in ("on", "off"):
-                seen[standby] += _first_steps_of_one_run(job, standby, where, kills)
-        cold = median(seen["off"])
-        out[job] = {m: {"median_s": round(median(v), 3), "n": len(v), "all": v} for m, v in seen.items()}
-        out[job]["warm_above_cold_median"] = f"{sum(v > cold for v in seen['on'])} of {len(seen['on'])}"
+            warm, steps = _first_steps_of_one_run(job, "on", where, kills, None)
+            cold, cold_steps = _first_steps_of_one_run(job, "off", where, kills, steps)
+            seen["on"] += warm
+            seen["off"] += cold
+            at["on"] += steps
+            at["off"] += cold_steps
+        cold_median = median(seen["off"])
+        out[job] = {
+            m: {"median_s": round(median(v), 3), "n": len(v), "all": v, "killed_at_step": at[m]}
+            for m, v in seen.items()
+        }
+        out[job]["warm_above_cold_median"] = (
+            f"{sum(v > cold_median for v in seen['on'])} of {len(seen['on'])}"
+        )
     return out
 
 
-def _first_steps_of_one_run(job: str, standby: str, where, kills: int) -> list[float]:
+def _step(run: Path) -> int:
+    return max((t.get("last_step") or 0) for t in status(run).get("tasks") or [{}])
+
+
+def _first_steps_of_one_run(
+    job: str, standby: str, where, kills: int, at_steps: list[int] | None
+) -> tuple[list[float], list[int]]:
+    """Its restarts' first steps and the steps killed at: `at_steps` if given, else 6 s after each
+    attempt's first step once every standby is ready."""
     seen: list[float] = []
+    killed_at: list[int] = []
     with _running(job, standby, where, max_restarts=kills) as run:
         wait_for(lambda: first_step_of_attempt(run, 0) is not None, 240)
         for attempt in range(1, kills + 1):
-            if standby == "on":
-                _standbys_ready(run)
-            # the same time after each first step warm and cold: the same steps trained, so the
-            # same batches of a resumed epoch to skip (their cost grows with the kill's step)
-            time.sleep(max(0.0, first_step_of_attempt(run, attempt - 1)[0] + 6.0 - time.time()))
+            if at_steps is not None:
+                wait_for(lambda target=at_steps[attempt - 1]: _step(run) >= target, 240)
+            else:
+                if standby == "on":
+                    _standbys_ready(run)
+                time.sleep(max(0.0, first_step_of_attempt(run, attempt - 1)[0] + 6.0 - time.time()))
+            killed_at.append(_step(run))
             seen.append(_kill(run, _victim_pid(run, job), attempt)["phases_s"]["first_step"])
-    return seen
+    return seen, killed_at
 
 
 def _summary(runs: list[dict]) -> dict:
