@@ -82,6 +82,7 @@ class Spare:
             traceback.print_exc()
             os._exit(70)  # EX_SOFTWARE: a task that did not run
         be_task(handover)  # never returns here: it raises out of the keeper's frames (worker/keeper.py)
+        os._exit(70)  # not reached (be_task raises): a spare never goes back into the keeper's loop
 
     def hand(self, line: bytes) -> int | None:
         """The spare's pid once it has taken the handover line; None (and it stopped) if not."""
