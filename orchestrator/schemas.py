@@ -40,7 +40,8 @@ class Restored(BaseModel):
     step: int = Field(description="the training step it starts from (0: unknown or none)")
     fingerprint: str = Field(
         description="of the restored variables (the built-in loop) or of the checkpoint restored (a job's "
-        "own: SHA-256 of its index), `nothing` when it restored none: equal on every training task"
+        "own, or a parameter_server chief's: SHA-256 of its index), `nothing` when it restored none: "
+        "equal on every training task"
     )
     source: str | None = Field(description="the checkpoint it came from (a path on its host), null if none")
     epoch: int = Field(0, description="the epoch it starts in, where the checkpoint says")

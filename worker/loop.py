@@ -31,6 +31,7 @@ from worker.runtime import reporter
 from worker.task import is_chief
 from worker.training import (
     LoopError,
+    build_optimizer,
     checkpoint_write_dir,
     load_module,
     replica_step,
@@ -59,14 +60,6 @@ class LoopConfig:
 
 class RestoreMismatch(LoopError):
     """The workers of one attempt restored different states."""
-
-
-def build_optimizer(optimizer: Any, model: Any) -> None:
-    """Create the optimizer's variables for the model's (Keras 3 and tf-keras optimizers build
-    lazily, on their first step). An optimizer that cannot is left to build itself."""
-    build = getattr(optimizer, "build", None)
-    if callable(build) and model.trainable_variables and not getattr(optimizer, "built", False):
-        build(model.trainable_variables)
 
 
 def state_fingerprint(model: Any, optimizer: Any, counters: tuple[Any, ...]) -> str:

@@ -21,8 +21,16 @@ from types import ModuleType
 from typing import Any
 
 from worker import wire
+from worker.checkpoints import fingerprint
 from worker.runtime import reporter
-from worker.training import checkpoint_write_dir, replica_step, user_loss, user_optimizer, write_final_marker
+from worker.training import (
+    build_optimizer,
+    checkpoint_write_dir,
+    replica_step,
+    user_loss,
+    user_optimizer,
+    write_final_marker,
+)
 
 REPORT_EVERY = 10  # steps between join()s that report progress (each join waits for stragglers)
 
@@ -72,10 +80,24 @@ class PsTrainer:
         self.per_example_loss = user_loss(tf, user)
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.write_dir), max_to_keep=3)
+        # Built now, as the built-in loop does: a restore fills the optimizer's slots at once,
+        # not in the first step, and the restore the chief reports is all of it.
+        with self.strategy.scope():
+            build_optimizer(self.optimizer, self.model)
         latest = tf.train.latest_checkpoint(str(config.checkpoint_dir))
         if latest:
             self.checkpoint.restore(latest)
             print(f"[orchestrate] resumed from {latest} at step {int(self.step.numpy())}", flush=True)
+        # The job's state is the chief's alone (nothing to compare): the checkpoint's own
+        # fingerprint, not its variables' (reading those back from the ps tasks costs a model's
+        # size in RPCs).
+        reporter().mark_restored(
+            wire.Restored(
+                step=int(self.step.numpy()),
+                fingerprint=fingerprint(latest) if latest else wire.RESTORED_NOTHING,
+                source=latest,
+            )
+        )
         gbs = config.global_batch_size
 
         def dataset_fn() -> Any:

@@ -55,6 +55,14 @@ def _default_loss(tf: Any) -> Any:
     return sparse_categorical_crossentropy
 
 
+def build_optimizer(optimizer: Any, model: Any) -> None:
+    """Create the optimizer's variables for the model's (Keras 3 and tf-keras optimizers build
+    lazily, on their first step). An optimizer that cannot is left to build itself."""
+    build = getattr(optimizer, "build", None)
+    if callable(build) and model.trainable_variables and not getattr(optimizer, "built", False):
+        build(model.trainable_variables)
+
+
 def replica_step(tf: Any, model: Any, optimizer: Any, per_example_loss: Any, global_batch_size: int) -> Any:
     """One replica's training step: the loss scaled by the *global* batch (so the replicas' sum is the
     batch mean whatever their number), regularization scaled likewise, gradients applied."""

@@ -118,6 +118,14 @@ def test_parameter_server_job_trains_evaluates_and_leaves_no_server_behind(loop_
         "ps-0": "STOPPED",
     }
     assert job.task("chief-0")["last_step"] == 60
+    assert job.task("chief-0")["restored"] == {  # a first attempt: nothing to restore
+        "step": 0,
+        "fingerprint": "nothing",
+        "source": None,
+        "epoch": 0,
+        "step_in_epoch": 0,
+        "final": True,
+    }
     assert run_processes(job.run_id) == []
     # the evaluator scored the final checkpoint and reported it
     scored = job.metrics("evaluator-0")
@@ -166,6 +174,13 @@ def test_parameter_server_ps_killed_restarts_the_job_from_the_chiefs_checkpoint(
     log = job.log("chief-0")
     resumed = [line for line in log.splitlines() if "resumed from" in line]
     assert resumed and int(resumed[-1].rsplit("step ", 1)[1]) >= 40  # from a checkpoint, not from 0
+    # the chief reports what it restored, so the restart's timeline has a restore phase
+    restored = job.task("chief-0")["restored"]
+    assert restored["step"] == int(resumed[-1].rsplit("step ", 1)[1]), restored
+    assert restored["source"] == resumed[-1].split("resumed from ", 1)[1].split(" at step")[0]
+    assert len(restored["fingerprint"]) == 16 and restored["fingerprint"] != "nothing"
+    [recovery] = [e for e in job.events() if e.get("kind") == "recovery"]
+    assert " restore —" not in recovery["reason"] and " restore " in recovery["reason"], recovery
     assert job.task("chief-0")["last_step"] == 400
     assert run_processes(job.run_id) == []
 
