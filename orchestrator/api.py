@@ -54,7 +54,8 @@ def up(
     failure ends the run with exit code 3.
     """
     from orchestrator import coordinator
-    from orchestrator.view import LiveView, PlainView, SilentView, View
+    from orchestrator.cli.view import LiveView, PlainView
+    from orchestrator.control import SilentView, View
     from orchestrator.web import parse_address
 
     model, path, text, folder = _spec(spec, backend, base_dir)

@@ -13,7 +13,6 @@ import functools
 import gc
 import logging
 import resource
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ import psutil
 
 from orchestrator import launch
 from orchestrator import page as page_served
-from orchestrator.control import RunResult, UpOptions, stop_on_signals
+from orchestrator.control import RunResult, SilentView, UpOptions, View, stop_on_signals
 from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
@@ -31,28 +30,27 @@ from orchestrator.health.store import HealthStore
 from orchestrator.launch import registry
 from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.exposure import OFFLINE, Exposure
-from orchestrator.logtail import LogTailer
-from orchestrator.plan import LaunchPlan
-from orchestrator.planner import Planner
-from orchestrator.quiet import ConsoleFilter, console_writes_anything
-from orchestrator.record import (
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.plan.planner import Planner
+from orchestrator.record.logtail import LogTailer
+from orchestrator.record.quiet import ConsoleFilter
+from orchestrator.record.read import known_folders, resume_point
+from orchestrator.record.write import (
     RunRecord,
     new_run_dir,
     new_run_id,
     now_iso,
     share_with_group,
 )
-from orchestrator.rundir import known_folders, resume_point
 from orchestrator.spec.load import redact_text
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from orchestrator.stacks import live as stacks_live
 from orchestrator.stacks import record as stacks
+from orchestrator.states import ClusterState
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.records import SupervisorResult
-from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
-from orchestrator.view import LiveView, PlainView, View
 from worker import wire
 
 if TYPE_CHECKING:
@@ -97,7 +95,7 @@ def up(
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        view = o.view or _console_view(o.live, o.progress_every_s)
+        view = o.view or SilentView()
         cleanup.callback(view.close)
         for listener in (view.event, o.on_event):
             if listener is not None:
@@ -174,13 +172,6 @@ def _supervise(supervisor: Supervisor, o: UpOptions) -> SupervisorResult:
         gc.freeze()
     with stop_on_signals(supervisor):
         return supervisor.run()
-
-
-def _console_view(live: bool | None, progress_every_s: float) -> View:
-    """The live view on a terminal (or when asked), plain lines otherwise."""
-    console_writes_anything()
-    on_tty = sys.stdout.isatty() if live is None else live
-    return LiveView() if on_tty else PlainView(progress_every_s=progress_every_s)
 
 
 def _resume_argv(spec_path: Path | None, run_dir: Path, backend_option: str | None) -> list[str] | None:

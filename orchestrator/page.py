@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.control import View
 from orchestrator.errors import LaunchError
 from orchestrator.spec.model import ClusterSpec
-from orchestrator.view import View
 
 if TYPE_CHECKING:
     from orchestrator.web.server import WebServer

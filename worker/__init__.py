@@ -21,7 +21,7 @@ __all__ = ["ReportCallback", "busy", "report", "set_total_steps"]
 
 def report(step: int | None = None, **metrics: Any) -> None:
     """Record a progress point (step counts from 1; omitted, it is the previous one plus one)."""
-    from worker.runtime import reporter
+    from worker.task.runtime import reporter
 
     reporter().report(step, **metrics)
 
@@ -29,7 +29,7 @@ def report(step: int | None = None, **metrics: Any) -> None:
 def set_total_steps(total: int | None, global_batch_size: int | None = None) -> None:
     """Tell the coordinator how many steps the job will run (its progress bar and ETA) and, if
     given, how many examples one step takes across the cluster (its examples/s)."""
-    from worker.runtime import reporter
+    from worker.task.runtime import reporter
 
     reporter().set_total_steps(total, global_batch_size)
 
@@ -38,7 +38,7 @@ def set_total_steps(total: int | None, global_batch_size: int | None = None) -> 
 def busy(what: str = "busy") -> Iterator[None]:
     """The task works outside its training steps meanwhile (evaluating, saving, preprocessing): the
     coordinator shows it and does not take the step standing still for a stall."""
-    from worker.runtime import reporter
+    from worker.task.runtime import reporter
 
     rep = reporter()
     before = rep.busy
@@ -51,7 +51,7 @@ def busy(what: str = "busy") -> Iterator[None]:
 
 def __getattr__(name: str) -> Any:
     if name == "ReportCallback":
-        from worker.keras_callback import ReportCallback
+        from worker.task.keras_callback import ReportCallback
 
         return ReportCallback
     raise AttributeError(f"module 'worker' has no attribute {name!r}")

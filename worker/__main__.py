@@ -1,6 +1,6 @@
 """`python -m worker run --script FILE [-- ARGS…]`: the entry point of every task (and `python -m
-worker standby`: a warm standby, worker/standby.py, which forks a task per handover that runs the
-same entry point, worker/keeper.py)."""
+worker standby`: a warm standby, worker/warm/standby.py, which forks a task per handover that runs the
+same entry point, worker/warm/keeper.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
-from worker import environment, runtime
+from worker.host import environment
+from worker.task import runtime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,16 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     rest = getattr(ns, "args", [])
     args = rest[1:] if rest[:1] == ["--"] else rest
     if ns.command == "server":
-        from worker import ps
+        from worker.task import ps
 
         return runtime.run_reported(ps.serve)
     if ns.command == "evaluate":
-        from worker import evaluate as evaluator
+        from worker.task import evaluate as evaluator
 
         sys.argv = [ns.module, *args]
         return runtime.run_reported(lambda: evaluator.run(Path(ns.module), Path(ns.checkpoint_dir)))
     if ns.command == "loop":
-        from worker import loop as builtin_loop
+        from worker.task import loop as builtin_loop
 
         config = builtin_loop.config_from_args(ns)
         sys.argv = [str(config.module), *args]  # the module may read its own arguments
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv == ["standby"]:  # a warm standby, whose forks come back here as tasks (worker/keeper.py)
-        from worker import keeper, standby
+    if argv == ["standby"]:  # a warm standby, whose forks come back here as tasks (worker/warm/keeper.py)
+        from worker.warm import keeper, standby
 
         environment.hold()  # its environment, kept while it waits too
         try:

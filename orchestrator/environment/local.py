@@ -1,5 +1,5 @@
 """The local backend's site: this machine, its environments under the cache (`cache_root()`, where
-the wheels already are: nothing is sent), worker/environment.py run as a child process."""
+the wheels already are: nothing is sent), worker/host/environment.py run as a child process."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import ENVIRONMENT_SOURCE, RUNTIME_ROOT
-from orchestrator.record import make_private_dir
+from orchestrator.record.write import make_private_dir
 from orchestrator.spec.environment import EnvironmentSpec
+from worker.host import ENVIRONMENT_SOURCE, RUNTIME_ROOT
 
 BUILD_TIMEOUT_S = 1800.0  # a build that takes longer is stuck (TensorFlow: ~6 s here)
 ASK_TIMEOUT_S = 120.0  # a question: answered at once (a Slurm step's start included)
@@ -118,7 +118,7 @@ class LocalSite(CommandSite):
 
 
 def read_answer(out: IO[bytes], on_line: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
-    """worker/environment.py's JSON lines: steps to `on_line`, the last line is the answer."""
+    """worker/host/environment.py's JSON lines: steps to `on_line`, the last line is the answer."""
     answer = None
     for raw in out:
         try:

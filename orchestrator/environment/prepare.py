@@ -1,6 +1,6 @@
 """Every host's environment ready before a task starts: asked, resolved, sent, built, in parallel.
 
-A backend gives one `Site` per host (how to run worker/environment.py there and how to send it
+A backend gives one `Site` per host (how to run worker/host/environment.py there and how to send it
 files); `prepare` does the rest and answers each host's interpreter for the tasks. A second run
 with the same requirements asks each host once (its target is remembered here, so the
 environment's name is known before the host answers) and sends and builds nothing.
@@ -21,12 +21,12 @@ from orchestrator.environment.request import Request, request_of
 from orchestrator.environment.resolve import Resolved, cache_root, resolve
 from orchestrator.environment.target import Target
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
-from orchestrator.launch.transfer import size_text
-from orchestrator.record import make_private_dir, write_text_atomic
+from orchestrator.group import on_all
+from orchestrator.record.progress import size_text
+from orchestrator.record.write import make_private_dir, write_text_atomic
 from orchestrator.spec.environment import EnvironmentSpec
-from worker.environment import ENV_ENVIRONMENT
-from worker.stacks import ENV_PY_SPY
+from worker.host.environment import ENV_ENVIRONMENT
+from worker.host.stacks import ENV_PY_SPY
 
 Notify = Callable[[str], None]
 PROGRESS_EVERY_S = 5.0
@@ -42,7 +42,7 @@ class Site(Protocol):
     def ask(
         self, mode: str, key: str, manifest: str, on_line: Callable[[dict[str, Any]], None]
     ) -> dict[str, Any]:
-        """Run worker/environment.py MODE WORKDIR KEY there (manifest on stdin, kept open until it
+        """Run worker/host/environment.py MODE WORKDIR KEY there (manifest on stdin, kept open until it
         answers); its lines before the answer go to `on_line`. LaunchError where it fails."""
         ...
 

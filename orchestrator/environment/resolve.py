@@ -26,9 +26,9 @@ from orchestrator.environment.elsewhere import compile_for
 from orchestrator.environment.request import UV, Request
 from orchestrator.environment.target import Target
 from orchestrator.errors import LaunchError
-from orchestrator.launch.transfer import sha256_file
-from orchestrator.record import make_private_dir, write_text_atomic
-from worker import environment
+from orchestrator.record.write import make_private_dir, write_text_atomic
+from worker.host import environment
+from worker.host.folders import sha256_file
 
 PIP_TIMEOUT_S = 1800.0  # a first download of TensorFlow on a slow link; pip's own timeouts come first
 
@@ -75,7 +75,7 @@ class Resolved:
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def manifest(self, keep: int) -> str:
-        """worker/environment.py's stdin: one line."""
+        """worker/host/environment.py's stdin: one line."""
         wheels = [{"file": w.file, "sha256": w.sha256, "size": w.size} for w in self.wheels]
         uv = {"file": self.uv.file, "sha256": self.uv.sha256, "size": self.uv.size}
         return json.dumps({"wheels": wheels, "uv": uv, "keep": keep}) + "\n"

@@ -1,4 +1,4 @@
-"""Which wheels an interpreter installs, as it reports itself (worker/environment.py `target`), in
+"""Which wheels an interpreter installs, as it reports itself (worker/host/environment.py `target`), in
 the words pip's `--platform/--python-version/--implementation/--abi` take."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from worker.http1 import RELAY, claimed, sign, task_of, verify
+from worker.wire.http1 import RELAY, claimed, sign, task_of, verify
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,14 @@ Every request must carry a credential of this run (health/credentials.py), check
 body is read.
 
 An asyncio protocol on a thread of its own, with just the HTTP/1.1 a heartbeat needs (POST with
-Content-Length, keep-alive, pipelining; worker/http1.py, shared with the per-host relay): one
+Content-Length, keep-alive, pipelining; worker/wire/http1.py, shared with the per-host relay): one
 connection per task costs a socket, not a thread (P6: the stdlib ThreadingHTTPServer spent 39% of a
 core on 1,000 tasks at 1 Hz, mostly parsing headers and switching threads). A task alone on its
 host posts here itself; on a host with several, a relay posts their heartbeats as one batch.
 
 Any user of the machine can connect, so what a client can make the server hold is bounded
-(worker/http1.py: deadlines, a connection cap that leaves the coordinator a reserve of file
-descriptors for its own record, head and body sizes; worker/wire.py: what a heartbeat may carry),
+(worker/wire/http1.py: deadlines, a connection cap that leaves the coordinator a reserve of file
+descriptors for its own record, head and body sizes; worker/wire/__init__.py: what a heartbeat may carry),
 and each task's own credential (health/credentials.py) lets it speak for itself only.
 """
 
@@ -29,7 +29,7 @@ import threading
 from orchestrator.health.credentials import Client, Credentials
 from orchestrator.health.store import HealthStore
 from worker import wire
-from worker.http1 import Answer, Connections, HttpProtocol, Limits
+from worker.wire.http1 import Answer, Connections, HttpProtocol, Limits
 
 log = logging.getLogger("orchestrator.health")
 

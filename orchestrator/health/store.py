@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker import wire
-from worker.failure import Written
 from worker.wire import Heartbeat, Restored, TaskError
+from worker.wire.failure import Written
 
 
 @dataclass(frozen=True)

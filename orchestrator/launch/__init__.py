@@ -20,7 +20,7 @@ from orchestrator.spec.model import ClusterSpec
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
     from orchestrator.launch.exposure import Exposure
-    from orchestrator.launch.placement import Placement
+    from orchestrator.plan.placement import Placement
 
 
 def open_backend(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:

@@ -19,69 +19,19 @@ import abc
 import enum
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, cast
 
 from orchestrator.errors import LaunchError
+from orchestrator.group import on_all
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch.exposure import Exposure
-from orchestrator.launch.placement import Machine, Placement, Relaid
-from orchestrator.plan import LaunchPlan, TaskPlan
-from worker.failure import Written
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-class GroupResult(Generic[T, R]):
-    """What `on_all` did on every item, in order: each item with fn's value or the exception it
-    raised (Fabric's GroupResult): what succeeded, what failed, per item."""
-
-    def __init__(self, pairs: list[tuple[T, R | Exception]]):
-        self.pairs = pairs
-
-    def __iter__(self) -> Iterator[tuple[T, R | Exception]]:
-        return iter(self.pairs)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    @property
-    def succeeded(self) -> list[tuple[T, R]]:
-        return [(item, out) for item, out in self.pairs if not isinstance(out, Exception)]
-
-    @property
-    def failed(self) -> list[tuple[T, Exception]]:
-        return [(item, out) for item, out in self.pairs if isinstance(out, Exception)]
-
-    def values(self) -> list[R | Exception]:
-        return [out for _, out in self.pairs]
-
-    def raise_if_failed(self, what: str) -> list[R]:
-        """Every value, or one LaunchError that lists every failure (not only the first)."""
-        failed = self.failed
-        if failed:
-            lines = "\n  ".join(str(exc) for _, exc in failed)
-            raise LaunchError(f"{what} failed on {len(failed)} of {len(self.pairs)} hosts:\n  {lines}")
-        return [out for _, out in self.succeeded]
-
-
-def on_all(items: Sequence[T], fn: Callable[[T], R]) -> GroupResult[T, R]:
-    """fn on every item at once (a thread each, 64 at most); the group's result."""
-    if not items:
-        return GroupResult([])
-
-    def guarded(item: T) -> R | Exception:
-        try:
-            return fn(item)
-        except Exception as exc:  # handed back, never lost
-            return exc
-
-    with ThreadPoolExecutor(max_workers=min(64, len(items)), thread_name_prefix="launch") as pool:
-        return GroupResult(list(zip(items, pool.map(guarded, items), strict=True)))
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
+from orchestrator.plan.placement import Machine, Placement, Relaid
+from worker.wire.failure import Written
 
 
 @dataclass(frozen=True)
@@ -169,12 +119,12 @@ class TaskHandle(abc.ABC):
 
     def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
         """Every thread's stacks of its process, read on its host by `deadline` (time.monotonic()
-        here): worker/stacks.py's document; one that cannot be read says why. Never raises."""
+        here): worker/host/stacks.py's document; one that cannot be read says why. Never raises."""
         return {"pid": self.process.pid, "state": "unknown", "threads": [], "notes": ["not readable here"]}
 
     def written_error(self) -> Written | None:
         """Once it has exited: the exception it wrote to its error file as it died
-        (worker/failure.py), None where it wrote none or the file cannot be had. Read by the
+        (worker/wire/failure.py), None where it wrote none or the file cannot be had. Read by the
         supervisor when no heartbeat brought the error."""
         return None
 

@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
+from orchestrator.group import on_all
 from orchestrator.launch.transfer import Folders, Transfer, folder_slug, local_tree, pull_results
-from orchestrator.plan import LaunchPlan, TaskPlan
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.spec.model import Role
 from worker import wire
 

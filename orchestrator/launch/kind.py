@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from orchestrator.errors import SpecProblem
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.placement import Placement
+    from orchestrator.plan.placement import Placement
     from orchestrator.spec.model import ClusterSpec, HostSpec
 
 

@@ -1,4 +1,4 @@
-"""Launch layer: a task run through its shim (worker/shim.py), as every backend whose tasks run
+"""Launch layer: a task run through its shim (worker/host/shim.py), as every backend whose tasks run
 away from this machine runs it (ssh: over an SSH channel; slurm: as an `srun` step).
 
 One handle for all of them, in the spirit of Fabric's `Remote(Runner)`: only the `Transport`
@@ -23,10 +23,12 @@ from typing import Any
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle
-from orchestrator.plan import TaskPlan
-from orchestrator.record import private_open
+from orchestrator.plan.launch_plan import TaskPlan
+from orchestrator.record.write import private_open
 from orchestrator.stacks import record as stacks_doc
-from worker import failure, stacks, wire
+from worker import wire
+from worker.host import stacks
+from worker.wire import failure
 
 _KEPT_LINES = 20
 _KEPT_CHARS = 500
@@ -48,7 +50,7 @@ def shim_job(
     files: Iterable[list[Any]] = (),
     **options: Any,
 ) -> dict[str, Any]:
-    """What the shim reads on its first line (worker/shim.py says each key). `env` is the task's
+    """What the shim reads on its first line (worker/host/shim.py says each key). `env` is the task's
     whole environment for this attempt; `options`: follow, forward_signals, port_lock."""
     return {
         "cache": cache,
@@ -197,7 +199,7 @@ class Transport(abc.ABC):
 
 class ShimHandle(TaskHandle):
     """One task attempt run by its shim, over any transport. A kept shim (a standby's,
-    worker/shim_standby.py) runs an attempt per GO: each has a handle of its own
+    worker/host/shim_standby.py) runs an attempt per GO: each has a handle of its own
     (`next_attempt`) over the one transport, whose events and output go to the attempt it runs."""
 
     def __init__(
@@ -266,7 +268,7 @@ class ShimHandle(TaskHandle):
         raise LaunchError(f"cannot start {self.task.name} on {self.where}: {said}")
 
     def stacks(self, deadline: float, native: bool) -> dict[str, Any]:
-        """Read by the shim on the task's host (worker/stacks.py), brought back as an event; a
+        """Read by the shim on the task's host (worker/host/stacks.py), brought back as an event; a
         host that does not answer by the deadline (and a little more for the way back) is said."""
         gone = {"pid": self.process.pid, "state": "gone", "threads": [], "notes": ["it had exited"]}
         if self._events.ended.is_set() or self.poll() is not None:

@@ -1,6 +1,6 @@
 """Launch layer: warm standbys kept by shims on other hosts (ssh hosts, Slurm nodes), as
 launch/standby.py says what they are. Each is a shim run in standby mode
-(worker/shim_standby.py) over its own transport, kept for the run: each attempt handed to it
+(worker/host/shim_standby.py) over its own transport, kept for the run: each attempt handed to it
 ("GO {…}" on the shim's stdin) forks its task from the standby and has a handle of its own over
 that transport (ShimHandle.next_attempt); closing it stops the standby.
 """
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.group import on_all
 from orchestrator.launch import standby
-from orchestrator.launch.api import on_all
 from orchestrator.launch.shim import ShimHandle
-from orchestrator.plan import TaskPlan
+from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.spec.model import ClusterSpec, Standby
 
 log = logging.getLogger("orchestrator.launch")

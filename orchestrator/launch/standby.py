@@ -3,9 +3,9 @@ run has them (`restart.standby`, the memory they cost, a job that sets an import
 itself), a standby's command, the handover that forks its task from it, and the rule that it
 is used only where its task's attempt has exactly the environment it was started with.
 
-A standby (worker/standby.py) is started once an attempt trains, imports TensorFlow at the
+A standby (worker/warm/standby.py) is started once an attempt trains, imports TensorFlow at the
 lowest CPU priority and waits; each later attempt's `start` hands it that attempt, and it forks
-the task and stays for the next (a keeper, worker/keeper.py), or the task starts cold, saying why
+the task and stays for the next (a keeper, worker/warm/keeper.py), or the task starts cold, saying why
 (a standby that cannot serve is stopped; a new one is prepared once that attempt trains).
 """
 
@@ -110,7 +110,7 @@ def stable_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def handover(args: Sequence[str], env: Mapping[str, str], log: str) -> bytes:
-    """The line that makes a standby its task (worker/standby.py)."""
+    """The line that makes a standby its task (worker/warm/standby.py)."""
     attempt = {k: env[k] for k in wire.PER_ATTEMPT_ENV if k in env}
     return (json.dumps({"argv": list(args), "env": attempt, "log": log}) + "\n").encode()
 

@@ -1,6 +1,6 @@
 """Launch layer: what every backend's copy of a state folder shares, whatever carries the files (an
 SFTP session, a tar through a Slurm step) — a folder listed here the way it is listed on a host
-(`worker/folders.py tree`, run on this machine: the one implementation), the files that differ,
+(`worker/host/folders.py tree`, run on this machine: the one implementation), the files that differ,
 received files committed (data first, TF's `checkpoint` index last), and what a copy moved.
 """
 
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
+from orchestrator.group import on_all
+from orchestrator.record.progress import size_text
+from worker.host.folders import sha256_file
 
 #: A folder's name for files received before they are committed (`tree` removes a leftover one).
 STAGING_PREFIX = ".incoming-"
@@ -102,7 +104,7 @@ def to_push(ours: dict[str, Any], theirs: dict[str, Any], where: str) -> tuple[l
 def local_tree(folder: Path) -> dict[str, Any]:
     """folders.py's `tree`, on this machine (the one implementation, as on the hosts; in this
     process: a follower copying each checkpoint home would pay a Python start-up each time)."""
-    from worker import folders
+    from worker.host import folders
 
     try:
         return folders.tree(str(folder))
@@ -123,28 +125,12 @@ def differing(source: dict[str, list[Any]], target: dict[str, list[Any]]) -> lis
 def commit_here(folder: Path, staging: Path, keep: list[str]) -> dict[str, Any]:
     """Files received in `staging` moved into `folder` (data first, index last), then what is not
     in `keep` removed (folders.py's `commit`, on this machine, in this process)."""
-    from worker import folders
+    from worker.host import folders
 
     try:
         return folders.commit(str(folder), str(staging), keep)
     except OSError as exc:
         raise LaunchError(f"this machine: cannot commit into {folder}: {exc.strerror or exc}") from None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def size_text(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def folder_slug(folder: str) -> str:
@@ -173,7 +159,7 @@ class Folders(abc.ABC):
         once for every host it goes to). LaunchError when it cannot."""
 
     def stamp(self, host: int, remote: str) -> str | None:
-        """A cheap stamp of `remote` on the host (worker/folders.py `stamp`: names, sizes, times):
+        """A cheap stamp of `remote` on the host (worker/host/folders.py `stamp`: names, sizes, times):
         the same, nothing changed there. None where the backend has none (the folder is pulled
         every time, only what differs moving). LaunchError when the host cannot be asked."""
         return None
@@ -183,7 +169,7 @@ class Folders(abc.ABC):
         return None
 
     def shared(self, host: int, action: str, folder: str, nonce: str) -> bool:
-        """worker/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
+        """worker/host/folders.py's `shared` on the host: `mark` (a nonce file into `folder`, if it is
         there: True if written), `read` (True if seen), `remove`. Without it: nothing is shared."""
         return False
 

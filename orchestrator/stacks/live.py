@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.record import make_private_dir, write_json_atomic
+from orchestrator.record.write import make_private_dir, write_json_atomic
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import TaskHandle

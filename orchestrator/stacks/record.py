@@ -3,7 +3,7 @@ handle, in parallel, by one deadline), kept in the run record, found again and p
 
 The record: `stacks/attempt-N/<task>.json` for the capture before attempt N's stop (the last one
 of that attempt), `stacks/live/<task>.json` for the latest one asked of a live run
-(`orchestrate stacks`, the page). Each is worker/stacks.py's document with the task, its attempt,
+(`orchestrate stacks`, the page). Each is worker/host/stacks.py's document with the task, its attempt,
 where it ran, when and why it was captured.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.record import make_private_dir, now_iso, read_json, write_json_atomic
+from orchestrator.record.write import make_private_dir, now_iso, read_json, write_json_atomic
 from orchestrator.stacks.where import Where, where
-from worker import stacks
+from worker.host import stacks
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import TaskHandle
@@ -59,7 +59,7 @@ class Capture:
 def capture_all(handles: Sequence[TaskHandle], timeout_s: float, why: str, native: bool = True) -> Capture:
     """Every handle's stacks, all at once, by `timeout_s` from now; a task that cannot be read
     says why in its document."""
-    from orchestrator.launch.api import on_all
+    from orchestrator.group import on_all
 
     start = time.monotonic()
     deadline = start + timeout_s

@@ -1,4 +1,4 @@
-"""Stacks layer: where a task was, read from its stacks (worker/stacks.py's document) — in one line,
+"""Stacks layer: where a task was, read from its stacks (worker/host/stacks.py's document) — in one line,
 and whether it is the one the others wait for: a task in its own code (not in TensorFlow) or
 stopped is; a task waiting inside TensorFlow (an all-reduce, a tf.function, its cluster) is not.
 
@@ -15,17 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import worker
+from orchestrator.record.quiet import RUNTIME_FILES
 
 _STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+t?[/\\](?!site-packages|dist-packages)|^<frozen ")
 _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 #: Our runtime's files: this package's, or its copy on a host (the ssh backend ships it as
 #: `lib/worker/`); a job's own package named `worker` elsewhere is the job's.
 _OURS = Path(worker.__file__).resolve().parent
-_SHIPPED = re.compile(
-    r"[/\\]lib[/\\]worker[/\\](?:"
-    + "|".join(sorted(re.escape(p.stem) for p in _OURS.glob("*.py")))
-    + r")\.py$"
-)
+_SHIPPED = re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + RUNTIME_FILES + r")\.py$")
 _TENSORFLOW = re.compile(r"[/\\](?:tensorflow|keras|tf_keras|tensorflow_core)[/\\]")
 _GEN_OP = re.compile(r"[/\\]gen_\w+_ops\.py$")
 #: The frames of a MultiWorkerMirroredStrategy connecting its cluster (it waits for every peer).

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from orchestrator.health.store import TaskHealth
+from orchestrator.states import FailureKind, TaskState
 from orchestrator.supervise import restores
 from orchestrator.supervise.config import SupervisorConfig
-from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.records import describe_exit
-from orchestrator.supervise.states import TaskState
 
 
 class TaskView(NamedTuple):

@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.launch.api import Backend
-from orchestrator.launch.placement import Machine, Placement
-from orchestrator.plan import LaunchPlan
-from orchestrator.record import iso_time
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.plan.placement import Machine, Placement
+from orchestrator.record.write import iso_time
 from orchestrator.spec.model import ClusterSpec, Role, Strategy
 from orchestrator.supervise import members
 from orchestrator.supervise.records import EventSink, TaskRecord

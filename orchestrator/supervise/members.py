@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from orchestrator.launch.placement import Machine
+from orchestrator.plan.placement import Machine
 from orchestrator.spec.model import ClusterSpec, Role
 from orchestrator.spec.roles import task_slots
 

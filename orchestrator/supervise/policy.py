@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from orchestrator.launch.api import QUICK_GRACE_S
 from orchestrator.spec.model import AtEnd, OnFailure
 from orchestrator.stacks.where import Where
+from orchestrator.states import FailureKind
 from worker import wire
 from worker.wire import TaskError
 
@@ -29,17 +30,6 @@ PEER_LOSS_ERRORS = (
     "CancelledError",
     "InternalError",
 )
-
-
-class FailureKind(str, enum.Enum):
-    LAUNCH = "launch"  # the process could not be started
-    EXIT = "exit"  # exited non-zero (or killed by a signal)
-    EXCEPTION = "exception"  # the user's code raised (reported by the worker runtime)
-    LOST = "lost"  # no heartbeat for heartbeat_timeout_s (frozen process, cut-off host)
-    STALLED = "stalled"  # alive, but its step did not advance for stall_timeout_s
-    STARTUP_TIMEOUT = "startup_timeout"  # not up within startup_timeout_s
-    NO_STRATEGY = "no_strategy"  # alive at the start-up deadline, but no task began creating a strategy
-    DIVERGED = "diverged"  # training tasks of one attempt restored different states
 
 
 @dataclass(frozen=True)

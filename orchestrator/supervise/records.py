@@ -13,11 +13,11 @@ from typing import Any, Protocol
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LAUNCH, EXIT_OK
 from orchestrator.health.store import TaskHealth
 from orchestrator.launch.api import TaskHandle
-from orchestrator.plan import TaskPlan
-from orchestrator.record import SCHEMA_VERSION, iso_time
+from orchestrator.plan.launch_plan import TaskPlan
+from orchestrator.record.write import SCHEMA_VERSION, iso_time
 from orchestrator.spec.roles import RolePolicy
-from orchestrator.supervise.policy import Failure, FailureKind
-from orchestrator.supervise.states import ClusterState, TaskState
+from orchestrator.states import ClusterState, FailureKind, TaskState
+from orchestrator.supervise.policy import Failure
 from worker import wire
 
 

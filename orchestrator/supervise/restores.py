@@ -1,7 +1,7 @@
 """Supervision layer: every task of a synchronous job must start an attempt from one state.
 
 - `JobFolders`: the folders the job writes its own checkpoints to, as its owner told them
-  (worker/checkpoints.py), learned across attempts: the backend keeps them the same on every host
+  (worker/task/checkpoints.py), learned across attempts: the backend keeps them the same on every host
   before the next attempt (plan.state.job_folders; launch/exchange.py).
 - `diverged_start`: the tasks' restore reports compared as they arrive — tasks that restored
   different states (or one restored and another nothing) fail the attempt before they train.
@@ -18,13 +18,14 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from orchestrator.health.store import TaskHealth
-from orchestrator.plan import LaunchPlan, StatePlan
+from orchestrator.plan.launch_plan import LaunchPlan, StatePlan
 from orchestrator.spec.model import Strategy
-from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.states import FailureKind
+from orchestrator.supervise.policy import Failure
 from worker.wire import MAX_FOLDERS, RESTORED_NOTHING, TaskError
 from worker.wire import Restored as Restored
 
-NOTHING = RESTORED_NOTHING  # the fingerprint of "restored nothing" (worker/checkpoints.py)
+NOTHING = RESTORED_NOTHING  # the fingerprint of "restored nothing" (worker/task/checkpoints.py)
 #: TensorFlow's collective mismatch errors (collective_param_resolver_local.cc and its kin).
 COLLECTIVE_MISMATCH = re.compile(
     r"Collective instance \d+ expected|mismatch in the collective instance|"

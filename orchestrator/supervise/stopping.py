@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_all, unconfirmed_reason
-from orchestrator.plan import LaunchPlan
-from orchestrator.record import now_iso
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.record.write import now_iso
 from orchestrator.spec.model import AtEnd
 from orchestrator.stacks.record import BEFORE_STOP
+from orchestrator.states import ClusterState, FailureKind, TaskState
 from orchestrator.supervise import detect, policy
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
-from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
+from orchestrator.supervise.policy import Action, Decision, Failure
 from orchestrator.supervise.records import EventSink, TaskRecord
-from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.timeline import Recovery, Timeline, what_happened
 
 if TYPE_CHECKING:

@@ -21,23 +21,24 @@ from typing import Any
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore, TaskHealth
 from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
-from orchestrator.plan import LaunchPlan
-from orchestrator.record import now_iso
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.record.write import now_iso
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.stacks.record import Capture, capture_all
+from orchestrator.states import (
+    CLUSTER_TRANSITIONS,
+    TASK_TRANSITIONS,
+    ClusterState,
+    FailureKind,
+    TaskState,
+    check_transition,
+)
 from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.hosts import Hosts, Replan
-from orchestrator.supervise.policy import Action, Failure, FailureKind
+from orchestrator.supervise.policy import Action, Failure
 from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
-from orchestrator.supervise.states import (
-    CLUSTER_TRANSITIONS,
-    TASK_TRANSITIONS,
-    ClusterState,
-    TaskState,
-    check_transition,
-)
 from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
 

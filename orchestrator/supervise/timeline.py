@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.health.store import TaskHealth
-from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.states import FailureKind
+from orchestrator.supervise.policy import Failure
 
 PHASES = ("stop", "wait", "start", "connect", "restore", "first_step")
 

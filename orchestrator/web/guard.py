@@ -2,7 +2,7 @@
 
 Any user of the machine can connect: a connection is a stranger's until one of its requests shows
 the run's token, and is closed at its deadline (`hello_s`) and first evicted at the cap
-(`worker.http1.Connections`, the heartbeat server's rule), so another user's idle sockets never
+(`worker.wire.http1.Connections`, the heartbeat server's rule), so another user's idle sockets never
 keep the owner out. A request refused (malformed, bytes that are no text, a parameter out of its
 range) is one log line, at most one a second, never a traceback.
 """
@@ -17,14 +17,14 @@ from typing import Any
 
 from aiohttp import web
 
-from worker.http1 import Connections
 from worker.wire import safe_text
+from worker.wire.http1 import Connections
 
 OWNER = "owner"  # whom a valid token speaks for (one credential: the run's)
 
 
 class Guard(asyncio.Protocol):
-    """One connection, as `worker.http1.Connections` caps and times it (a stranger until a request
+    """One connection, as `worker.wire.http1.Connections` caps and times it (a stranger until a request
     shows the token: closed at its deadline, first evicted at the cap); everything else is
     aiohttp's protocol's. `guards`: every open one by its transport (a request finds its own)."""
 

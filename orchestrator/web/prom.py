@@ -15,8 +15,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from orchestrator.progress import parse_time
-from orchestrator.supervise.states import ClusterState, TaskState
+from orchestrator.record.progress import parse_time
+from orchestrator.states import ClusterState, TaskState
 from worker import wire
 
 

@@ -12,9 +12,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from orchestrator.logtail import tail_lines
-from orchestrator.quiet import collapse_redraws
-from orchestrator.rundir import coordinator_alive, has_ended
+from orchestrator.record.logtail import tail_lines
+from orchestrator.record.quiet import collapse_redraws
+from orchestrator.record.read import coordinator_alive, has_ended
 from orchestrator.stacks import record as stacks
 from orchestrator.stacks.where import where
 from orchestrator.web.curves import Curves

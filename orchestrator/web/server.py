@@ -43,13 +43,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.errors import LaunchError
-from orchestrator.progress import progress_of
-from orchestrator.rundir import has_ended
+from orchestrator.record.progress import progress_of
+from orchestrator.record.read import has_ended
 from orchestrator.web.guard import Complaints, Guard, ProtocolLog
 from orchestrator.web.prom import registry
 from orchestrator.web.reader import RunReader
-from worker.http1 import Connections, Limits
 from worker.wire import dumps
+from worker.wire.http1 import Connections, Limits
 
 log = logging.getLogger("orchestrator.web")
 

@@ -5,7 +5,7 @@ Two ways heartbeats arrive, as in the product:
 - direct: one keep-alive connection per task, one POST per heartbeat (the local backend);
 - unix: the same as direct, over the Unix socket of a local run in its own network namespace
   (heartbeat path only: `path:unix:N` against `path:direct:N`, issue 28);
-- relayed: tasks of one host post to that host's relay (worker/relay.py), which forwards them as
+- relayed: tasks of one host post to that host's relay (worker/host/relay.py), which forwards them as
   one `POST /v1/heartbeats` per interval (the ssh backend; the relay tells its tasks when to post
   so that they land just before its flush). Here the load generator sends what the relays would:
   per simulated host of 8 tasks, one batch of 8 heartbeats a second (the relays' own cost is on
@@ -17,18 +17,18 @@ Two coordinators:
   the load generator's). Each task's TF_CONFIG lists the whole cluster, so the plan grows as N²:
   this runs at 1,000 tasks, not 10,000.
 - heartbeat path: the heartbeat server, health store and metrics.jsonl writer alone (any N).
-And the relay's own cost on its host (`relay:direct:8`): a real worker/relay.py with 8 tasks posting
+And the relay's own cost on its host (`relay:direct:8`): a real worker/host/relay.py with 8 tasks posting
 to it one by one; its CPU share is the figure (the coordinator behind it is the heartbeat path).
 
 Every simulated task posts with its own credential (orchestrator/health/credentials.py), the
-headers worker/reporter.py sends (http.client's); a batch carries its simulated host's relay
-credential, the headers worker/relay.py sends, and holds that host's tasks only (the whole
+headers worker/task/reporter.py sends (http.client's); a batch carries its simulated host's relay
+credential, the headers worker/host/relay.py sends, and holds that host's tasks only (the whole
 coordinator's spec has one host of N workers when direct, as the local backend, and a host per 8
 when relayed, so each batch speaks for its own host).
 
 `--parser httptools` (pip install httptools; not a dependency of the product) has the coordinator's
 heartbeat endpoint parse HTTP with httptools (scripts/bench/httptools_protocol.py) instead of
-worker/http1.py, to weigh the two (issue 13); the relay itself always uses http1.py (it runs with
+worker/wire/http1.py, to weigh the two (issue 13); the relay itself always uses http1.py (it runs with
 the standard library only), so for `relay:direct:8` the option changes nothing measured.
 
 Reported: the coordinator process's CPU share (of one core, user + kernel) over the measured
@@ -59,7 +59,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from worker.relay import read_response  # noqa: E402 - the same HTTP the relay reads
+from worker.host.relay import read_response  # noqa: E402 - the same HTTP the relay reads
 
 TASKS_PER_HOST = 8
 DEFAULT_CASES = [
@@ -100,7 +100,7 @@ def serve_path(n: int, way: str, folder: Path) -> None:
     from orchestrator.health.credentials import Credentials
     from orchestrator.health.server import HeartbeatServer, connection_cap
     from orchestrator.health.store import HealthStore
-    from orchestrator.record import RunRecord
+    from orchestrator.record.write import RunRecord
 
     record = RunRecord(folder)
     store = HealthStore(time.monotonic, on_points=record.metrics)
@@ -141,13 +141,14 @@ def serve_path(n: int, way: str, folder: Path) -> None:
 def serve_whole(n: int, way: str, folder: Path) -> None:
     """`orchestrate up` on N workers whose processes are the load generator's simulated tasks."""
     from orchestrator import coordinator
+    from orchestrator.cli.view import console_view
     from orchestrator.control import UpOptions
     from orchestrator.errors import LaunchError
     from orchestrator.health.credentials import Credentials
     from orchestrator.launch.api import Backend, Heartbeats, ProcessInfo, Sig, TaskHandle
     from orchestrator.launch.local.placement import local_placements
-    from orchestrator.launch.placement import Placement
-    from orchestrator.plan import TaskPlan
+    from orchestrator.plan.launch_plan import TaskPlan
+    from orchestrator.plan.placement import Placement
     from orchestrator.spec.load import parse_spec
     from orchestrator.spec.model import ClusterSpec
     from orchestrator.spec.roles import task_slots
@@ -250,7 +251,10 @@ def serve_whole(n: int, way: str, folder: Path) -> None:
     os.dup2(devnull, 1)  # the plain view's lines (every task's states and log lines) go nowhere
     run_dir = folder / "run"
     options = UpOptions(
-        run_dir=run_dir, live=False, backend=SimBackend(spec, run_dir, folder), own_process=True
+        run_dir=run_dir,
+        view=console_view(False, 15.0),
+        backend=SimBackend(spec, run_dir, folder),
+        own_process=True,
     )
     coordinator.up(spec, spec_path, options)
 
@@ -269,7 +273,7 @@ def _heartbeat(i: int, seq: int, attempt: int = 0) -> dict[str, Any]:
     """What a training task of the built-in loop sends each second at 10 steps/s: its step and
     latest loss; worker 0 also the 10 steps since the last as points (metrics.jsonl; numbered, as
     the reporter does, so each is written once), the others report progress only
-    (worker/reporter.py keeps_points)."""
+    (worker/task/reporter.py keeps_points)."""
     if not _TEMPLATE:
         from worker.wire import Heartbeat
 
@@ -297,7 +301,7 @@ def heartbeat_body(i: int, seq: int, attempt: int = 0) -> bytes:
 
 
 def task_request(host: str, port: int, token: str, body: bytes, flush: bool = False) -> list[bytes]:
-    """A task's heartbeat request, byte for byte as worker/reporter.py sends it (head and body in
+    """A task's heartbeat request, byte for byte as worker/task/reporter.py sends it (head and body in
     one write)."""
     flush_line = "X-Orchestrate-Flush: 1\r\n" if flush else ""
     head = (
@@ -309,7 +313,7 @@ def task_request(host: str, port: int, token: str, body: bytes, flush: bool = Fa
 
 
 def batch_request(token: str, bodies: list[bytes]) -> list[bytes]:
-    """A relay's batch, byte for byte as worker/relay.py sends it (in one send())."""
+    """A relay's batch, byte for byte as worker/host/relay.py sends it (in one send())."""
     body = b"[" + b",".join(bodies) + b"]"
     head = (
         b"POST /v1/heartbeats HTTP/1.1\r\nHost: coordinator\r\nContent-Type: application/json\r\n"
@@ -471,7 +475,7 @@ def measure(
         proc = psutil.Process(server.pid)
         if kind == "relay":  # the host's side: one relay, its tasks posting to it one by one
             relay = subprocess.Popen(
-                [sys.executable, "-S", str(REPO / "worker" / "relay.py")],
+                [sys.executable, "-S", str(REPO / "worker" / "host" / "relay.py")],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
@@ -554,7 +558,7 @@ def main() -> int:
         "--parser",
         choices=["http1", "httptools"],
         default="http1",
-        help="HTTP/1.1 parsing of the coordinator's heartbeat endpoint: worker/http1.py, or httptools "
+        help="HTTP/1.1 parsing of the coordinator's heartbeat endpoint: worker/wire/http1.py, or httptools "
         "(pip install httptools)",
     )
     parser.add_argument(

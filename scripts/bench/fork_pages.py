@@ -7,8 +7,8 @@
    as a resumed epoch does, then one Keras training step in a `tf.function`), measured inside the
    process, in three kinds of process interleaved round by round: `cold` (a fresh interpreter
    that imports TensorFlow), `fork` (forked from a keeper-like parent that imported it on a
-   SCHED_IDLE thread, worker/standby.py's way) and `spare` (the same fork after
-   worker/spare.py's `own_pages`, which a spare does before its handover). Medians of the
+   SCHED_IDLE thread, worker/warm/standby.py's way) and `spare` (the same fork after
+   worker/warm/spare.py's `own_pages`, which a spare does before its handover). Medians of the
    rounds: wall and CPU seconds, minor faults; `fork` and `spare` as ratios to `cold`.
 
 `python scripts/bench/fork_pages.py [--rounds 8]` prints one JSON document.
@@ -84,7 +84,7 @@ time.sleep(0.5)
 pid = os.fork()
 if pid == 0:
     if kind == "spare":
-        from worker import spare
+        from worker.warm import spare
         spare.own_pages()
     first_step()
     os._exit(0)

@@ -1,8 +1,8 @@
 """The heartbeat endpoint's HTTP/1.1 parsed by httptools (llhttp, Node's parser) instead of
-worker/http1.py's own, for the P6 comparison only (scripts/bench/capacity.py --parser httptools,
+worker/wire/http1.py's own, for the P6 comparison only (scripts/bench/capacity.py --parser httptools,
 scripts/bench/parse_cost.py). Not a dependency of the product: `pip install httptools` for the bench.
 
-`HttptoolsProtocol` takes the constructor of `worker.http1.HttpProtocol` and behaves as it does:
+`HttptoolsProtocol` takes the constructor of `worker.wire.http1.HttpProtocol` and behaves as it does:
 the credential is checked on the token header before the body is read (`Auth`), connections join
 and leave the `Connections` registry (the cap, strangers and known clients), the hello / request /
 idle deadlines are kept the same way, the body's size is bounded per path, keep-alive and
@@ -27,7 +27,7 @@ from typing import Any
 
 import httptools
 
-from worker.http1 import (
+from worker.wire.http1 import (
     BAD_REQUEST_STATUS,
     BAD_TOKEN_STATUS,
     MAX_HEAD_BYTES,

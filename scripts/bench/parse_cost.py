@@ -1,12 +1,12 @@
 """P6, HTTP parsing alone: the CPU one heartbeat request costs the coordinator's endpoint protocol,
-worker/http1.py's `HttpProtocol` against httptools (`HttptoolsProtocol`, scripts/bench/
+worker/wire/http1.py's `HttpProtocol` against httptools (`HttptoolsProtocol`, scripts/bench/
 httptools_protocol.py), with nothing else around it: no sockets, no event loop, no store (the
 handler answers 200 at once), a fake transport. One keep-alive connection per variant, as a task's.
 
 Requests are the product's, byte for byte (scripts/bench/capacity.py builds them): a task's
-heartbeat as worker/reporter.py sends it (http.client: its head and its body in a send() each, so
+heartbeat as worker/task/reporter.py sends it (http.client: its head and its body in a send() each, so
 the server mostly reads them apart: `task, 2 reads`; `task, 1 read` when they arrive together), and
-a relay's batch of 8 heartbeats (worker/relay.py, one send). Each request is checked with a real
+a relay's batch of 8 heartbeats (worker/host/relay.py, one send). Each request is checked with a real
 credential (orchestrator/health/credentials.py; a connection checks it once, then compares).
 
 Reported per variant: µs of CPU per request (process time, the best of `--repeats`: the machine
@@ -37,7 +37,7 @@ from httptools_protocol import HttptoolsProtocol  # noqa: E402
 
 from orchestrator.health.credentials import Credentials  # noqa: E402
 from worker import wire  # noqa: E402
-from worker.http1 import Connections, HttpProtocol, Limits, parse_head  # noqa: E402
+from worker.wire.http1 import Connections, HttpProtocol, Limits, parse_head  # noqa: E402
 
 
 class _Transport(asyncio.Transport):

@@ -43,7 +43,7 @@ def api_cost(calls: int = 20000, heartbeats: int = 300) -> dict[str, float]:
     from orchestrator.health.credentials import Credentials
     from orchestrator.health.server import HeartbeatServer
     from orchestrator.health.store import HealthStore
-    from worker.reporter import Reporter, ReporterConfig
+    from worker.task.reporter import Reporter, ReporterConfig
 
     store = HealthStore(time.monotonic)
     store.reset(0, ["worker-0"])

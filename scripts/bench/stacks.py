@@ -31,8 +31,8 @@ from common import BENCH, REPO, iso_to_s, median, tmpdir, value, values, write_s
 sys.path.insert(0, str(REPO))
 
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle  # noqa: E402
-from orchestrator.plan import TaskPlan  # noqa: E402
-from worker import stacks  # noqa: E402
+from orchestrator.plan.launch_plan import TaskPlan  # noqa: E402
+from worker.host import stacks  # noqa: E402
 
 # Under the worker runtime, TensorFlow imported: the odd tasks hang in their own code (a lock),
 # the even ones wait inside TensorFlow (an empty queue's dequeue: C++ frames of TensorFlow's, whose
@@ -80,7 +80,7 @@ class Hung(TaskHandle):
 def start_hung(count: int, folder: Path) -> list[tuple[subprocess.Popen[str], str]]:
     (folder / "hung.py").write_text(HUNG)
     job = str(folder / "hung.py")
-    code = f"import runpy; from worker import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
+    code = f"import runpy; from worker.task import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
     procs = []
     for i in range(count):
         env = {

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import orchestrator
-from orchestrator.schemas import Event, Metrics, Status
+from orchestrator.record.schemas import Event, Metrics, Status
 from tests.conftest import run_processes, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -28,8 +28,8 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats, TaskHandle, stop_all
-from orchestrator.plan import LaunchPlan, make_plan
-from orchestrator.record import new_run_id
+from orchestrator.plan.launch_plan import LaunchPlan, make_plan
+from orchestrator.record.write import new_run_id
 from orchestrator.spec.load import load_spec
 from tests.conftest import run_processes, wait_until
 from tests.lab import LoopbackLab, make_lab, why_no_lab

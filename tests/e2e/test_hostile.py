@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_processes, tmpfs_disk, wait_until
-from worker.dial import dial
+from worker.wire.dial import dial
 
 pytestmark = pytest.mark.e2e
 
@@ -96,7 +96,7 @@ def _closed(sock: socket.socket) -> bool:
 FORGER = """
     import http.client, json, os, time
     import worker
-    from worker.dial import dial  # the coordinator's Unix socket (or an http:// URL)
+    from worker.wire.dial import dial  # the coordinator's Unix socket (or an http:// URL)
     task = os.environ["ORCHESTRATE_TASK"]
     for i in range(1, 21):
         worker.report(step=i)

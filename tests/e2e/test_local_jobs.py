@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from orchestrator.quiet import noise
+from orchestrator.record.quiet import noise
 from tests.conftest import run_processes, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +106,7 @@ def test_exception_in_script_fails_with_root_cause(job_factory):
 CUT_THEN_RAISE = """
     import dataclasses, os, time
     import worker
-    from worker import runtime
+    from worker.task import runtime
     for i in range(1, 4):
         worker.report(step=i)
         time.sleep(0.3)

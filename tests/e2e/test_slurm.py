@@ -27,7 +27,7 @@ from orchestrator.launch.slurm.step import port_lock
 from tests import wheelhouse
 from tests.conftest import CliRun, run_processes, wait_until
 from tests.slurm_lab import SlurmLab, why_no_slurm
-from worker.probe import port_locked
+from worker.host.probe import port_locked
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_no_slurm() is not None, reason=why_no_slurm() or "")]

@@ -172,7 +172,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-RELAY_SHA = hashlib.sha256((REPO / "worker" / "relay.py").read_bytes()).hexdigest()  # its name in the cache
+RELAY_SHA = hashlib.sha256((REPO / "worker" / "host" / "relay.py").read_bytes()).hexdigest()  # its name in the cache
 
 
 def two_tasks_on_host_0(ssh_job, lab, step_sleep_s: float) -> SshJob:

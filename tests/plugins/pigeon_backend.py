@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from orchestrator.launch.api import Backend, Heartbeats, Leftovers
 from orchestrator.launch.local import LocalKind
 from orchestrator.launch.local.backend import LocalBackend, LocalLeftovers
-from orchestrator.launch.placement import Placement
+from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 
 

@@ -1,4 +1,5 @@
-"""The job's own checkpoint folders and restores, as the worker runtime sees them (worker/checkpoints.py).
+"""The job's own checkpoint folders and restores, as the worker runtime sees them
+(worker/task/checkpoints.py).
 The hooks on TensorFlow's and Keras's classes run for real in tests/e2e (a job's BackupAndRestore,
 ModelCheckpoint and CheckpointManager); here the rules."""
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker import checkpoints, wire
+from worker import wire
+from worker.task import checkpoints
 
 
 class Told:

@@ -1,4 +1,4 @@
-"""CLI layer (orchestrator/cli.py): every command that needs no running job, called in-process
+"""CLI layer (orchestrator/cli/commands.py): every command that needs no running job, called in-process
 through `main([...])`, its output and its exit code (the summary at the end of `orchestrate up`:
 test_summary.py)."""
 
@@ -18,10 +18,11 @@ from typing import Any
 import psutil
 import pytest
 
-from orchestrator import cli, rundir
+from orchestrator import cli
 from orchestrator.launch.exposure import PRIVATE_NETWORK
+from orchestrator.record import read as rundir
 from tests.unit.test_spec import MINIMAL, REPO, y
-from worker import stacks
+from worker.host import stacks
 
 LOCAL_SPEC = y(MINIMAL)  # the spec suite's minimal spec
 

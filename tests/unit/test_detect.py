@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 
 from orchestrator.health.store import TaskHealth
+from orchestrator.states import FailureKind, TaskState
 from orchestrator.supervise import detect
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.detect import TaskView
-from orchestrator.supervise.policy import FailureKind
-from orchestrator.supervise.states import TaskState
 from worker.wire import TaskError
 
 CONFIG = SupervisorConfig(

@@ -13,7 +13,7 @@ from orchestrator.environment.target import Target, platform_tags
 from orchestrator.errors import LaunchError
 from orchestrator.spec.environment import EnvironmentSpec
 from tests import wheelhouse
-from worker import environment
+from worker.host import environment
 
 
 def test_a_hosts_tags_widen_to_every_older_manylinux():
@@ -71,7 +71,7 @@ def test_a_host_whose_platform_has_no_wheel_stops_the_launch_naming_it(tmp_path)
 
 
 class FakeSite:
-    """A host for `prepare`'s policy: answers as worker/environment.py would, records what it did."""
+    """A host for `prepare`'s policy: answers as worker/host/environment.py would, records what it did."""
 
     def __init__(self, label: str, folder: str):
         self.label, self.python, self.folder = label, "python3", folder

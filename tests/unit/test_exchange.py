@@ -17,10 +17,10 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.exchange import StateExchange, same_place
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.transfer import STAGING_PREFIX, Folders, Transfer, commit_here, differing, local_tree
-from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.plan.launch_plan import LaunchPlan, make_plan
 from orchestrator.spec.load import parse_spec
 from tests.conftest import wait_until
-from worker import folders as worker_folders
+from worker.host import folders as worker_folders
 
 
 class Disks(Folders):

@@ -1,4 +1,4 @@
-"""worker/failure.py: the error file a task writes as it dies, and what the coordinator takes of it."""
+"""worker/wire/failure.py: the error file a task writes as it dies, and what the coordinator takes of it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from worker import failure
-from worker.wire import TaskError
+from worker.wire import TaskError, failure
 
 
 def test_written_whole_and_private_and_read_back(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""worker/folders.py, run as the backends run it (`python -c SOURCE MODE …`), on this machine: a
+"""worker/host/folders.py, run as the backends run it (`python -c SOURCE MODE …`), on this machine: a
 state folder listed, committed, proven shared, packed and unpacked."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-FOLDERS = (Path(__file__).resolve().parents[2] / "worker" / "folders.py").read_text()
+FOLDERS = (Path(__file__).resolve().parents[2] / "worker" / "host" / "folders.py").read_text()
 
 
 def probe(*args: str, stdin: str = "") -> dict:
@@ -156,7 +156,7 @@ def test_unpack_makes_the_folders_it_needs_private(tmp_path: Path) -> None:
     """A node's copy of a run under /tmp/orchestrate-<uid>: that folder also holds the shim's port
     locks, which must be the user's alone (and the job's code is nobody else's business)."""
 
-    from worker import shim
+    from worker.host import shim
 
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:

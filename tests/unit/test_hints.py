@@ -1,4 +1,4 @@
-"""CLI output layer (orchestrator/hints.py): the Keras-3-under-distribution hint, with the spec
+"""CLI output layer (orchestrator/cli/hints.py): the Keras-3-under-distribution hint, with the spec
 line to edit, given only where it is sure."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hints import hints, keras3_hint
-from orchestrator.plan import LaunchPlan
-from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.cli.hints import hints, keras3_hint
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.states import FailureKind
+from orchestrator.supervise.policy import Failure
 from tests.unit.test_supervisor import plan_of
 from worker.wire import TaskError
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
+from orchestrator.group import on_all
 
 
 def test_every_item_at_once_each_with_its_value_or_its_exception_in_order() -> None:

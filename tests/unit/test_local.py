@@ -27,8 +27,8 @@ from orchestrator.launch import api
 from orchestrator.launch.api import Heartbeats, Prepared, TaskHandle, stop_all
 from orchestrator.launch.local.backend import LocalBackend, LocalLeftovers, group_alive
 from orchestrator.launch.local.ports import default_lock_dir
-from orchestrator.launch.placement import Placement
-from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.plan.launch_plan import LaunchPlan, make_plan
+from orchestrator.plan.placement import Placement
 from orchestrator.spec import ClusterSpec, parse_spec
 
 RUN_ID = "t-20250101-000000"

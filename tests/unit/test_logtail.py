@@ -1,15 +1,15 @@
-"""orchestrator/logtail.py: following the tasks' log files as they appear and grow."""
+"""orchestrator/record/logtail.py: following the tasks' log files as they appear and grow."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from orchestrator.logtail import LogTailer, tail_lines
+from orchestrator.record.logtail import LogTailer, tail_lines
 
 
 def test_log_tailer_follows_files_that_appear_and_grow(tmp_path):
-    from orchestrator.logtail import LogTailer
+    from orchestrator.record.logtail import LogTailer
 
     lines: list[tuple[str, str]] = []
     a, b = tmp_path / "a.log", tmp_path / "b.log"

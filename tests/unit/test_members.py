@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launch.placement import Machine
 from orchestrator.launch.ssh.placement import ssh_preview
-from orchestrator.plan import make_plan
+from orchestrator.plan.launch_plan import make_plan
+from orchestrator.plan.placement import Machine
 from orchestrator.spec import ClusterSpec, parse_spec
 from orchestrator.spec.roles import task_slots
 from orchestrator.supervise.members import Snapshot, decide, names

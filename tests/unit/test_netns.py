@@ -30,7 +30,7 @@ from orchestrator.launch.local.backend import LocalBackend
 from orchestrator.spec.load import parse_spec
 from tests.unit.conftest import unit_credentials
 from worker import wire
-from worker.dial import dial
+from worker.wire.dial import dial
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -336,10 +336,11 @@ def test_a_task_that_reaches_outside_gets_a_hint_the_same_on_the_hosts_network_d
     tmp_path: Path, namespace: netns.Namespace
 ) -> None:
     """What a download says in the namespace (run there for real), and the hint that follows."""
-    from orchestrator.hints import network_hint
+    from orchestrator.cli.hints import network_hint
     from orchestrator.launch.local.placement import local_placements
-    from orchestrator.plan import make_plan
-    from orchestrator.supervise.policy import Failure, FailureKind
+    from orchestrator.plan.launch_plan import make_plan
+    from orchestrator.states import FailureKind
+    from orchestrator.supervise.policy import Failure
     from worker.wire import TaskError
 
     said = json.loads(run_in(namespace, REACH_OUT, timeout=60).stdout)

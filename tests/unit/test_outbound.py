@@ -121,7 +121,7 @@ def test_without_pasta_the_run_is_offline_and_says_so(
     with pytest.raises(LaunchError, match="local.outbound is on, but pasta is not installed: install passt"):
         netns.Network(spec_of(tmp_path, "local: {outbound: on}\n")).make(tmp_path)  # type: ignore[arg-type]
     assert children() <= before and not list(tmp_path.glob(".heartbeats-*"))
-    from orchestrator.cli import network_line
+    from orchestrator.cli.commands import network_line
 
     netns._probe.cache_clear()
     line = network_line(spec_of(tmp_path))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Launch layer: the backends' placing rules (launch/placement.py), pure functions of the spec —
+"""Launch layer: the backends' placing rules (plan/placement.py), pure functions of the spec —
 addresses, ports, folders, interpreter, where the heartbeats go."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 from orchestrator.launch.local.placement import local_placements
-from orchestrator.launch.placement import Placement, job_files_root
 from orchestrator.launch.ssh.placement import (
     SSH_DEFAULT_BASE_PORT,
     SSH_DEFAULT_WORKDIR,
@@ -15,6 +14,7 @@ from orchestrator.launch.ssh.placement import (
     ssh_ports,
     ssh_preview,
 )
+from orchestrator.plan.placement import Placement, job_files_root
 from orchestrator.spec import ClusterSpec, parse_spec
 
 RUN_ID = "demo-20250101-000000"

@@ -1,5 +1,5 @@
 """Plan layer: make_plan, a pure function of the spec and the backend's placements
-(launch/placement.py places the tasks; test_placement.py tests that)."""
+(plan/placement.py places the tasks; test_placement.py tests that)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from orchestrator.launch.local.placement import local_placements
-from orchestrator.launch.placement import Placement
 from orchestrator.launch.ssh.placement import ssh_placements, ssh_preview
-from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.plan.launch_plan import LaunchPlan, make_plan
+from orchestrator.plan.placement import Placement
 from orchestrator.spec import ClusterSpec, Role, parse_spec
 from orchestrator.spec.roles import task_slots
 

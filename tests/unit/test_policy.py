@@ -9,12 +9,12 @@ import pytest
 
 from orchestrator.launch.api import QUICK_GRACE_S
 from orchestrator.spec.model import AtEnd, OnFailure
+from orchestrator.states import FailureKind
 from orchestrator.supervise import policy
 from orchestrator.supervise.policy import (
     PEER_LOSS_ERRORS,
     Action,
     Failure,
-    FailureKind,
     Snapshot,
     backoff_s,
     decide,

@@ -1,4 +1,4 @@
-"""worker/probe.py, run as the ssh backend runs it (`python -c SOURCE MODE …`), on this machine."""
+"""worker/host/probe.py, run as the ssh backend runs it (`python -c SOURCE MODE …`), on this machine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-PROBE = (Path(__file__).resolve().parents[2] / "worker" / "probe.py").read_text()
+PROBE = (Path(__file__).resolve().parents[2] / "worker" / "host" / "probe.py").read_text()
 
 # What nvidia-smi prints on a machine with two GPUs (driver 550, CUDA 12.4), trimmed.
 FAKE_NVIDIA_SMI = """#!/bin/sh
@@ -70,7 +70,7 @@ def test_facts_says_which_files_the_cache_lacks_and_which_ports_are_busy(tmp_pat
 
 
 def test_node_chooses_free_ports_and_avoids_one_another_runs_shim_holds(tmp_path: Path) -> None:
-    from worker import shim
+    from worker.host import shim
 
     locks = tmp_path / "locks"
     template = str(locks / "ports" / "n1-{port}.lock")
@@ -93,7 +93,7 @@ def test_node_chooses_free_ports_and_avoids_one_another_runs_shim_holds(tmp_path
 
 
 def test_a_port_lock_folder_another_user_could_own_is_refused(tmp_path: Path) -> None:
-    from worker import shim
+    from worker.host import shim
 
     (tmp_path / "ports").mkdir(mode=0o777)
     os.chmod(tmp_path / "ports", 0o777)  # not private: someone else could swap the lock files

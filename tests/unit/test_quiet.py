@@ -1,10 +1,10 @@
 # ruff: noqa: E501 - captured output lines are as long as TensorFlow printed them
-"""CLI output layer (orchestrator/quiet.py): TensorFlow's start-up noise and a traceback's frames
+"""CLI output layer (orchestrator/record/quiet.py): TensorFlow's start-up noise and a traceback's frames
 are left off the console (lines captured from TF 2.21 on this machine), the rest passes."""
 
 from __future__ import annotations
 
-from orchestrator.quiet import ConsoleFilter, collapse_redraws, noise
+from orchestrator.record.quiet import ConsoleFilter, collapse_redraws, noise
 
 # what every task printed here before its first line of its own (TF_CPP_MIN_LOG_LEVEL=2 included)
 TF_STARTUP = """\

@@ -1,4 +1,4 @@
-"""Run record layer, write side (orchestrator/record.py): run ids and folders, atomic writes,
+"""Run record layer, write side (orchestrator/record/write.py): run ids and folders, atomic writes,
 status.json's text, and RunRecord's events, metrics and status (docs/architecture.md §5)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator import record
-from orchestrator.record import (
+from orchestrator.record import write as record
+from orchestrator.record.write import (
     SCHEMA_VERSION,
     RunRecord,
     iso_time,

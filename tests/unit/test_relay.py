@@ -1,4 +1,4 @@
-"""The per-host heartbeat relay (worker/relay.py), run as the ssh backend runs it — `python -S` on the
+"""The per-host heartbeat relay (worker/host/relay.py), run as the ssh backend runs it — `python -S` on the
 file alone — between real tasks' reporters and the coordinator's real heartbeat server."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer
 from orchestrator.health.store import HealthStore
 from worker import wire
-from worker.reporter import Reporter, ReporterConfig
+from worker.task.reporter import Reporter, ReporterConfig
 
 WORKER = Path(__file__).resolve().parents[2] / "worker"
-RELAY = WORKER / "relay.py"
+RELAY = WORKER / "host" / "relay.py"
 TASKS = ["worker-0", "worker-1", "worker-2"]
 CREDENTIALS = Credentials(b"relay-tests")
 CREDENTIALS.place({**{t: 0 for t in TASKS}, "worker-9": 0, "worker-5": 1})  # 9: not in the store
@@ -317,8 +317,8 @@ def test_relay_runs_alone_from_the_hosts_cache(coordinator, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     cached = {}
-    for name in ("relay.py", "http1.py"):
-        data = (WORKER / name).read_bytes()
+    for name, room in (("relay.py", "host"), ("http1.py", "wire")):
+        data = (WORKER / room / name).read_bytes()
         cached[name] = cache / hashlib.sha256(data).hexdigest()
         cached[name].write_bytes(data)
     srv, store, _ = coordinator

@@ -8,13 +8,12 @@ from pathlib import Path
 
 from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
-from orchestrator.launch.placement import Machine, Relaid
 from orchestrator.launch.ssh.placement import ssh_preview
-from orchestrator.plan import LaunchPlan, make_plan
+from orchestrator.plan.launch_plan import LaunchPlan, make_plan
+from orchestrator.plan.placement import Machine, Relaid
 from orchestrator.spec.load import parse_spec
+from orchestrator.states import ClusterState, FailureKind
 from orchestrator.supervise.config import SupervisorConfig
-from orchestrator.supervise.policy import FailureKind
-from orchestrator.supervise.states import ClusterState
 from orchestrator.supervise.supervisor import Supervisor
 from tests.unit.test_supervisor import FakeBackend, FakeClock, Sink, at_once, beat, start_running
 

@@ -23,15 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from orchestrator import cli
+from orchestrator.cli.view import PlainView, render_status
 from orchestrator.health.store import HealthStore
-from orchestrator.logtail import LogTailer
-from orchestrator.progress import recent_events
-from orchestrator.quiet import ConsoleFilter, console_writes_anything
-from orchestrator.record import RunRecord
-from orchestrator.schemas import Metrics, Status
+from orchestrator.record.logtail import LogTailer
+from orchestrator.record.progress import recent_events
+from orchestrator.record.quiet import ConsoleFilter, console_writes_anything
+from orchestrator.record.schemas import Metrics, Status
+from orchestrator.record.write import RunRecord
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.supervisor import Supervisor
-from orchestrator.view import PlainView, render_status
 from orchestrator.web.reader import RunReader
 from orchestrator.web.server import WebServer
 from tests.unit.test_supervisor import SPEC, FakeBackend, FakeClock, at_once, plan_of, start_running

@@ -1,4 +1,4 @@
-"""The worker's reporter (worker/reporter.py) against a real heartbeat server: batching, keeping
+"""The worker's reporter (worker/task/reporter.py) against a real heartbeat server: batching, keeping
 points while the coordinator is away, progress, and its guard when the coordinator is gone."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.health.credentials import Credentials
 from worker import wire
-from worker.reporter import Reporter, ReporterConfig
+from worker.task.reporter import Reporter, ReporterConfig
 
 CREDENTIALS = Credentials(b"unit-tests-secret")  # conftest.SECRET: the server fixture's
 CREDENTIALS.place({"worker-0": 0})
@@ -49,7 +49,7 @@ def test_reporter_keeps_points_while_coordinator_is_briefly_away(server):
 def test_user_frame_names_the_jobs_own_code_not_libraries(tmp_path):
     import threading
 
-    from worker.task import user_frame
+    from worker.task.process import user_frame
 
     script = tmp_path / "stuck_job.py"
     script.write_text("import time\ndef wait(ev):\n    while not ev.is_set():\n        time.sleep(0.01)\n")
@@ -93,7 +93,7 @@ def test_progress_updates_the_task_without_metrics_lines(server):
     ],
 )
 def test_one_task_of_a_synchronous_cluster_keeps_the_per_step_record(tf_config, keeps):
-    from worker.task import keeps_points
+    from worker.task.process import keeps_points
 
     env = (
         {}
@@ -107,7 +107,7 @@ def test_a_task_cut_off_from_its_coordinator_takes_its_helpers_and_says_why(tmp_
     script = tmp_path / "task.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "from worker.reporter import Reporter, ReporterConfig\n"
+        "from worker.task.reporter import Reporter, ReporterConfig\n"
         "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print(helper.pid, flush=True)\n"
         "Reporter(ReporterConfig('worker-0', 0, 'http://127.0.0.1:1', 't', 0.05, 0.5)).start()\n"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.cli.hints import hints
 from orchestrator.health.store import TaskHealth
-from orchestrator.hints import hints
-from orchestrator.plan import LaunchPlan, StatePlan
+from orchestrator.plan.launch_plan import LaunchPlan, StatePlan
 from orchestrator.spec.model import Strategy
+from orchestrator.states import FailureKind, TaskState
 from orchestrator.supervise import detect, restores
 from orchestrator.supervise.detect import TaskView
-from orchestrator.supervise.policy import Action, FailureKind, job_decision
-from orchestrator.supervise.states import TaskState
+from orchestrator.supervise.policy import Action, job_decision
 from tests.unit.test_detect import CONFIG
 from tests.unit.test_policy import snap
 from worker.wire import MAX_FOLDERS, Restored, TaskError
@@ -187,7 +187,7 @@ def test_other_internal_errors_are_not_read_as_a_mismatch() -> None:
 
 
 def test_a_resumed_run_keeps_the_folders_its_record_names_and_nothing_else(tmp_path: Path) -> None:
-    from orchestrator.rundir import known_folders
+    from orchestrator.record.read import known_folders
 
     (tmp_path / "status.json").write_text(
         json.dumps({"name": "t", "checkpoint_folders": ["/tmp/backup", "relative", 3, "/" + "x" * 10]})

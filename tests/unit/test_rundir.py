@@ -1,4 +1,4 @@
-"""Run record layer, read side (orchestrator/rundir.py): finding a run directory, reading its
+"""Run record layer, read side (orchestrator/record/read.py): finding a run directory, reading its
 status, its coordinator and its logs, and `down` on a fabricated run with a real process group."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import psutil
 import pytest
 
-from orchestrator import rundir
+from orchestrator.control import down
 from orchestrator.errors import RunDirError
 from orchestrator.launch.local.backend import group_alive
-from orchestrator.rundir import (
+from orchestrator.record import read as rundir
+from orchestrator.record.read import (
     coordinator_alive,
-    down,
     follow_logs,
     read_status,
     resolve_run_dir,

@@ -1,4 +1,4 @@
-"""Run record layer (orchestrator/schemas.py): every document the coordinator writes — status.json
+"""Run record layer (orchestrator/record/schemas.py): every document the coordinator writes — status.json
 from a real supervisor through a restart, a task restarted alone and the end, events and metrics
 lines from a real record — holds to its published JSON Schema model, with no field undocumented."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli
-from orchestrator.record import SCHEMA_VERSION, RunRecord
-from orchestrator.schemas import SCHEMAS, Event, Metrics, Status
-from orchestrator.supervise.states import ClusterState
+from orchestrator.record.schemas import SCHEMAS, Event, Metrics, Status
+from orchestrator.record.write import SCHEMA_VERSION, RunRecord
+from orchestrator.states import ClusterState
 from tests.unit.test_supervisor import beat, make, make_ps, ps_running, start_running
 from worker.wire import TaskError
 

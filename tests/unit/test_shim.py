@@ -1,4 +1,4 @@
-"""worker/shim.py with real processes on this machine: the shim as an SSH channel would run it,
+"""worker/host/shim.py with real processes on this machine: the shim as an SSH channel would run it,
 its stdin and stdout being pipes here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.conftest import run_processes, wait_until
 
-SHIM = Path(__file__).resolve().parents[2] / "worker" / "shim.py"
+SHIM = Path(__file__).resolve().parents[2] / "worker" / "host" / "shim.py"
 
 
 def job(tmp_path: Path, code: str, run_id: str = "shim-test", **extra: object) -> dict:

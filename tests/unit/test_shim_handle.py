@@ -20,7 +20,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import ProcessInfo, Sig
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.shim import ShimEvents, ShimHandle, Transport, shim_job
-from orchestrator.plan import make_plan
+from orchestrator.plan.launch_plan import make_plan
 from orchestrator.spec.load import parse_spec
 from tests.conftest import wait_until
 
@@ -119,7 +119,7 @@ def run_by_shim(tmp_path: Path, script: str, python: str = sys.executable) -> Sh
         grace_s=2.0,
     )
     shim = subprocess.Popen(
-        [sys.executable, "-S", str(REPO / "worker" / "shim.py")],
+        [sys.executable, "-S", str(REPO / "worker" / "host" / "shim.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

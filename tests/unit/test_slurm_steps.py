@@ -1,7 +1,7 @@
 """The slurm backend's steps, in-process and without root: Slurm's commands replaced at the
 command-runner seam (`Slurm.runner`, as submitit's tests replace its subprocess calls) — by
 recorded answers of slurmctld, or by running a step's command on this machine (what srun does on
-a node), so that the real `worker/folders.py` and `worker/probe.py` answer. The real cluster's
+a node), so that the real `worker/host/folders.py` and `worker/host/probe.py` answer. The real cluster's
 tests (tests/e2e/test_slurm.py) stay."""
 
 from __future__ import annotations

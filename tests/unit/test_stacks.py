@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 
 from orchestrator.launch.api import ProcessInfo, Sig, TaskHandle
-from orchestrator.plan import TaskPlan
+from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.stacks import live, record
 from orchestrator.stacks.record import Capture, capture_all, checked
 from orchestrator.stacks.where import where
+from orchestrator.states import ClusterState, FailureKind
 from orchestrator.supervise import policy
-from orchestrator.supervise.policy import Action, Decision, Failure, FailureKind
-from orchestrator.supervise.states import ClusterState
+from orchestrator.supervise.policy import Action, Decision, Failure
 from tests.conftest import REPO, wait_until
 from tests.unit.test_supervisor import SPEC, beat, make, plan_of, start_running
-from worker import stacks
+from worker.host import stacks
 
 PY_SPY = stacks.find_py_spy()
 needs_py_spy = pytest.mark.skipif(PY_SPY is None, reason="py-spy is not installed")
@@ -68,7 +68,7 @@ def hung(tmp_path):
         }
         job = str(tmp_path / "job.py")
         code = (
-            f"import runpy; from worker import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
+            f"import runpy; from worker.task import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
         )
         proc = subprocess.Popen(
             [sys.executable, "-c", code],

@@ -1,4 +1,4 @@
-"""Warm standbys: the worker's side (worker/standby.py) as real processes whose `tensorflow` is a
+"""Warm standbys: the worker's side (worker/warm/standby.py) as real processes whose `tensorflow` is a
 small stand-in package put first on their path (the import a standby waits for is then quick and
 can be made to fail); the local backend's (launch/local/standbys.py) and the rules every backend
 shares (launch/standby.py). The real thing, with TensorFlow, is tests/e2e/test_recovery.py's."""
@@ -26,13 +26,13 @@ from orchestrator.launch import standby
 from orchestrator.launch.local.standbys import LocalStandbys
 from orchestrator.launch.shim import ShimHandle
 from orchestrator.launch.shim_standbys import ShimStandbys
-from orchestrator.plan import TaskPlan
+from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.spec import parse_spec
 from orchestrator.spec.model import Role, Standby
 from tests.conftest import wait_until
 from tests.unit.test_shim_handle import Pipes
 from worker import wire
-from worker.standby import READY
+from worker.wire import STANDBY_READY as READY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -280,7 +280,7 @@ def test_a_keeper_hands_an_attempt_to_the_spare_it_made_ahead(tmp_path: Path, fa
     """A spare is forked as soon as the keeper is ready and becomes the next attempt's task; the
     next is made SPARE_AFTER_S after that handover, not before; a spare that died is no task's end
     and not said, the handover then forked; the keeper's end is the spare's."""
-    from worker.spare import SPARE_AFTER_S
+    from worker.warm.spare import SPARE_AFTER_S
 
     standbys, task, base = ready_keeper(tmp_path, fake_tf)
     keeper = psutil_process(standbys.status()[0]["pid"])
@@ -345,7 +345,7 @@ def test_a_keepers_task_runs_beneath_the_frames_a_cold_task_runs_beneath(
 def test_a_keeper_stops_making_spares_that_keep_dying(monkeypatch: Any, capsys: Any) -> None:
     """A spare that dies unused is made again later; after GIVE_UP_AFTER in a row no more, said
     once; each handover is then forked by the keeper."""
-    from worker import spare
+    from worker.warm import spare
 
     monkeypatch.setattr(spare, "SPARE_AFTER_S", 0.0)
     made = []
@@ -362,9 +362,9 @@ def test_a_keeper_stops_making_spares_that_keep_dying(monkeypatch: Any, capsys: 
 
 
 def test_a_spare_has_copied_the_pages_it_shared_with_its_keeper() -> None:
-    """What a spare does before its handover (worker/spare.py): pages its keeper wrote are its own
+    """What a spare does before its handover (worker/warm/spare.py): pages its keeper wrote are its own
     afterwards (pagemap: exclusively mapped), so its task's first step does not fault on them."""
-    from worker import spare
+    from worker.warm import spare
 
     entries = b"".join(
         struct.pack("<Q", e) for e in (1 << 63, 1 << 63, (1 << 63) | (1 << 56), 0, 1 << 63, 1 << 63, 1 << 63)
@@ -491,11 +491,11 @@ def test_a_tasks_command_splits_into_its_standbys_and_the_arguments_handed_to_it
 def shim_standby(
     tmp_path: Path, fake_tf: Path, env: dict[str, str] | None = None, read: bool = True, **part: Any
 ) -> tuple[subprocess.Popen[bytes], list[dict]]:
-    """worker/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
+    """worker/host/shim.py in standby mode, as an ssh channel runs it: its module a copy named by its
     checksum (as in a host's cache); its events collected as they come."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "f00d").write_bytes((REPO / "worker" / "shim_standby.py").read_bytes())
+    (cache / "f00d").write_bytes((REPO / "worker" / "host" / "shim_standby.py").read_bytes())
     run = tmp_path / "run"
     job = {
         "cache": str(cache),
@@ -517,7 +517,7 @@ def shim_standby(
         },
     }
     proc = subprocess.Popen(
-        [sys.executable, "-S", str(REPO / "worker" / "shim.py")],
+        [sys.executable, "-S", str(REPO / "worker" / "host" / "shim.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -824,7 +824,7 @@ def test_a_keeper_lets_its_task_answer_a_sigterm_sent_to_both(tmp_path: Path, fa
 
 def test_a_pid_used_again_is_not_taken_for_the_old_tasks_end() -> None:
     """A keeper's events: an exit belongs to the task of that pid until a fork says the pid again."""
-    from worker.shim_standby import KeeperEvents
+    from worker.host.shim_standby import KeeperEvents
 
     read, write = os.pipe()
     try:

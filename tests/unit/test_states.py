@@ -1,4 +1,4 @@
-"""Supervision layer, the state vocabulary (orchestrator/supervise/states.py): one table of allowed
+"""Supervision layer, the state vocabulary (orchestrator/states.py): one table of allowed
 transitions per state kind, checked by `check_transition`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.supervise.states import (
+from orchestrator.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
     ClusterState,

@@ -1,4 +1,4 @@
-"""CLI layer, the end of `orchestrate up` (orchestrator/summary.py): its text and exit code."""
+"""CLI layer, the end of `orchestrate up` (orchestrator/cli/summary.py): its text and exit code."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from orchestrator.cli.summary import summarize
 from orchestrator.control import RunResult
-from orchestrator.plan import LaunchPlan
-from orchestrator.quiet import job_traceback
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.record.quiet import job_traceback
 from orchestrator.spec.model import Strategy
-from orchestrator.summary import summarize
-from orchestrator.supervise.policy import Failure, FailureKind
+from orchestrator.states import ClusterState, FailureKind
+from orchestrator.supervise.policy import Failure
 from orchestrator.supervise.records import SupervisorResult
-from orchestrator.supervise.states import ClusterState
 from worker.wire import TaskError
 
 
@@ -107,7 +107,7 @@ def test_summary_shows_the_traceback_of_an_exception(
 JOB_TRACEBACK = """Traceback (most recent call last):
   File "/home/u/.orchestrate/runs/r1/lib/worker/__main__.py", line 78, in <module>
     runtime.flush_and_exit(main(sys.argv[1:]))
-  File "/home/u/.orchestrate/runs/r1/lib/worker/runtime.py", line 78, in run_reported
+  File "/home/u/.orchestrate/runs/r1/lib/worker/task/runtime.py", line 78, in run_reported
     main()
   File "<frozen runpy>", line 291, in run_path
   File "<frozen runpy>", line 98, in _run_module_code
@@ -162,9 +162,9 @@ def test_a_traceback_with_no_frame_of_the_job_is_shown_whole() -> None:
     """An error inside our runtime itself: nothing is left off (no frame is the job's)."""
     text = (
         "Traceback (most recent call last):\n"
-        '  File "/x/worker/runtime.py", line 78, in run_reported\n'
+        '  File "/x/worker/task/runtime.py", line 78, in run_reported\n'
         "    main()\n"
-        '  File "/x/worker/loop.py", line 89, in run\n'
+        '  File "/x/worker/task/loop.py", line 89, in run\n'
         "    trainer = _Trainer(config)\n"
         "KeyError: 'steps'\n"
     )

@@ -26,16 +26,15 @@ from orchestrator.launch.api import (
     stop_in_background,
 )
 from orchestrator.launch.local.placement import local_placements
-from orchestrator.launch.placement import Placement
-from orchestrator.plan import LaunchPlan, TaskPlan, make_plan
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan, make_plan
+from orchestrator.plan.placement import Placement
 from orchestrator.spec.load import parse_spec
+from orchestrator.states import ClusterState, FailureKind, TaskState
 from orchestrator.supervise.config import SupervisorConfig
-from orchestrator.supervise.policy import FailureKind
-from orchestrator.supervise.states import ClusterState, TaskState
 from orchestrator.supervise.supervisor import Supervisor
 from worker import wire
-from worker.failure import Written
 from worker.wire import Heartbeat, TaskError
+from worker.wire.failure import Written
 
 
 class FakeClock:

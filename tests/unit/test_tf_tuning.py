@@ -1,4 +1,4 @@
-"""worker/tf_tuning.py's wait for the coordination service's leader: a task that is not the leader
+"""worker/task/tf_tuning.py's wait for the coordination service's leader: a task that is not the leader
 connects only once the leader's TF port listens (TensorFlow's own first attempt against a port not
 yet listening costs ~1 s of gRPC backoff). Real sockets; no TensorFlow."""
 
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from worker import tf_tuning, wire
+from worker import wire
+from worker.task import tf_tuning
 
 
 class CollectiveAllReduceExtended:

@@ -1,4 +1,4 @@
-"""CLI output layer (orchestrator/view.py): the progress a person reads (step/total, ETA, steps/s,
+"""CLI output layer (orchestrator/cli/view.py): the progress a person reads (step/total, ETA, steps/s,
 examples/s, every metric, heartbeat ages), the events kept on screen with their causes, the plain
 progress line, and a view that fits 60 columns."""
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from orchestrator.progress import age_text, duration_text, event_text, progress_of, recent_events
-from orchestrator.quiet import console_writes_anything
-from orchestrator.view import LiveView, PlainView, metric_names, render_status
+from orchestrator.cli.view import LiveView, PlainView, metric_names, render_status
+from orchestrator.record.progress import age_text, duration_text, event_text, progress_of, recent_events
+from orchestrator.record.quiet import console_writes_anything
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 

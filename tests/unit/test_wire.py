@@ -1,4 +1,4 @@
-"""The copies of worker/wire.py's values in the files that run alone on a host (shim.py, relay.py,
+"""The copies of worker/wire/__init__.py's values in the files that run alone on a host (shim.py, relay.py,
 http1.py: standard library only, so they cannot import wire) are equal to wire's."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from worker import failure, http1, relay, shim, wire
+from worker import wire
+from worker.host import relay, shim
+from worker.wire import failure, http1
 
 STATUSES = {
     wire.OK_STATUS,

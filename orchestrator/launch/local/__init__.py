@@ -14,7 +14,7 @@ from orchestrator.launch.local.section import LocalSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, Leftovers
-    from orchestrator.launch.placement import Placement
+    from orchestrator.plan.placement import Placement
     from orchestrator.spec.model import ClusterSpec, HostSpec
 
 

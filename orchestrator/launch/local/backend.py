@@ -39,11 +39,13 @@ from orchestrator.launch.local import netns
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.local.ports import PortReservation, reserve_ports
 from orchestrator.launch.local.standbys import LocalStandbys
-from orchestrator.launch.placement import Placement
-from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import now_iso, private_open
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
+from orchestrator.plan.placement import Placement
+from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec, Role
-from worker import failure, stacks, wire
+from worker import wire
+from worker.host import stacks
+from worker.wire import failure
 
 log = logging.getLogger("orchestrator.launch")
 

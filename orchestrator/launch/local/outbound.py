@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.record import private_open
+from orchestrator.record.write import private_open
 
 #: The namespace's side: its address, its gateway (pasta), which also answers DNS where the
 #: machine's resolver is on its loopback.

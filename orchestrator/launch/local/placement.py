@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.environment.prepare import task_env
-from orchestrator.launch.placement import Placement
+from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 

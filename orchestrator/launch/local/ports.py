@@ -21,7 +21,7 @@ from pathlib import Path
 from orchestrator.errors import LaunchError
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
-from worker.probe import port_free
+from worker.host.probe import port_free
 
 
 def default_lock_dir() -> Path:
@@ -133,7 +133,7 @@ def preview_ports(spec: ClusterSpec, rng: random.Random | None = None) -> tuple[
 
 def port_is_free(port: int) -> bool:
     """True when a TCP listener could bind `port` on all interfaces (as TF's gRPC server does);
-    the same check worker/probe.py runs on remote hosts."""
+    the same check worker/host/probe.py runs on remote hosts."""
     return port_free(port)
 
 

@@ -1,5 +1,5 @@
 """Launch layer, local backend: the run's warm standbys on this machine (launch/standby.py says
-what they are), each a keeper (worker/keeper.py) kept for the run: one per task slot, in a session
+what they are), each a keeper (worker/warm/keeper.py) kept for the run: one per task slot, in a session
 of its own, its stdin a pipe from the coordinator. Each attempt's handover comes on it and forks
 that attempt's task (a session of its own too), whose start and exit code come back on its
 stdout; so its import is paid once per run, and every restart after it is warm, a second failure
@@ -23,11 +23,11 @@ import psutil
 
 from orchestrator.launch import standby
 from orchestrator.launch.local.netns import Network
-from orchestrator.plan import TaskPlan
-from orchestrator.record import now_iso, private_open
+from orchestrator.plan.launch_plan import TaskPlan
+from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import Standby
-from worker.shim_standby import KeeperEvents
-from worker.standby import READY
+from worker.host.shim_standby import KeeperEvents
+from worker.wire import STANDBY_READY as READY
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -48,7 +48,7 @@ class Forked:
 
 
 class _One:
-    """A keeper (worker/keeper.py): the standby of one task slot, kept across attempts."""
+    """A keeper (worker/warm/keeper.py): the standby of one task slot, kept across attempts."""
 
     def __init__(self, task: str, popen: subprocess.Popen[bytes], env: Mapping[str, str], log_path: Path):
         self.task = task

@@ -20,7 +20,7 @@ from orchestrator.launch.slurm import spec as slurm_spec
 if TYPE_CHECKING:
     from orchestrator.errors import SpecProblem
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.placement import Placement
+    from orchestrator.plan.placement import Placement
     from orchestrator.spec.model import ClusterSpec, HostSpec
 
 

@@ -8,7 +8,7 @@
   `slurm.queue_timeout_s` is cancelled. Every Slurm command runs under a timeout: a slurmctld that
   does not answer is a launch error within `slurm.connect_timeout_s`, never a hang.
 - **The tasks.** Each attempt of each task is one step on its node (`srun --overlap -N1 -n1 -w NODE`)
-  running worker/shim.py, as over SSH: the job (environment and credential included) travels on
+  running worker/host/shim.py, as over SSH: the job (environment and credential included) travels on
   the step's stdin, never on a command line; TERM/KILL lines follow; end of file stops the task;
   events come back on stderr. Heartbeats go straight from the nodes to the coordinator's server,
   which listens on this machine's address on the route to the nodes (`slurm.coordinator_address`).
@@ -45,7 +45,6 @@ from orchestrator.launch.api import (
     Prepared,
 )
 from orchestrator.launch.exchange import StateExchange
-from orchestrator.launch.placement import Machine, Placement, Relaid
 from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import (
@@ -63,8 +62,9 @@ from orchestrator.launch.slurm.placement import task_port, task_python
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.launch.slurm.step import SlurmTaskHandle
 from orchestrator.launch.slurm.tasks import SlurmTasks
-from orchestrator.plan import LaunchPlan
-from orchestrator.record import make_private_dir
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.plan.placement import Machine, Placement, Relaid
+from orchestrator.record.write import make_private_dir
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 

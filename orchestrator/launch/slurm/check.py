@@ -19,7 +19,6 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
-from orchestrator.launch.runtime import PROBE_SOURCE, SHIM
 from orchestrator.launch.slurm.allocation import salloc_argv
 from orchestrator.launch.slurm.cluster import (
     Request,
@@ -31,6 +30,7 @@ from orchestrator.launch.slurm.cluster import (
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.launch.ssh.preflight import stacks_cell, stacks_warning
 from orchestrator.spec.model import ClusterSpec
+from worker.host import PROBE_SOURCE, SHIM
 
 
 def preview_lines(
@@ -50,7 +50,8 @@ def preview_lines(
     return [
         alloc,
         f"each task, one step: {step}",
-        "  (the task's command and environment reach worker/shim.py on its stdin, never on a command line)",
+        "  (the task's command and environment reach worker/host/shim.py on its stdin, "
+        "never on a command line)",
         "nodes, their addresses and free TF ports are known once allocated; the nodes must see this "
         f"machine's files (the job's folder, {run_dir}, orchestrate): checked at launch",
     ]
@@ -95,7 +96,7 @@ def check(spec: ClusterSpec) -> CheckReport:
 def _mesh_step(
     spec: ClusterSpec, slurm: Slurm, partition: str, nodes: list[dict[str, str]], python: tuple[str, ...]
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """One short step on the nodes (worker/probe.py's `mesh`): each node's answer, and why the
+    """One short step on the nodes (worker/host/probe.py's `mesh`): each node's answer, and why the
     step failed, if it did."""
     conf = section(spec)
     entry = spec.job.script or spec.job.loop

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import SHIM
 from orchestrator.launch.slurm.spec import SlurmSpec, section
 from orchestrator.spec.model import ClusterSpec
+from worker.host import SHIM
 
 log = logging.getLogger("orchestrator.slurm")
 

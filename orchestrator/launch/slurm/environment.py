@@ -1,7 +1,7 @@
 """Launch layer, slurm backend: a node as the environment step reaches it (orchestrator/environment/).
 
-worker/environment.py runs on the node as a job step of the run's allocation; the wheels its
-cache lacks travel as one tar streamed through another step's stdin (worker/folders.py `unpack`
+worker/host/environment.py runs on the node as a job step of the run's allocation; the wheels its
+cache lacks travel as one tar streamed through another step's stdin (worker/host/folders.py `unpack`
 into `WORKDIR/cache`). Nodes that share the work folder (a cluster's shared file system) answer
 the same folder id: the environment is built there once (prepare.py).
 """
@@ -20,10 +20,10 @@ from typing import IO
 from orchestrator.environment.local import CommandSite
 from orchestrator.environment.prepare import HostEnvironment, prepare
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import FOLDERS_SOURCE
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.files import NodeFiles
 from orchestrator.spec.environment import EnvironmentSpec
+from worker.host import FOLDERS_SOURCE
 
 SEND_TIMEOUT_S = 1800.0
 

@@ -3,7 +3,7 @@
 Each node keeps the run's copy in `slurm.workdir/runs/<run id>/` (default /tmp/orchestrate-<uid>):
 the job's folder as code/, the worker runtime as lib/worker/. Files travel as tar streams through
 job steps, never through a shell: one `srun --ntasks-per-node=1` hands the same tar on stdin to
-every node at once (worker/probe.py `unpack`), and one step on a node packs folders to stdout
+every node at once (worker/host/probe.py `unpack`), and one step on a node packs folders to stdout
 (`pack`). The run's state moves as between any hosts that share no disk (launch/exchange.py):
 `NodeFolders` carries a node's folders through steps — before a new attempt the owner's latest
 checkpoint comes home and goes to every reader's node where it differs, an evaluator on another
@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.placement import job_files_root
-from orchestrator.launch.runtime import FOLDERS_SOURCE, RUNTIME_ROOT
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.spec import section
 from orchestrator.launch.transfer import STAGING_PREFIX, Folders, Transfer, pull_into, to_push
-from orchestrator.record import private_open
+from orchestrator.plan.placement import job_files_root
+from orchestrator.record.write import private_open
 from orchestrator.spec.model import ClusterSpec
+from worker.host import FOLDERS_SOURCE, RUNTIME_ROOT
 
 log = logging.getLogger("orchestrator.slurm")
 
@@ -118,7 +118,7 @@ def _safe(name: str) -> bool:
 
 
 class NodeFolders(Folders):
-    """A node's folders moved through job steps (`worker/folders.py` run there: its `tree` to see
+    """A node's folders moved through job steps (`worker/host/folders.py` run there: its `tree` to see
     what differs, `pack` of those files to stdout, `unpack` into a staging folder and `commit`),
     for the state exchange (launch/exchange.py). A host index is a node slot of the spec; the node
     behind it is the one the placement gives it now."""

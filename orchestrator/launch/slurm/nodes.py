@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
-from orchestrator.launch.runtime import PROBE_SOURCE, SHIM
+from orchestrator.group import on_all
 from orchestrator.launch.slurm.cluster import Slurm, job_name, step_argv
 from orchestrator.launch.slurm.step import port_lock
 from orchestrator.spec.model import ClusterSpec
+from worker.host import PROBE_SOURCE, SHIM
 
 
 class NodeProbe:

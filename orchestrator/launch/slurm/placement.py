@@ -13,11 +13,11 @@ from typing import Any
 from orchestrator.environment.local import runtime_copy
 from orchestrator.environment.prepare import task_env
 from orchestrator.errors import LaunchError
-from orchestrator.launch.placement import Placement
-from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.slurm.spec import section
+from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
+from worker.host import RUNTIME_ROOT
 
 
 def slurm_preview(spec: ClusterSpec, run_dir: Path, spec_dir: Path, *, python: str) -> dict[str, Placement]:

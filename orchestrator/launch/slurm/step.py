@@ -3,7 +3,7 @@ its attempts, a handle each: ShimHandle.next_attempt) — the shim's transport (
 from srun's stderr, TERM/KILL on its stdin, the log streamed back when nothing is shared) and the
 node-local lock of its TF port.
 
-The step runs worker/shim.py as the ssh backend does; srun carries its stdin, stdout and stderr.
+The step runs worker/host/shim.py as the ssh backend does; srun carries its stdin, stdout and stderr.
 A step whose node does not answer is given up: srun is killed and the step cancelled (Slurm
 cleans the node once it is back); its task stops by itself once the coordinator is out of reach.
 """

@@ -1,6 +1,6 @@
 """Launch layer, slurm backend: its tasks as job steps, and their warm standbys as steps that
 wait (launch/standby.py). A part of the SlurmBackend class (backend.py), kept in a module of its
-own: every step runs worker/shim.py on its node, given its job on its stdin.
+own: every step runs worker/host/shim.py on its node, given its job on its stdin.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 
 from orchestrator.launch import standby
 from orchestrator.launch.api import TaskHandle
-from orchestrator.launch.runtime import SHIM
 from orchestrator.launch.shim import shim_job
 from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
 from orchestrator.launch.slurm.allocation import Allocation
@@ -21,9 +20,10 @@ from orchestrator.launch.slurm.cluster import Slurm, job_name
 from orchestrator.launch.slurm.files import NodeFiles
 from orchestrator.launch.slurm.spec import SlurmSpec
 from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_step
-from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import now_iso, private_open
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
+from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
+from worker.host import SHIM
 
 
 class SlurmTasks:

@@ -18,7 +18,7 @@ from orchestrator.launch.ssh.spec import SshSpec
 
 if TYPE_CHECKING:
     from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.placement import Placement
+    from orchestrator.plan.placement import Placement
     from orchestrator.spec.model import ClusterSpec
 
 

@@ -1,7 +1,7 @@
 """Launch layer: tasks on lab hosts over SSH (Fabric/paramiko).
 
 Before any task starts, every host is connected and checked in parallel (`prepare`); one host that
-fails stops the launch with nothing started anywhere. Each task then runs under `worker/shim.py`
+fails stops the launch with nothing started anywhere. Each task then runs under `worker/host/shim.py`
 on its host, one SSH channel per attempt: the shim starts the task in its own session (process
 group), streams its log back, passes on TERM/KILL, and stops the task when the channel closes for
 any reason — the coordinator exiting, dying, or losing the connection. Nothing is ever killed by
@@ -35,7 +35,6 @@ from orchestrator.launch.api import (
     on_all,
 )
 from orchestrator.launch.exchange import StateExchange
-from orchestrator.launch.placement import Machine, Placement, Relaid, job_files_root
 from orchestrator.launch.shim import shim_job
 from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
 from orchestrator.launch.ssh import preflight
@@ -49,8 +48,9 @@ from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.launch.ssh.state import SshFolders
 from orchestrator.launch.ssh.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
 from orchestrator.launch.ssh.tunnel import open_reverse_tunnel
-from orchestrator.plan import LaunchPlan, TaskPlan
-from orchestrator.record import now_iso, private_open
+from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
+from orchestrator.plan.placement import Machine, Placement, Relaid, job_files_root
+from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 from worker import wire
@@ -270,7 +270,7 @@ class SshBackend(Backend):
             folder = job["folder"]
             log_path = posixpath.join(folder, "logs", "standby", f"{task.name}.log")
             count = sum(1 for t in plan.tasks if t.host_index == task.host_index)
-            module = posixpath.join(job["cache"], runtime_entry(self._files, "shim_standby.py").sha256)
+            module = posixpath.join(job["cache"], runtime_entry(self._files, "host/shim_standby.py").sha256)
             job["standby"] = standby_job(self._spec, count, module, log_path)
             return (
                 self._open(task, job, self._logs / task.log_name),
@@ -304,7 +304,7 @@ class SshBackend(Backend):
             files=[[f.rel, f.sha256, f.mode] for f in self._files],
             **{  # the runtime's modules the shim loads from the cache
                 f"{name}_module": posixpath.join(
-                    ctx.workdir, "cache", runtime_entry(self._files, f"{name}.py").sha256
+                    ctx.workdir, "cache", runtime_entry(self._files, f"host/{name}.py").sha256
                 )
                 for name in ("stacks", "follow")
             },
@@ -364,11 +364,11 @@ class SshBackend(Backend):
                 return relay.url
             ctx = self._contexts[index]
             cache = posixpath.join(ctx.workdir, "cache")
-            script = posixpath.join(cache, runtime_entry(self._files, "relay.py").sha256)
+            script = posixpath.join(cache, runtime_entry(self._files, "host/relay.py").sha256)
             health = self._spec.health
             config = {
                 # the relay runs alone from the cache: its HTTP module is found there by checksum
-                "http_module": posixpath.join(cache, runtime_entry(self._files, "http1.py").sha256),
+                "http_module": posixpath.join(cache, runtime_entry(self._files, "wire/http1.py").sha256),
                 "upstream": ctx.coordinator_url,
                 "token": self._credentials.relay_token(index),
                 "key": self._credentials.scope_key(index).hex(),  # to check its tasks' credentials

@@ -1,6 +1,6 @@
 """Launch layer, ssh backend: a host as the environment step reaches it (orchestrator/environment/).
 
-worker/environment.py runs there over one SSH channel of the host's connection, with the
+worker/host/environment.py runs there over one SSH channel of the host's connection, with the
 interpreter that makes the environment (`environment.python`, else the host's); the wheels its
 file cache lacks go by SFTP into the same content-addressed cache as the job's files (sync.py).
 """
@@ -18,11 +18,11 @@ import paramiko
 from orchestrator.environment.local import answered, read_answer
 from orchestrator.environment.prepare import HostEnvironment, prepare, survey
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import ENVIRONMENT_SOURCE
 from orchestrator.launch.ssh.hosts import Host
 from orchestrator.launch.ssh.sync import FileEntry, upload
-from orchestrator.launch.transfer import size_text
+from orchestrator.record.progress import size_text
 from orchestrator.spec.environment import EnvironmentSpec
+from worker.host import ENVIRONMENT_SOURCE
 
 ASK_TIMEOUT_S = 60.0  # a question: the host answers at once
 BUILD_TIMEOUT_S = 1800.0  # silence this long during a build: the host is stuck (TensorFlow: seconds)

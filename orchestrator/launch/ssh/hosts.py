@@ -5,7 +5,7 @@
   `accept-new` records a first-seen key; a changed key is always refused.
 - Every operation on several hosts runs in parallel and returns one result per host — a value or
   the exception — so a partial failure is never lost (`on_all`).
-- Small remote jobs (`probe`) run `worker/probe.py` with the host's own Python; nothing needs to be
+- Small remote jobs (`probe`) run `worker/host/probe.py` with the host's own Python; nothing needs to be
   installed there beforehand.
 """
 
@@ -25,9 +25,9 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import source_for
 from orchestrator.launch.ssh.spec import HostKeyPolicy, SshSpec
 from orchestrator.spec.model import ClusterSpec, HostSpec
+from worker.host import source_for
 
 log = logging.getLogger("orchestrator.ssh")
 T = TypeVar("T")
@@ -199,7 +199,7 @@ def probe(
     stdin: str | None = None,
     timeout_s: float = 60.0,
 ) -> Any:
-    """Run one mode of worker/probe.py (or worker/folders.py) on the host with its Python; its
+    """Run one mode of worker/host/probe.py (or worker/host/folders.py) on the host with its Python; its
     JSON answer."""
     argv = [*host.python, "-c", source_for(mode), mode, *args]
     return run_json(conn, host, argv, mode, stdin, timeout_s)

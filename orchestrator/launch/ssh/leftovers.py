@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.launch.api import Leftovers, on_all
+from orchestrator.group import on_all
+from orchestrator.launch.api import Leftovers
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, run_json
 from orchestrator.launch.ssh.spec import SshSpec
 

@@ -17,10 +17,10 @@ from typing import Any
 import fabric
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.api import on_all
-from orchestrator.launch.placement import Machine
+from orchestrator.group import on_all
 from orchestrator.launch.ssh.hosts import Host, probe
-from orchestrator.plan import LaunchPlan
+from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.plan.placement import Machine
 from orchestrator.spec.model import ClusterSpec
 
 log = logging.getLogger("orchestrator.ssh")

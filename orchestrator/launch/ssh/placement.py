@@ -10,8 +10,8 @@ import shlex
 from collections.abc import Mapping
 
 from orchestrator.environment.prepare import task_env
-from orchestrator.launch.placement import Placement
 from orchestrator.launch.ssh.spec import section
+from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
 

@@ -22,14 +22,15 @@ import fabric
 import paramiko
 
 from orchestrator.errors import LaunchError
+from orchestrator.group import on_all
 from orchestrator.launch import standby
-from orchestrator.launch.api import CheckReport, on_all
-from orchestrator.launch.runtime import PROBE_SOURCE
+from orchestrator.launch.api import CheckReport
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.spec import section as ssh_section
-from orchestrator.plan import LaunchPlan
+from orchestrator.plan.launch_plan import LaunchPlan
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
+from worker.host import PROBE_SOURCE
 
 log = logging.getLogger("orchestrator.ssh")
 
@@ -267,7 +268,7 @@ def warnings(reports: list[HostReport]) -> list[str]:
 
 
 def stacks_cell(facts: dict[str, Any] | None) -> str:
-    """Whether a hung task's C++ frames can be read there (worker/probe.py's `stacks`)."""
+    """Whether a hung task's C++ frames can be read there (worker/host/probe.py's `stacks`)."""
     found = (facts or {}).get("stacks")
     if not isinstance(found, dict):
         return "-"

@@ -1,4 +1,4 @@
-"""Launch layer, ssh backend: a host's heartbeat relay (worker/relay.py), run over an SSH channel of
+"""Launch layer, ssh backend: a host's heartbeat relay (worker/host/relay.py), run over an SSH channel of
 its own, for hosts with several tasks: their heartbeats go home as one request per interval."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ log = logging.getLogger("orchestrator.ssh")
 
 
 class Relay:
-    """One host's heartbeat relay (worker/relay.py), run over an SSH channel of its own: it ends
+    """One host's heartbeat relay (worker/host/relay.py), run over an SSH channel of its own: it ends
     when the channel does (the run is over, the coordinator died, the connection was lost)."""
 
     def __init__(self, channel: paramiko.Channel, port: int, label: str):

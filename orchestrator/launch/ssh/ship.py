@@ -6,7 +6,7 @@ owner's (`StatePlan`): it brings the owner's folder home (the run directory, whi
 latest copy of the run's state), then sends home's copy to each host that lacks it. At the end
 of a run the same pull brings the results (model, TensorBoard, checkpoints) home.
 
-A folder is compared file by file (size and SHA-256, listed by `worker/folders.py tree` on the
+A folder is compared file by file (size and SHA-256, listed by `worker/host/folders.py tree` on the
 host and here), so only what differs travels. Files arrive under a staging folder beside the
 target and are moved into place by `folders.py commit` — data first, TF's `checkpoint` index last —
 so a reader never sees an index that names files not there yet, and a transfer cut short

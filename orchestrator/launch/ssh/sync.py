@@ -20,9 +20,9 @@ from pathlib import Path
 import fabric
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.runtime import RUNTIME_ROOT
 from orchestrator.launch.ssh.hosts import Host
-from orchestrator.launch.transfer import sha256_file
+from worker.host import RUNTIME_ROOT
+from worker.host.folders import sha256_file
 
 MAX_FILES = 5000
 MAX_BYTES = 2 * 1024**3
@@ -73,16 +73,22 @@ def job_files(root: Path) -> list[FileEntry]:
 
 
 def worker_files() -> list[FileEntry]:
-    """The worker runtime (pure Python), as `lib/worker/<file>`: every host runs this exact copy."""
-    return [_entry(f"lib/worker/{p.name}", p) for p in sorted(_WORKER_DIR.glob("*.py"))]
+    """The worker runtime (pure Python), as `lib/worker/<room>/<file>`: every host runs this exact
+    copy."""
+    return [
+        _entry(f"lib/worker/{p.relative_to(_WORKER_DIR).as_posix()}", p)
+        for p in sorted(_WORKER_DIR.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    ]
 
 
 def shim_entry(entries: Sequence[FileEntry]) -> FileEntry:
-    return runtime_entry(entries, "shim.py")
+    return runtime_entry(entries, "host/shim.py")
 
 
 def runtime_entry(entries: Sequence[FileEntry], name: str) -> FileEntry:
-    """A file of the worker runtime that runs straight from the host's cache (shim.py, relay.py)."""
+    """A file of the worker runtime that runs straight from the host's cache (`host/shim.py`,
+    `host/relay.py`, `wire/http1.py`)."""
     return next(e for e in entries if e.rel == f"lib/worker/{name}")
 
 
