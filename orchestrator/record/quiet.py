@@ -19,10 +19,9 @@ from __future__ import annotations
 import io
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
-import worker
+from worker.host import RUNTIME_ROOT
 
 #: TensorFlow's C++ log prefix: absl (`I0000 00:00:1796150547.581546   29018 file.cc:31] `) or the
 #: older one (`2026-12-01 12:00:00.123456: I tensorflow/core/….cc:153] `).
@@ -99,7 +98,7 @@ _WRITES_ANYTHING = frozenset({"backslashreplace", "replace", "xmlcharrefreplace"
 
 #: The worker runtime's files, as a pattern of their paths under worker/ (`task[/\\]runtime`):
 #: they are ours wherever a host keeps them (the ssh backend ships them as `lib/worker/`).
-_WORKER = Path(worker.__file__).resolve().parent
+_WORKER = RUNTIME_ROOT / "worker"
 RUNTIME_FILES = "|".join(
     sorted(
         r"[/\\]".join(re.escape(part) for part in p.relative_to(_WORKER).with_suffix("").parts)

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import worker
 from orchestrator.record.quiet import RUNTIME_FILES
+from worker.host import RUNTIME_ROOT
 
 _STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+t?[/\\](?!site-packages|dist-packages)|^<frozen ")
 _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 #: Our runtime's files: this package's, or its copy on a host (the ssh backend ships it as
 #: `lib/worker/`); a job's own package named `worker` elsewhere is the job's.
-_OURS = Path(worker.__file__).resolve().parent
+_OURS = RUNTIME_ROOT / "worker"
 _SHIPPED = re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + RUNTIME_FILES + r")\.py$")
 _TENSORFLOW = re.compile(r"[/\\](?:tensorflow|keras|tf_keras|tensorflow_core)[/\\]")
 _GEN_OP = re.compile(r"[/\\]gen_\w+_ops\.py$")
