@@ -27,7 +27,6 @@ from orchestrator.errors import LaunchError
 from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
-from orchestrator.launch import registry
 from orchestrator.launch.api import Backend, Heartbeats
 from orchestrator.launch.exposure import OFFLINE, Exposure
 from orchestrator.plan.launch_plan import LaunchPlan
@@ -54,6 +53,8 @@ from orchestrator.supervise.supervisor import Supervisor
 from worker import wire
 
 if TYPE_CHECKING:
+    from orchestrator.launch.kind import Kind
+
     pass
 
 log = logging.getLogger("orchestrator")
@@ -88,19 +89,16 @@ def up(
     credentials = Credentials()
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(record.close)
-        backend = o.backend or launch.open_backend(spec, run_id, run_dir, spec_dir)
+        kind = launch.kind_of(spec)  # looked up once, handed down
+        backend = o.backend or kind.open(spec, run_id, run_dir, spec_dir)
         cleanup.callback(backend.close)
         if o.resume:
             record.event(kind="resume", attempt=first_attempt, reason=f"resumed with attempt {first_attempt}")
         record.write_spec(redact_text(spec_text, spec.secret_names()))
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
-        view = o.view or SilentView()
-        cleanup.callback(view.close)
-        for listener in (view.event, o.on_event):
-            if listener is not None:
-                record.listen(listener)
-        network = _network(backend, spec, record)
+        view = _shown(o, record, cleanup)
+        network = _network(backend, kind, spec, record)
         again = _resume_argv(spec_path, run_dir, o.backend_option)
         # who supervises it, before its page is served (a resumed run's page: never the one before's)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
@@ -252,6 +250,17 @@ class _StatusWriter:
 #: The run's page is served once the job has trained a step (importing its modules takes
 #: ~0.4 s of a core that the tasks' own TensorFlow imports and first step need: P1), at the latest
 #: this long after the coordinator began supervising.
+def _shown(o: UpOptions, record: RunRecord, cleanup: contextlib.ExitStack) -> View:
+    """The run's view (the options', else none), told every event as the record writes it; the
+    caller's `on_event` too."""
+    view = o.view or SilentView()
+    cleanup.callback(view.close)
+    for listener in (view.event, o.on_event):
+        if listener is not None:
+            record.listen(listener)
+    return view
+
+
 PAGE_AT_THE_LATEST_S = 20.0
 
 
@@ -294,12 +303,11 @@ def _heartbeat_server(
         server.close()
 
 
-def _network(backend: Backend, spec: ClusterSpec, record: RunRecord) -> Exposure:
+def _network(backend: Backend, kind: Kind, spec: ClusterSpec, record: RunRecord) -> Exposure:
     """From where the run's TF ports can be reached, as its backend says; where it could have
     closed them and could not (local), said once."""
     network = backend.exposure()
     if network is None:  # as its kind says of the spec (asked of no host), where that asks nothing
-        kind = registry.get(spec.backend)
         unsaid = Exposure(False, "wherever the backend's hosts can be reached", "the backend does not say")
         return unsaid if kind.reach_makes else kind.reach(spec)
     if network.warn and not network.isolated:

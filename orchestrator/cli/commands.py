@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import EXIT_LAUNCH, EXIT_OK, UsageError
 
 if TYPE_CHECKING:
+    from orchestrator.launch.kind import Kind
     from orchestrator.plan.launch_plan import LaunchPlan
     from orchestrator.spec.model import ClusterSpec
 
@@ -42,16 +43,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from orchestrator.plan.launch_plan import make_plan
 
     spec = _load(args)
+    kind = launch.kind_of(spec)
     run_id = f"{spec.name}-<time>-<random>"
     run_dir = Path("runs") / f"{spec.name}-<time>"
-    placements, note = launch.preview(spec, run_id, run_dir, args.spec.resolve().parent)
+    placements, note = kind.preview(spec, run_id, run_dir, args.spec.resolve().parent)
     plan = make_plan(spec, run_id, placements)
     warnings = [line for line in note.splitlines() if line.startswith("warning: ")]
     note = "\n".join(line for line in note.splitlines() if not line.startswith("warning: "))
     for warning in warnings:  # the plan is shown all the same: it launches nothing
         print(f"orchestrate: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**plan.to_json(), "network": launch.reach(spec).to_json()}, indent=2))
+        print(json.dumps({**plan.to_json(), "network": kind.reach(spec).to_json()}, indent=2))
         return EXIT_OK
     print(f"{plan.name}: {plan.strategy.value} on the {plan.backend} backend, {len(plan.tasks)} tasks")
     print(f"cluster: {json.dumps(dict(plan.cluster))}")
@@ -61,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         keys = f"decides: {decides}, on_failure: {rule.on_failure.value}, at_end: {rule.at_end.value}"
         print(f"  {role.value + ':':<11}{keys}\n  {'':<11}({rule.describe()})")
     print(standby_lines(spec, plan))
-    print(network_line(spec))
+    print(network_line(spec, kind))
     for t in plan.tasks:
         print(
             f"\n{t.name}  host {t.host}  port {t.port}"
@@ -76,11 +78,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def network_line(spec: ClusterSpec) -> str:
-    """`plan`'s and `check`'s word on who can reach the tasks' TF ports (unauthenticated)."""
+def network_line(spec: ClusterSpec, kind: Kind | None = None) -> str:
+    """`plan`'s and `check`'s word on who can reach the tasks' TF ports (unauthenticated), as the
+    spec's backend kind says (`kind`: the one looked up already)."""
     from orchestrator import launch
 
-    return launch.reach(spec).said
+    return (kind or launch.kind_of(spec)).reach(spec).said
 
 
 def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:
@@ -111,14 +114,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     from orchestrator import launch
 
     spec = _load(args)
-    report = launch.check(spec)
+    kind = launch.kind_of(spec)
+    report = kind.check(spec)
     if report is None:
         from orchestrator.environment.local import check_line
         from orchestrator.launch.ssh.preflight import stacks_warning
         from worker.host import probe
 
         print(f"{args.spec}: backend {spec.backend} runs every task on this machine")
-        print(network_line(spec))
+        print(network_line(spec, kind))
         found = probe.stacks()
         said = stacks_warning("this machine", {"stacks": found})
         print(f"warning: {said}" if said else f"a hung task's stacks: native frames too ({found['py_spy']})")
@@ -133,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     # piped or logged: one line per host, however many columns (a terminal's width otherwise)
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     console.print(table)
-    console.print(network_line(spec))
+    console.print(network_line(spec, kind))
     for warning in report.warnings:
         console.print(f"warning: {warning}")
     for problem in report.problems:

@@ -1,16 +1,16 @@
 """Launch layer: the backends (where tasks run) behind one interface (api.py), found by name in
 the registry (registry.py: the built-in ones, and any an installed package registers).
 
-What the coordinator and the CLI ask of the spec's backend, before there is a run: `open_backend`
-makes it for a run, `reattach` finds a run's processes from its record, `preview` places the tasks
-without reaching anything (`orchestrate plan`), `check` runs its checks (`orchestrate check`),
-`reach` says from where the tasks' TF ports will be reachable.
+What the coordinator and the CLI ask of the spec's backend, before there is a run, they ask of its
+kind (launch/kind.py), looked up once (`kind_of`): `open` makes the backend for a run, `preview`
+places the tasks without reaching anything (`orchestrate plan`), `check` runs its checks
+(`orchestrate check`), `reach` says from where the tasks' TF ports will be reachable. `reattach`
+finds a run's processes from its record (`orchestrate down`), by the name the record keeps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import RunDirError
@@ -18,14 +18,15 @@ from orchestrator.launch import registry
 from orchestrator.spec.model import ClusterSpec
 
 if TYPE_CHECKING:
-    from orchestrator.launch.api import Backend, CheckReport, Leftovers
-    from orchestrator.launch.exposure import Exposure
-    from orchestrator.plan.placement import Placement
+    from orchestrator.launch.api import Leftovers
+    from orchestrator.launch.kind import Kind
 
 
-def open_backend(spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path) -> Backend:
-    """The spec's backend for one run (not opened yet). `spec_dir`: the spec's folder."""
-    return registry.get(spec.backend).open(spec, run_id, run_dir, spec_dir)
+def kind_of(spec: ClusterSpec) -> Kind:
+    """The spec's backend kind, looked up once by whoever holds the spec (`up`, `plan`, `check`) and
+    handed down: it opens the backend for a run, previews and checks its hosts, says who can reach
+    the tasks' TF ports."""
+    return registry.get(spec.backend)
 
 
 def reattach(record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping[str, Any]) -> Leftovers:
@@ -36,21 +37,3 @@ def reattach(record: Mapping[str, Any], status: Mapping[str, Any], plan: Mapping
     except registry.UnknownBackend as exc:
         raise RunDirError(f"backend.json names an unknown backend {name!r}: {exc}") from None
     return kind.reattach(record, status, plan)
-
-
-def preview(
-    spec: ClusterSpec, run_id: str, run_dir: Path, spec_dir: Path
-) -> tuple[dict[str, Placement], str]:
-    """Where the tasks would run, without reaching any host, and a note on what may change at launch."""
-    return registry.get(spec.backend).preview(spec, run_id, run_dir, spec_dir)
-
-
-def reach(spec: ClusterSpec) -> Exposure:
-    """From where the tasks' TF ports will be reachable (`orchestrate plan` and `check`)."""
-    return registry.get(spec.backend).reach(spec)
-
-
-def check(spec: ClusterSpec) -> CheckReport | None:
-    """`orchestrate check`: the backend's report, or None where there is nothing to check (every
-    task runs on this machine)."""
-    return registry.get(spec.backend).check(spec)

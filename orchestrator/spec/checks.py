@@ -19,13 +19,17 @@ from worker.wire import RESERVED_ENV
 _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
 
 
-def check_spec(spec: ClusterSpec) -> list[SpecProblem]:
-    if not registry.is_registered(spec.backend):
-        return [SpecProblem(("backend",), registry.unknown_message(spec.backend))]
-    try:
-        kind = registry.get(spec.backend)
-    except registry.UnknownBackend as exc:
-        return [SpecProblem(("backend",), str(exc))]
+def check_spec(spec: ClusterSpec, kind: Kind | None) -> list[SpecProblem]:
+    """Every problem of the spec past its models; `kind`: its backend, as the loader looked it up
+    (None where none could be loaded: that is then the one problem, said with the reason)."""
+    if kind is None:
+        if not registry.is_registered(spec.backend):
+            return [SpecProblem(("backend",), registry.unknown_message(spec.backend))]
+        try:
+            registry.get(spec.backend)  # to say why it cannot be loaded
+        except registry.UnknownBackend as exc:
+            return [SpecProblem(("backend",), str(exc))]
+        raise AssertionError(f"backend {spec.backend!r} loads, but was not handed down")
     if kind.places_tasks and spec.section(kind.name) is None:
         return [missing_section(kind)]
     if not spec.hosts:

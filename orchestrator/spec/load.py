@@ -105,7 +105,7 @@ def parse_spec(text: str, *, file: str, base_dir: Path, backend: str | None = No
             hosts_missing + [_problem(err, lines) for err in errors] + [_locate(p, lines) for p in wrong],
         )
     spec = sections.complete(spec, models)
-    problems = check_spec(spec)
+    problems = check_spec(spec, kind)
     if problems:
         raise SpecError(file, [_locate(p, lines) for p in problems])
     return spec

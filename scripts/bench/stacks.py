@@ -80,7 +80,10 @@ class Hung(TaskHandle):
 def start_hung(count: int, folder: Path) -> list[tuple[subprocess.Popen[str], str]]:
     (folder / "hung.py").write_text(HUNG)
     job = str(folder / "hung.py")
-    code = f"import runpy; from worker.task import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
+    code = (
+        "import runpy; from worker.task import runtime; "
+        f"runtime.run_reported(lambda: runpy.run_path({job!r}))"
+    )
     procs = []
     for i in range(count):
         env = {

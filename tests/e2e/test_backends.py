@@ -165,7 +165,7 @@ def opened(
     store.reset(0, TASKS)
     credentials = Credentials()
     server = HeartbeatServer(store, credentials).start()
-    backend = launch.open_backend(spec, run_id, run_dir, root)
+    backend = launch.kind_of(spec).open(spec, run_id, run_dir, root)
     try:
         placements = backend.open(Heartbeats("127.0.0.1", server.port, server.url, credentials))
         plan = make_plan(spec, run_id, placements)

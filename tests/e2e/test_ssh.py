@@ -172,7 +172,8 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-RELAY_SHA = hashlib.sha256((REPO / "worker" / "host" / "relay.py").read_bytes()).hexdigest()  # its name in the cache
+# its name in the cache
+RELAY_SHA = hashlib.sha256((REPO / "worker" / "host" / "relay.py").read_bytes()).hexdigest()
 
 
 def two_tasks_on_host_0(ssh_job, lab, step_sleep_s: float) -> SshJob:

@@ -149,8 +149,6 @@ def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-
-
 def test_files_run_alone_on_a_host_import_only_the_standard_library():
     alone = [m for m in MODULES if m == HOST_ROOM or m.startswith(HOST_ROOM + ".")] + list(ALONE_TOO)
     assert len(alone) > len(ALONE_TOO) + 1, alone  # the room was found

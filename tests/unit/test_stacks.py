@@ -68,7 +68,8 @@ def hung(tmp_path):
         }
         job = str(tmp_path / "job.py")
         code = (
-            f"import runpy; from worker.task import runtime; runtime.run_reported(lambda: runpy.run_path({job!r}))"
+            "import runpy; from worker.task import runtime; "
+            f"runtime.run_reported(lambda: runpy.run_path({job!r}))"
         )
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
