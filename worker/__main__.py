@@ -9,12 +9,11 @@ import logging
 import sys
 from pathlib import Path
 
-from worker.host import environment
-from worker.task import runtime
+from worker.task import held, runtime
 
 
 def main(argv: list[str] | None = None) -> int:
-    environment.hold()  # the job's environment (`environment:`), kept while this task lives
+    held.hold()  # the job's environment (`environment:`), kept while this task lives
     parser = argparse.ArgumentParser(prog="python -m worker", description="tf-orchestrate task runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a TF program (mode 1) with heartbeats and progress reporting")
@@ -66,7 +65,7 @@ if __name__ == "__main__":
     if argv == ["standby"]:  # a warm standby, whose forks come back here as tasks (worker/warm/keeper.py)
         from worker.warm import keeper, standby
 
-        environment.hold()  # its environment, kept while it waits too
+        held.hold()  # its environment, kept while it waits too
         try:
             standby.main()
         except keeper.Become as task:  # a fork, now the task: run below, as a cold task is

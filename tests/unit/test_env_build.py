@@ -141,8 +141,8 @@ def test_old_environments_go_beyond_keep_but_never_one_a_task_holds(host, tmp_pa
     assert host.run("build", "a", host.manifest([wheels[0]], keep=1))["ready"]
     holder = subprocess.Popen(  # a task in environment a: the worker holds it while it lives
         [str(host.workdir / "envs" / "a" / "bin" / "python"), "-c",
-         "import sys; sys.path.insert(0, sys.argv[1]); from worker.host import environment; "
-         "environment.hold(); print('held', flush=True); sys.stdin.read()", str(RUNTIME_ROOT)],
+         "import sys; sys.path.insert(0, sys.argv[1]); from worker.task import held; "
+         "held.hold(); print('held', flush=True); sys.stdin.read()", str(RUNTIME_ROOT)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -180,7 +180,7 @@ def _uv_running(pid: int) -> bool:
 
 def test_a_task_whose_environment_is_gone_stops_saying_so(tmp_path):
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from worker.host import environment; environment.hold()"
+        "import sys; sys.path.insert(0, sys.argv[1]); from worker.task import held; held.hold()"
     )
     env = {**os.environ, "ORCHESTRATE_ENVIRONMENT": str(tmp_path / "envs" / "gone")}
     done = subprocess.run(

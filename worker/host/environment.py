@@ -36,7 +36,6 @@ from typing import Any
 MARKER = ".orchestrate-env"
 ENV_ENVIRONMENT = "ORCHESTRATE_ENVIRONMENT"  # a task's environment folder, as its placement says
 GRACE_S = 600.0  # an environment asked for this recently is never removed (a run about to start in it)
-_HELD: list[int] = []  # the descriptor of this process's environment's marker (hold)
 
 
 def target() -> dict[str, Any]:
@@ -55,26 +54,6 @@ def target() -> dict[str, Any]:
         "executable": sys.executable,
     }
 
-
-def hold() -> None:
-    """Keep this process's environment from removal while it lives: a shared lock on its marker.
-    A task placed in one (ORCHESTRATE_ENVIRONMENT) whose environment is gone stops here, saying
-    so; a process in no environment of ours holds nothing."""
-    if _HELD:
-        return
-    expected = os.environ.get(ENV_ENVIRONMENT)
-    path = os.path.join(expected or sys.prefix, MARKER)
-    gone = f"this task's environment {expected or sys.prefix} is gone (removed as it started?); start again"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        if expected:
-            raise SystemExit(gone) from None
-        return
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal that had begun (it moves the folder away)
-    if not os.path.exists(path):
-        raise SystemExit(gone)
-    _HELD.append(fd)
 
 
 def _own_dir(path: str) -> str:
