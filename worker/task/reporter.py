@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from worker import wire
+from worker.task.metrics import MetricNames, number
 from worker.task.process import kill_group_but_me, user_frame
 from worker.task.tensorboard import Scalars
 from worker.wire.dial import dial
@@ -63,7 +64,7 @@ class Reporter:
         self._stopped = threading.Event()
         self._points: list[dict[str, Any]] = []
         self._points_from = 0  # how many points this process reported before self._points[0]
-        self._refused: set[str] = set()  # metric names dropped or escaped (said once each)
+        self._names = MetricNames()  # which reported names the coordinator takes
         self._step: int | None = None
         self._total_steps: int | None = None
         self._examples_per_step: int | None = None
@@ -96,10 +97,10 @@ class Reporter:
         self._take(step, metrics, point=False)
 
     def _take(self, step: int | None, metrics: dict[str, Any], point: bool) -> None:
-        numbers = {k: _number(v) for k, v in metrics.items()}
+        numbers = {k: number(v) for k, v in metrics.items()}
         values = {k: v for k, v in numbers.items() if v is not None}
         if any(k not in self._metrics for k in values):
-            values = self._admit(values)
+            values = self._names.admit(values, self._metrics)
         with self._lock:
             first_step = self._step is None
             if step is None:
@@ -115,40 +116,6 @@ class Reporter:
         if first:
             self._wake.set()
 
-    def _admit(self, values: dict[str, float]) -> dict[str, float]:
-        """The values whose names the coordinator takes, by the names every view shows them with
-        (`wire.safe_text`: a control, bidi or lone surrogate character as its escape, said once):
-        short, not its own (`task`, `time`...), at most wire.MAX_METRICS names in all. The others
-        are dropped, each said once."""
-        kept = {}
-        for name, value in values.items():
-            shown = wire.safe_text(name)
-            if shown in self._metrics:
-                kept[shown] = value
-                continue
-            why = (
-                "a name the record uses itself"
-                if shown in wire.RESERVED_POINT_KEYS or shown in ("time", "step")
-                else f"longer than {wire.MAX_NAME_CHARS} characters"
-                if len(shown) > wire.MAX_NAME_CHARS
-                else f"over {wire.MAX_METRICS} metric names"
-                if len(self._metrics) + len(kept) >= wire.MAX_METRICS
-                else None
-            )
-            if why is None:
-                kept[shown] = value
-                if shown != name and name not in self._refused:
-                    self._refused.add(name)
-                    log.warning(
-                        "worker.report(): metric %s is shown as %r (a control, bidi or lone surrogate "
-                        "character in its name, written as its escape)",
-                        ascii(name),
-                        shown,
-                    )
-            elif name not in self._refused:
-                self._refused.add(name)
-                log.warning("worker.report(): metric %r dropped: %s", shown[:200], why)
-        return kept
 
     def write_tensorboard(self, folder: Path) -> None:
         """Write every reported point as TensorBoard scalars into `folder` too (a mode-1 job)."""
@@ -387,14 +354,3 @@ _REFUSED = {
     wire.FORBIDDEN_STATUS: "its credential is for another task",
     wire.CONFLICT_STATUS: "another process speaks for this task",
 }
-
-
-def _number(value: Any) -> float | None:
-    # numpy scalars, 0-d tensors, Python numbers; NaN is kept (a NaN loss is worth seeing), an
-    # integer past a float's range is ±inf
-    try:
-        return float(value)
-    except OverflowError:
-        return float("inf") if value > 0 else float("-inf")
-    except (TypeError, ValueError):
-        return None
