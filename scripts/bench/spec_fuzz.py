@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from orchestrator.cli import main as cli_main  # noqa: E402
-from orchestrator.spec.load import MAX_DEPTH, MAX_SPEC_BYTES, MAX_VALUES  # noqa: E402
+from orchestrator.spec.yamlread import MAX_DEPTH, MAX_SPEC_BYTES, MAX_VALUES  # noqa: E402
 
 PYTHON = str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists() else sys.executable
 LIMIT_S, LIMIT_MB, HANG_S = 1.0, 100.0, 10.0

@@ -25,6 +25,7 @@ import paramiko
 
 from orchestrator.environment.prepare import HostEnvironment
 from orchestrator.errors import LaunchError
+from orchestrator.group import on_all
 from orchestrator.health.credentials import Credentials
 from orchestrator.launch import standby
 from orchestrator.launch.api import (
@@ -32,7 +33,6 @@ from orchestrator.launch.api import (
     Heartbeats,
     Prepared,
     TaskHandle,
-    on_all,
 )
 from orchestrator.launch.exchange import StateExchange
 from orchestrator.launch.shim import shim_job

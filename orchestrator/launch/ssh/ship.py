@@ -37,9 +37,9 @@ from orchestrator.launch.transfer import (
     Transfer,
     local_tree,
     pull_into,
-    size_text,
     to_push,
 )
+from orchestrator.record.progress import size_text
 
 
 @contextlib.contextmanager
