@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import LaunchError
-from orchestrator.health.store import HealthStore, TaskHealth
+from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.plan.launch_plan import LaunchPlan
 from orchestrator.record.write import now_iso
@@ -35,9 +34,9 @@ from orchestrator.states import (
 )
 from orchestrator.supervise import detect, policy, restores
 from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
-from orchestrator.supervise.detect import TaskView
 from orchestrator.supervise.hosts import Hosts, Replan
 from orchestrator.supervise.policy import Action, Failure
+from orchestrator.supervise.poll import poll_tasks, task_view
 from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
 from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
@@ -45,12 +44,6 @@ from orchestrator.supervise.timeline import Timeline
 log = logging.getLogger("orchestrator.supervise")
 
 
-@dataclass(frozen=True)
-class _Poll:
-    """The task group as seen once per iteration: the detectors read this, not the tasks."""
-
-    now: float
-    tasks: Mapping[str, TaskView]  # the live ones
 
 
 class Supervisor(Stopping, Hosts):
@@ -226,32 +219,6 @@ class Supervisor(Stopping, Hosts):
         if failed is not None:  # the tasks that did start are stopped by the teardown
             self._fail(failed)
 
-    def _poll(self) -> _Poll:
-        """The task group, once: every live task's exit code and latest heartbeat news."""
-        now, health, views = self._clock(), self._store.snapshot(), {}
-        for name, rec in self.tasks.items():
-            rec.health = health.get(name, rec.health)
-            if rec.handle is not None and not rec.state.is_terminal and rec.restart_at is None:
-                code = rec.handle.poll()
-                if code not in (None, 0) and (rec.health is None or rec.health.error is None):
-                    rec.health = self._written_error(rec) or rec.health
-                views[name] = self._view(rec, code)
-        return _Poll(now, views)
-
-    def _written_error(self, rec: TaskRecord) -> TaskHealth | None:
-        """A failed task's error from its error file, where its last heartbeat did not bring it."""
-        assert rec.handle is not None
-        written = rec.handle.written_error()
-        if written is None:
-            return None
-        log.info("%s: its error came from its error file (no heartbeat brought it)", rec.plan.name)
-        return self._store.add_written_error(rec.plan.name, rec.handle.attempt, written)
-
-    @staticmethod
-    def _view(rec: TaskRecord, exit_code: int | None = None) -> TaskView:
-        assert rec.launched_at is not None
-        return TaskView(rec.plan.name, rec.state, rec.plan.in_cluster, rec.launched_at, exit_code, rec.health)
-
     def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
             attempt=self.attempt,
@@ -267,7 +234,7 @@ class Supervisor(Stopping, Hosts):
         )
 
     def _observe(self) -> None:
-        poll = self._poll()
+        poll = poll_tasks(self.tasks, self._store, self._clock())
         now = poll.now
         self._learn_folders()
         self._standbys(lambda _plan: self._backend.standby_news())
@@ -315,7 +282,7 @@ class Supervisor(Stopping, Hosts):
                 self.timeline.up(now)
                 self._standbys_at, self._standbys_on_step = now + STANDBYS_AFTER_S, True
             elif now - self._launched_at() > self.config.startup_timeout_s:
-                late = [self._view(r) for r in in_cluster if r.state is TaskState.STARTING]
+                late = [task_view(r) for r in in_cluster if r.state is TaskState.STARTING]
                 self._fail(self._diagnosed(detect.startup_failure(late, self.config, self.attempt)))
         elif all(r.state is TaskState.SUCCEEDED for r in deciders):
             self._finish_training(now, deciders)
