@@ -10,13 +10,11 @@ name; the task's recorded process group is the only target.
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 import shlex
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +25,14 @@ from orchestrator.environment.prepare import HostEnvironment
 from orchestrator.errors import LaunchError
 from orchestrator.group import on_all
 from orchestrator.health.credentials import Credentials
-from orchestrator.launch import standby
 from orchestrator.launch.api import (
     Backend,
     Heartbeats,
     Prepared,
-    TaskHandle,
 )
 from orchestrator.launch.exchange import StateExchange
-from orchestrator.launch.shim import shim_job
-from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
+from orchestrator.launch.shim_standbys import ShimStandbys
 from orchestrator.launch.ssh import preflight
-from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
 from orchestrator.launch.ssh.environment import ssh_environments
 from orchestrator.launch.ssh.hosts import close_all, connect, hosts_of
 from orchestrator.launch.ssh.machines import SshMachines
@@ -47,24 +41,18 @@ from orchestrator.launch.ssh.relay import Relay
 from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.launch.ssh.state import SshFolders
 from orchestrator.launch.ssh.sync import FileEntry, job_files, runtime_entry, shim_entry, upload, worker_files
+from orchestrator.launch.ssh.tasks import HostContext, SshTasks
 from orchestrator.launch.ssh.tunnel import open_reverse_tunnel
-from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
+from orchestrator.plan.launch_plan import LaunchPlan
 from orchestrator.plan.placement import Machine, Placement, Relaid, job_files_root
-from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
-from worker import wire
 
 log = logging.getLogger("orchestrator.ssh")
 
 
-@dataclass(frozen=True)
-class _HostContext:
-    workdir: str  # absolute on that host; runs live in WORKDIR/runs/<run id>
-    coordinator_url: str  # where its tasks post heartbeats (a tunnel's port, or the direct address)
 
-
-class SshBackend(Backend):
+class SshBackend(SshTasks, Backend):
     name = "ssh"
     listen_key = "ssh.coordinator_address"
     starts_at_once = True
@@ -75,7 +63,7 @@ class SshBackend(Backend):
         self._run_id = run_id
         self._hosts = hosts_of(spec)
         self._conns: dict[int, fabric.Connection] = {}
-        self._contexts: dict[int, _HostContext] = {}
+        self._contexts: dict[int, HostContext] = {}
         self._suspect: set[int] = set()  # hosts whose connection must be renewed before use
         self._heartbeat: tuple[str, int] | None = None
         self._credentials = Credentials()  # the coordinator's, from open()
@@ -130,7 +118,7 @@ class SshBackend(Backend):
             raise LaunchError("preflight failed (see `orchestrate check`):\n  " + "\n  ".join(problems))
         for report in reports:
             assert report.facts is not None
-            self._contexts[report.host.index] = _HostContext(
+            self._contexts[report.host.index] = HostContext(
                 workdir=report.facts["workdir"], coordinator_url=self._coordinator_url(report.host.index)
             )
         self._upload({r.host.index: (r.facts or {}).get("missing", []) for r in reports})
@@ -239,96 +227,6 @@ class SshBackend(Backend):
             ) from None
         return f"http://127.0.0.1:{port}"
 
-    # --- per attempt ---
-
-    def start(self, task: TaskPlan, attempt: int, token: str, log_path: Path) -> TaskHandle:
-        host = self._hosts[task.host_index]
-        try:
-            job = self._job(task, attempt, token)
-            with private_open(log_path) as out:
-                marker = (
-                    f"===== orchestrate: {task.name} attempt {attempt} started {now_iso()} on {host.label}"
-                )
-                out.write(f"{marker} =====\n".encode())
-            go = {k: job[k] for k in ("attempt", "log", "pidfile", "error_file", "stacks_file")}
-            args = standby.command(task.argv)
-            go["handover"] = json.loads(standby.handover(args[1] if args else (), job["env"], job["log"]))
-            handle, _ = self._standbys.take(task, job["env"], host.label, go, log_path)
-            if handle is None:
-                handle = self._open(task, job, log_path)
-            handle.wait_started(self._ssh.connect_timeout_s + 10.0)
-        except (OSError, EOFError, paramiko.SSHException) as exc:  # the connection failed under us
-            self._suspect.add(task.host_index)
-            raise LaunchError(f"cannot start {task.name}: {type(exc).__name__}: {exc}") from None
-        return handle
-
-    def prepare_standbys(self, plan: LaunchPlan) -> list[str]:
-        def open_one(task: TaskPlan) -> tuple[SshTaskHandle, dict[str, str], str]:
-            job = self._job(task, 0, "")
-            job["argv"] = list((standby.command(task.argv) or ((), ()))[0])
-            job["env"] = standby.stable_env(job["env"])
-            folder = job["folder"]
-            log_path = posixpath.join(folder, "logs", "standby", f"{task.name}.log")
-            count = sum(1 for t in plan.tasks if t.host_index == task.host_index)
-            module = posixpath.join(job["cache"], runtime_entry(self._files, "host/shim_standby.py").sha256)
-            job["standby"] = standby_job(self._spec, count, module, log_path)
-            return (
-                self._open(task, job, self._logs / task.log_name),
-                job["env"],
-                self._hosts[task.host_index].label,
-            )
-
-        return self._standbys.prepare(plan.tasks, open_one)
-
-    def standby_news(self) -> list[str]:
-        return self._standbys.news()
-
-    def standbys(self) -> list[dict[str, Any]]:
-        return self._standbys.status()
-
-    def _job(self, task: TaskPlan, attempt: int, token: str) -> dict[str, Any]:
-        ctx = self._contexts[task.host_index]
-        folder = posixpath.join(ctx.workdir, "runs", self._run_id)
-        env = task.launch_env(attempt=attempt, token=token)
-        env[wire.ENV_COORDINATOR] = self._relay_url(task.host_index)
-        return shim_job(
-            task,
-            attempt,
-            env,
-            run_id=self._run_id,
-            folder=folder,
-            log=posixpath.join(folder, "logs", task.log_name),
-            pidfile=posixpath.join(folder, "tasks", f"{task.name}.json"),
-            grace_s=self._spec.health.stop_grace_s,
-            cache=posixpath.join(ctx.workdir, "cache"),
-            files=[[f.rel, f.sha256, f.mode] for f in self._files],
-            **{  # the runtime's modules the shim loads from the cache
-                f"{name}_module": posixpath.join(
-                    ctx.workdir, "cache", runtime_entry(self._files, f"host/{name}.py").sha256
-                )
-                for name in ("stacks", "follow")
-            },
-        )
-
-    def _open(self, task: TaskPlan, job: dict[str, Any], log_path: Path) -> SshTaskHandle:
-        host = self._hosts[task.host_index]
-        conn = self._connection(task.host_index)
-        cache = job["cache"]
-        shim = posixpath.join(cache, shim_entry(self._files).sha256)  # it fills the run's folder itself
-        # -S: the shim needs only the standard library; skipping site-packages starts it ~2x faster
-        command = "exec " + shlex.join([*host.python, "-S", shim])
-        transport = conn.transport
-        assert transport is not None
-        try:
-            channel = transport.open_session(timeout=self._ssh.connect_timeout_s)
-            channel.exec_command(command)
-            channel.sendall((json.dumps(job) + "\n").encode())
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            self._suspect.add(task.host_index)
-            raise LaunchError(
-                f"cannot start {task.name} on {host.label}: {exc or type(exc).__name__}"
-            ) from None
-        return SshTaskHandle(task, job["attempt"], log_path, SshChannel(host, channel, self._suspect.add))
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""
@@ -345,7 +243,7 @@ class SshBackend(Backend):
             self._conns[index] = conn
             self._suspect.discard(index)
             ctx = self._contexts[index]
-            self._contexts[index] = _HostContext(ctx.workdir, self._coordinator_url(index))
+            self._contexts[index] = HostContext(ctx.workdir, self._coordinator_url(index))
             old = self._relays.pop(index, None)  # it went with the old connection
             if old is not None:
                 old.close()
