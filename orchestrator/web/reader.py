@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 from orchestrator.record.logtail import tail_lines
+from orchestrator.record.progress import progress_of
 from orchestrator.record.quiet import collapse_redraws
 from orchestrator.record.read import coordinator_alive, has_ended
 from orchestrator.stacks import record as stacks
@@ -180,3 +181,36 @@ def _json(line: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None  # a line torn by a crash
     return value if isinstance(value, dict) else None
+
+
+def state_document(reader: RunReader, since: int, rows: int, tensorboard: dict[str, Any]) -> dict[str, Any]:
+    """What the page is told each time it asks (`/api/state`): the run's status with its first
+    `rows` tasks (not a thousand tasks' every second: P6 with a page open), the counts of all, the
+    progress, the events after the `since`-th, where each task shown was by its last read stacks."""
+    events, count = reader.events(since)
+    status = reader.status()
+    tasks = status.get("tasks", [])
+    progress = progress_of(status)
+    shown = {str(t.get("task")) for t in tasks[:rows]}
+    return {
+        "status": {**status, "tasks": tasks[:rows]},
+        "task_count": len(tasks),
+        "task_states": dict(Counter(str(t.get("state")) for t in tasks)),
+        "progress": {
+            "step": progress.step,
+            "total": progress.total,
+            "steps_per_s": progress.steps_per_s,
+            "examples_per_s": progress.examples_per_s,
+            "eta_s": progress.eta_s,
+        },
+        "events": events[-200:],
+        "event_count": count,
+        "curves_version": reader.curves.version,
+        # its coordinator is gone and it never ended: the last record, not a live run
+        "stale": reader.stale(),
+        "recorded_at": reader.recorded_at(),
+        "now": time.time(),
+        "tensorboard": tensorboard,
+        # where each task was, by its last read stacks (a hung job's, or asked for)
+        "stacks": {t: s for t, s in reader.stacks().items() if t in shown},
+    }

@@ -33,7 +33,6 @@ import shlex
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
@@ -43,11 +42,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.errors import LaunchError
-from orchestrator.record.progress import progress_of
 from orchestrator.record.read import has_ended
 from orchestrator.web.guard import Complaints, Guard, ProtocolLog
 from orchestrator.web.prom import registry
-from orchestrator.web.reader import RunReader
+from orchestrator.web.reader import RunReader, state_document
 from worker.wire import dumps
 from worker.wire.http1 import Connections, Limits
 
@@ -271,39 +269,10 @@ class WebServer:
         if page is not None and not (0 < len(page) <= 32 and page.isascii() and page.isalnum()):
             raise _BadRequest("page: up to 32 letters and digits")
         self.reader.poll()
-        events, count = self.reader.events(since)
-        status = self.reader.status()
-        tasks = status.get("tasks", [])
-        progress = progress_of(status)
-        shown = {str(t.get("task")) for t in tasks[:MAX_ROWS]}
+        state = state_document(self.reader, since, MAX_ROWS, self._tensorboard)
         if page is not None:
-            self._saw(page, has_ended(status))
-        return _json(
-            {
-                # the rows the page shows, not a thousand tasks' every second (P6 with a page open)
-                "status": {**status, "tasks": tasks[:MAX_ROWS]},
-                "task_count": len(tasks),
-                "task_states": dict(Counter(str(t.get("state")) for t in tasks)),
-                "progress": {
-                    "step": progress.step,
-                    "total": progress.total,
-                    "steps_per_s": progress.steps_per_s,
-                    "examples_per_s": progress.examples_per_s,
-                    "eta_s": progress.eta_s,
-                },
-                "events": events[-200:],
-                "event_count": count,
-                "curves_version": self.reader.curves.version,
-                # its coordinator is gone and it never ended: the last record, not a live run
-                "stale": self.reader.stale(),
-                "recorded_at": self.reader.recorded_at(),
-                "now": time.time(),
-                "tensorboard": self._tensorboard,
-                # where each task was, by its last read stacks (a hung job's, or asked for)
-                "stacks": {t: s for t, s in self.reader.stacks().items() if t in shown},
-                **self._extra(),
-            }
-        )
+            self._saw(page, has_ended(state["status"]))
+        return _json({**state, **self._extra()})
 
     async def _curves(self, request: web.Request) -> web.StreamResponse:
         points = _int(request, "points", 300, 2, MAX_CURVE_POINTS)
