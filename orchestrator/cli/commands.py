@@ -118,7 +118,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = kind.check(spec)
     if report is None:
         from orchestrator.environment.local import check_line
-        from orchestrator.launch.ssh.preflight import stacks_warning
+        from orchestrator.launch.check_cells import stacks_warning
         from worker.host import probe
 
         print(f"{args.spec}: backend {spec.backend} runs every task on this machine")

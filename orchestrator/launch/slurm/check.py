@@ -19,6 +19,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
+from orchestrator.launch.check_cells import stacks_cell, stacks_warning
 from orchestrator.launch.slurm.allocation import salloc_argv
 from orchestrator.launch.slurm.cluster import (
     Request,
@@ -28,7 +29,6 @@ from orchestrator.launch.slurm.cluster import (
     srun_argv,
 )
 from orchestrator.launch.slurm.spec import SlurmSpec, section
-from orchestrator.launch.ssh.preflight import stacks_cell, stacks_warning
 from orchestrator.spec.model import ClusterSpec
 from worker.host import PROBE_SOURCE, SHIM
 

@@ -23,8 +23,8 @@ import paramiko
 
 from orchestrator.errors import LaunchError
 from orchestrator.group import on_all
-from orchestrator.launch import standby
 from orchestrator.launch.api import CheckReport
+from orchestrator.launch.check_cells import gpu_cell, size_cell, stacks_cell, stacks_warning, standby_cell
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.plan.launch_plan import LaunchPlan
@@ -73,7 +73,7 @@ class HostReport:
             out.append(f"{label}: work folder {f.get('workdir')}: {f['workdir_error']} (hosts[{i}].workdir)")
         elif int(f.get("disk_free_bytes", 0)) < MIN_DISK_BYTES:
             out.append(
-                f"{label}: only {_size(int(f.get('disk_free_bytes', 0)))} free under {f.get('workdir')}"
+                f"{label}: only {size_cell(int(f.get('disk_free_bytes', 0)))} free under {f.get('workdir')}"
             )
         for port, free in (f.get("ports") or {}).items():
             if not free:
@@ -267,22 +267,6 @@ def warnings(reports: list[HostReport]) -> list[str]:
     return out
 
 
-def stacks_cell(facts: dict[str, Any] | None) -> str:
-    """Whether a hung task's C++ frames can be read there (worker/host/probe.py's `stacks`)."""
-    found = (facts or {}).get("stacks")
-    if not isinstance(found, dict):
-        return "-"
-    return "native" if found.get("native") else "Python only"
-
-
-def stacks_warning(label: str, facts: dict[str, Any] | None) -> str | None:
-    found = (facts or {}).get("stacks")
-    if not isinstance(found, dict) or found.get("native"):
-        return None
-    return (
-        f"{label}: a hung task's stacks will have its Python frames only (its runtime's own dump): "
-        f"{found.get('why')} (py-spy, installed beside the job's Python, reads C++ frames too)"
-    )
 
 
 def close(reports: list[HostReport]) -> None:
@@ -307,8 +291,8 @@ def table_rows(
                 "ssh": "ok" if r.conn is not None and r.error is None else "FAILED",
                 "python": f.get("python", "-"),
                 "tensorflow": f.get("tensorflow") or ("MISSING" if f else "-"),
-                "gpus": "-" if not f else _gpu_cell(gpus),
-                "disk free": _size(int(f["disk_free_bytes"])) if f else "-",
+                "gpus": "-" if not f else gpu_cell(gpus),
+                "disk free": size_cell(int(f["disk_free_bytes"])) if f else "-",
                 "ports": "-" if not f else (f"busy: {','.join(busy)}" if busy else f"{len(f['ports'])} free"),
                 "peers": "-"
                 if not r.peers
@@ -319,40 +303,13 @@ def table_rows(
             }
         )
         if spec is not None:
-            rows[-1]["standbys"] = _standby_cell(spec, r.host.index, f.get("memory"))
+            rows[-1]["standbys"] = standby_cell(spec, r.host.index, f.get("memory"))
         if "stacks" in f:
             rows[-1]["stacks"] = stacks_cell(f)
     return rows
 
 
-def _standby_cell(spec: ClusterSpec, index: int, memory: dict[str, int] | None) -> str:
-    """What warm standbys the host would keep: `2 × 600 MiB`, or `off` and why in a word."""
-    tasks = sum(spec.hosts[index].tasks.values()) if index < len(spec.hosts) else 0
-    if not tasks:
-        return "-"
-    if not standby.for_run(spec).on:
-        return "off"
-    available, total = (memory or {}).get("available"), (memory or {}).get("total")
-    verdict = standby.for_host(spec.restart.standby, tasks, available, total)
-    cost = f"{tasks} × {standby.mib(standby.STANDBY_BYTES)}"
-    return cost if verdict.on else f"off: low memory ({_size(available or 0)} available)"
 
-
-def _gpu_cell(gpus: dict[str, Any] | None) -> str:
-    if gpus is None:
-        return "none"
-    if gpus.get("error"):
-        return "nvidia-smi failed"
-    cuda = f" (CUDA {gpus['cuda']})" if gpus.get("cuda") else ""
-    return f"{len(gpus['names'])}{cuda}"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def diagnose(
