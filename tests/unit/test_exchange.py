@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.launch.exchange import StateExchange, same_place
+from orchestrator.launch.exchange import StateExchange
+from orchestrator.launch.job_folders import same_place
 from orchestrator.launch.local.placement import local_placements
 from orchestrator.launch.transfer import STAGING_PREFIX, Folders, Transfer, commit_here, differing, local_tree
 from orchestrator.plan.launch_plan import LaunchPlan, make_plan
