@@ -11,3 +11,17 @@
    where not, it is sent the wheels its file cache lacks and builds it (worker/host/environment.py:
    uv, into a staging folder renamed when complete). The tasks then run its `bin/python`.
 """
+
+from __future__ import annotations
+
+import posixpath
+
+from worker.host.environment import ENV_ENVIRONMENT
+from worker.host.stacks import ENV_PY_SPY
+
+
+def task_env(python: str) -> dict[str, str]:
+    """What a task run by an environment's `bin/python` adds to its env: the environment (the
+    worker holds it while it lives, and stops where it is gone) and its stacks reader."""
+    folder = posixpath.dirname(posixpath.dirname(python))
+    return {ENV_ENVIRONMENT: folder, ENV_PY_SPY: posixpath.join(folder, "bin", "py-spy")}

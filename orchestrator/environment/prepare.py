@@ -9,7 +9,6 @@ environment's name is known before the host answers) and sends and builds nothin
 from __future__ import annotations
 
 import json
-import posixpath
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +24,6 @@ from orchestrator.group import on_all
 from orchestrator.record.progress import size_text
 from orchestrator.record.write import make_private_dir, write_text_atomic
 from orchestrator.spec.environment import EnvironmentSpec
-from worker.host.environment import ENV_ENVIRONMENT
-from worker.host.stacks import ENV_PY_SPY
 
 Notify = Callable[[str], None]
 PROGRESS_EVERY_S = 5.0
@@ -68,12 +65,6 @@ class HostEnvironment:
     def as_data(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "key"}
 
-
-def task_env(python: str) -> dict[str, str]:
-    """What a task run by an environment's `bin/python` adds to its env: the environment (the
-    worker holds it while it lives, and stops where it is gone) and its stacks reader."""
-    folder = posixpath.dirname(posixpath.dirname(python))
-    return {ENV_ENVIRONMENT: folder, ENV_PY_SPY: posixpath.join(folder, "bin", "py-spy")}
 
 
 def prepare(

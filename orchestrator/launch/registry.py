@@ -13,10 +13,13 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from importlib import metadata
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import UsageError, did_you_mean
 from orchestrator.launch.kind import Kind
+
+if TYPE_CHECKING:  # read only where a name is not a built-in one's (~20 ms of imports)
+    from importlib import metadata
 
 #: The entry-point group a package registers its backends in (name = the spec's `backend:`).
 GROUP = "tf_orchestrate.backends"
@@ -104,5 +107,7 @@ def _entry_points() -> dict[str, metadata.EntryPoint]:
     with _scan_lock:
         found = _scanned.get(key)
         if found is None:
+            from importlib import metadata
+
             found = _scanned[key] = {point.name: point for point in metadata.entry_points(group=GROUP)}
         return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.environment.prepare import task_env
+from orchestrator.environment import task_env
 from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots

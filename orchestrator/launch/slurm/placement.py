@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.environment import task_env
 from orchestrator.environment.local import runtime_copy
-from orchestrator.environment.prepare import task_env
 from orchestrator.errors import LaunchError
 from orchestrator.launch.slurm.spec import section
 from orchestrator.plan.placement import Placement

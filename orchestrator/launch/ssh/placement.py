@@ -9,7 +9,7 @@ import posixpath
 import shlex
 from collections.abc import Mapping
 
-from orchestrator.environment.prepare import task_env
+from orchestrator.environment import task_env
 from orchestrator.launch.ssh.spec import section
 from orchestrator.plan.placement import Placement
 from orchestrator.spec.model import ClusterSpec
