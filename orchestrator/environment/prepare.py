@@ -66,7 +66,6 @@ class HostEnvironment:
         return {k: v for k, v in vars(self).items() if k != "key"}
 
 
-
 def prepare(
     env: EnvironmentSpec, sites: Sequence[Site], notify: Notify, root: Path | None = None
 ) -> list[HostEnvironment]:

@@ -17,6 +17,7 @@ def stacks_cell(facts: dict[str, Any] | None) -> str:
         return "-"
     return "native" if found.get("native") else "Python only"
 
+
 def stacks_warning(label: str, facts: dict[str, Any] | None) -> str | None:
     found = (facts or {}).get("stacks")
     if not isinstance(found, dict) or found.get("native"):
@@ -25,6 +26,7 @@ def stacks_warning(label: str, facts: dict[str, Any] | None) -> str | None:
         f"{label}: a hung task's stacks will have its Python frames only (its runtime's own dump): "
         f"{found.get('why')} (py-spy, installed beside the job's Python, reads C++ frames too)"
     )
+
 
 def standby_cell(spec: ClusterSpec, index: int, memory: dict[str, int] | None) -> str:
     """What warm standbys the host would keep: `2 × 600 MiB`, or `off` and why in a word."""
@@ -38,6 +40,7 @@ def standby_cell(spec: ClusterSpec, index: int, memory: dict[str, int] | None) -
     cost = f"{tasks} × {standby.mib(standby.STANDBY_BYTES)}"
     return cost if verdict.on else f"off: low memory ({size_cell(available or 0)} available)"
 
+
 def gpu_cell(gpus: dict[str, Any] | None) -> str:
     if gpus is None:
         return "none"
@@ -45,6 +48,7 @@ def gpu_cell(gpus: dict[str, Any] | None) -> str:
         return "nvidia-smi failed"
     cuda = f" (CUDA {gpus['cuda']})" if gpus.get("cuda") else ""
     return f"{len(gpus['names'])}{cuda}"
+
 
 def size_cell(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

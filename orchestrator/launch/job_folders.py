@@ -125,7 +125,6 @@ class JobFolders:
                 self._folders.shared(owner.host_index, "remove", folder, nonce)
 
 
-
 def same_place(folder: str, owner: TaskPlan, reader: TaskPlan) -> str:
     """Where `reader` looks for the owner's `folder`: under its own working folder where the
     owner's is under the owner's (a relative path in the job), else the same absolute path."""

@@ -16,6 +16,7 @@ And whatever a job prints or reports, the console writes (`console_writes_anythi
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 import sys
@@ -96,23 +97,30 @@ def console_writes_anything(*streams: Any) -> None:
 _WRITES_ANYTHING = frozenset({"backslashreplace", "replace", "xmlcharrefreplace", "namereplace", "ignore"})
 
 
-#: The worker runtime's files, as a pattern of their paths under worker/ (`task[/\\]runtime`):
-#: they are ours wherever a host keeps them (the ssh backend ships them as `lib/worker/`).
-_WORKER = RUNTIME_ROOT / "worker"
-RUNTIME_FILES = "|".join(
-    sorted(
-        r"[/\\]".join(re.escape(part) for part in p.relative_to(_WORKER).with_suffix("").parts)
-        for p in _WORKER.rglob("*.py")
-        if "__pycache__" not in p.parts
+@functools.cache
+def runtime_files() -> str:
+    """The worker runtime's files, as a pattern of their paths under worker/ (`task[/\\]runtime`):
+    they are ours wherever a host keeps them (the ssh backend ships them as `lib/worker/`). Read
+    when first asked (a traceback to show): `orchestrate validate` never walks the folder."""
+    worker = RUNTIME_ROOT / "worker"
+    return "|".join(
+        sorted(
+            r"[/\\]".join(re.escape(part) for part in p.relative_to(worker).with_suffix("").parts)
+            for p in worker.rglob("*.py")
+            if "__pycache__" not in p.parts
+        )
     )
-)
-#: A frame of the worker runtime (any of its modules, wherever a host keeps them) or of runpy,
-#: which runs the job: `  File "/…/worker/task/runtime.py", line 78, in run_reported`.
-_OURS = re.compile(
-    r'^  File "(?:<frozen runpy>|.*[/\\]runpy\.py|.*[/\\]worker[/\\](?:'
-    + RUNTIME_FILES
-    + r')\.py)", line \d+'
-)
+
+
+@functools.cache
+def _ours() -> re.Pattern[str]:
+    """A frame of the worker runtime (any of its modules, wherever a host keeps them) or of runpy,
+    which runs the job: `  File "/…/worker/task/runtime.py", line 78, in run_reported`."""
+    return re.compile(
+        r'^  File "(?:<frozen runpy>|.*[/\\]runpy\.py|.*[/\\]worker[/\\](?:'
+        + runtime_files()
+        + r')\.py)", line \d+'
+    )
 
 
 def job_traceback(text: str, limit: int = 15) -> list[str]:
@@ -123,7 +131,7 @@ def job_traceback(text: str, limit: int = 15) -> list[str]:
     block: list[list[str]] = []  # the frames of the traceback being read, each with its lines
 
     def flush() -> None:
-        first = next((i for i, frame in enumerate(block) if not _OURS.match(frame[0])), 0)
+        first = next((i for i, frame in enumerate(block) if not _ours().match(frame[0])), 0)
         out.extend(line for frame in block[first:] for line in frame)
         block.clear()
 

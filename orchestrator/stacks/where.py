@@ -8,13 +8,14 @@ runtime (python -m worker, runpy): what the job's author can open and fix.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.record.quiet import RUNTIME_FILES
+from orchestrator.record.quiet import runtime_files
 from worker.host import RUNTIME_ROOT
 
 _STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+t?[/\\](?!site-packages|dist-packages)|^<frozen ")
@@ -22,7 +23,6 @@ _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 #: Our runtime's files: this package's, or its copy on a host (the ssh backend ships it as
 #: `lib/worker/`); a job's own package named `worker` elsewhere is the job's.
 _OURS = RUNTIME_ROOT / "worker"
-_SHIPPED = re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + RUNTIME_FILES + r")\.py$")
 _TENSORFLOW = re.compile(r"[/\\](?:tensorflow|keras|tf_keras|tensorflow_core)[/\\]")
 _GEN_OP = re.compile(r"[/\\]gen_\w+_ops\.py$")
 #: The frames of a MultiWorkerMirroredStrategy connecting its cluster (it waits for every peer).
@@ -46,7 +46,7 @@ _FUNCTION = re.compile(r"^__inference_(?P<name>.+?)_\d+$")
 
 def kind_of(file: str) -> str:
     """job, stdlib, tensorflow, package (another installed one) or runtime."""
-    if file == "<frozen runpy>" or _SHIPPED.search(file) or file.startswith(f"{_OURS}/"):
+    if file == "<frozen runpy>" or _shipped().search(file) or file.startswith(f"{_OURS}/"):
         return "runtime"
     if _STDLIB.search(file):
         return "stdlib"
@@ -177,3 +177,9 @@ def _frame(frame: Mapping[str, Any]) -> str:
 def culprits(wheres: Sequence[Where]) -> list[Where]:
     """The tasks the others wait for, as their stacks show."""
     return [w for w in wheres if w.culprit]
+
+
+@functools.cache
+def _shipped() -> re.Pattern[str]:
+    """A file of the runtime as a host keeps it (the ssh backend ships it as `lib/worker/`)."""
+    return re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + runtime_files() + r")\.py$")

@@ -44,8 +44,6 @@ from orchestrator.supervise.timeline import Timeline
 log = logging.getLogger("orchestrator.supervise")
 
 
-
-
 class Supervisor(Stopping, Hosts):
     def __init__(
         self,

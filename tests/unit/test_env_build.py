@@ -179,9 +179,7 @@ def _uv_running(pid: int) -> bool:
 
 
 def test_a_task_whose_environment_is_gone_stops_saying_so(tmp_path):
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from worker.task import held; held.hold()"
-    )
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from worker.task import held; held.hold()"
     env = {**os.environ, "ORCHESTRATE_ENVIRONMENT": str(tmp_path / "envs" / "gone")}
     done = subprocess.run(
         [sys.executable, "-c", code, str(RUNTIME_ROOT)], env=env, capture_output=True, text=True

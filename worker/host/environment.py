@@ -55,7 +55,6 @@ def target() -> dict[str, Any]:
     }
 
 
-
 def _own_dir(path: str) -> str:
     """A folder of ours (made 0700 where missing); never a symlink or another user's."""
     with contextlib.suppress(FileExistsError):

@@ -55,7 +55,6 @@ class MetricNames:
         return kept
 
 
-
 def number(value: Any) -> float | None:
     # numpy scalars, 0-d tensors, Python numbers; NaN is kept (a NaN loss is worth seeing), an
     # integer past a float's range is ±inf

@@ -116,7 +116,6 @@ class Reporter:
         if first:
             self._wake.set()
 
-
     def write_tensorboard(self, folder: Path) -> None:
         """Write every reported point as TensorBoard scalars into `folder` too (a mode-1 job)."""
         self._scalars = Scalars(folder)

@@ -51,7 +51,6 @@ from orchestrator.spec.roles import task_slots
 log = logging.getLogger("orchestrator.ssh")
 
 
-
 class SshBackend(SshTasks, Backend):
     name = "ssh"
     listen_key = "ssh.coordinator_address"
@@ -226,7 +225,6 @@ class SshBackend(SshTasks, Backend):
                 "machine the hosts can reach"
             ) from None
         return f"http://127.0.0.1:{port}"
-
 
     def _connection(self, index: int) -> fabric.Connection:
         """The host's connection, renewed (with its tunnel) when it was lost or is suspect."""

@@ -267,8 +267,6 @@ def warnings(reports: list[HostReport]) -> list[str]:
     return out
 
 
-
-
 def close(reports: list[HostReport]) -> None:
     close_all({r.host.index: r.conn for r in reports if r.conn is not None})
 
@@ -307,9 +305,6 @@ def table_rows(
         if "stacks" in f:
             rows[-1]["stacks"] = stacks_cell(f)
     return rows
-
-
-
 
 
 def diagnose(
