@@ -4,16 +4,24 @@ to the run's record (plan.json, backend.json) with the credentials placed for it
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from orchestrator.plan.launch_plan import LaunchPlan, make_plan
 from orchestrator.plan.placement import Placement
+from orchestrator.record.write import RunRecord
 from orchestrator.spec.model import ClusterSpec
 
-if TYPE_CHECKING:  # what it is handed: the layers above the plan, which it only calls
-    from orchestrator.health.credentials import Credentials
-    from orchestrator.launch.api import Backend
-    from orchestrator.record.write import RunRecord
+
+class Credentials(Protocol):
+    """The run's credentials (orchestrator/health/credentials.py): whose key signs each task's."""
+
+    def place(self, scopes: Mapping[str, int]) -> None: ...
+
+
+class Backend(Protocol):
+    """The run's backend (orchestrator/launch/api.py), as far as the planner asks it: its record."""
+
+    def record(self) -> dict[str, Any]: ...
 
 
 class Planner:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.record.write import make_private_dir, write_json_atomic
 
 if TYPE_CHECKING:
-    from orchestrator.launch.api import TaskHandle
+    from orchestrator.stacks.record import TaskHandle
 
 FOLDER = "stacks"  # as orchestrator/stacks/record.py's (the asker imports no more than this module)
 

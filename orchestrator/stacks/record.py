@@ -13,14 +13,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.record.write import make_private_dir, now_iso, read_json, write_json_atomic
 from orchestrator.stacks.where import Where, where
 from worker.host import stacks
-
-if TYPE_CHECKING:
-    from orchestrator.launch.api import TaskHandle
 
 FOLDER = "stacks"
 BEFORE_STOP = "before the stop"
@@ -28,6 +26,22 @@ MAX_LINE = 4000  # characters of the places in a `stacks` event  # how a hung jo
 LIVE = "live"
 #: Given past the deadline to a host that captures on its own (a shim) to send its answer.
 TRANSPORT_S = 2.0
+
+
+class TaskHandle(Protocol):
+    """A running task whose stacks can be read: what this room asks of the launch layer's
+    handles (orchestrator/launch/api.py's TaskHandle), which sit above it."""
+
+    @property
+    def task(self) -> TaskPlan: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def where(self) -> str: ...
+
+    def stacks(self, deadline: float, native: bool) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
