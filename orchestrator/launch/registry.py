@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from orchestrator.errors import UsageError, did_you_mean
 from orchestrator.launch.kind import Kind
 
-if TYPE_CHECKING:  # read only where a name is not a built-in one's (~20 ms of imports)
+if TYPE_CHECKING:  # imported where a name is not a built-in one's
     from importlib import metadata
 
 #: The entry-point group a package registers its backends in (name = the spec's `backend:`).

@@ -21,15 +21,14 @@ _TRAINING_ROLES = (Role.CHIEF, Role.WORKER)
 
 def check_spec(spec: ClusterSpec, kind: Kind | None) -> list[SpecProblem]:
     """Every problem of the spec past its models; `kind`: its backend, as the loader looked it up
-    (None where none could be loaded: that is then the one problem, said with the reason)."""
+    (None where none could be loaded: asked once more here, to say why as the one problem)."""
     if kind is None:
         if not registry.is_registered(spec.backend):
             return [SpecProblem(("backend",), registry.unknown_message(spec.backend))]
         try:
-            registry.get(spec.backend)  # to say why it cannot be loaded
+            kind = registry.get(spec.backend)
         except registry.UnknownBackend as exc:
             return [SpecProblem(("backend",), str(exc))]
-        raise AssertionError(f"backend {spec.backend!r} loads, but was not handed down")
     if kind.places_tasks and spec.section(kind.name) is None:
         return [missing_section(kind)]
     if not spec.hosts:
