@@ -13,8 +13,8 @@ Whether a folder moves at all is decided per folder, the same for every backend:
 host is proven to see it — a checkpoint folder the spec declares shared (proven at launch), one
 under a folder the backend proved every host sees (`seen_everywhere`: the Slurm nodes' run
 directory on a shared file system), a job's own folder whose nonce the owner's host wrote and
-every reader's host read (job_folders.py's `_is_shared`). A job's `/tmp/backup` beside a shared run directory is
-each node's own, and is copied.
+every reader's host read (job_folders.py's `_is_shared`). A job's `/tmp/backup` beside a shared
+run directory is each node's own, and is copied.
 """
 
 from __future__ import annotations
