@@ -78,12 +78,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def network_line(spec: ClusterSpec, kind: Kind | None = None) -> str:
+def network_line(spec: ClusterSpec, kind: Kind) -> str:
     """`plan`'s and `check`'s word on who can reach the tasks' TF ports (unauthenticated), as the
-    spec's backend kind says (`kind`: the one looked up already)."""
-    from orchestrator import launch
-
-    return (kind or launch.kind_of(spec)).reach(spec).said
+    spec's backend kind (looked up once by the command) says."""
+    return kind.reach(spec).said
 
 
 def standby_lines(spec: ClusterSpec, plan: LaunchPlan) -> str:

@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Any
 
-from worker.host import RUNTIME_ROOT
+from worker.host import WORKER, runtime_files
 
 #: TensorFlow's C++ log prefix: absl (`I0000 00:00:1796150547.581546   29018 file.cc:31] `) or the
 #: older one (`2026-12-01 12:00:00.123456: I tensorflow/core/….cc:153] `).
@@ -98,17 +98,13 @@ _WRITES_ANYTHING = frozenset({"backslashreplace", "replace", "xmlcharrefreplace"
 
 
 @functools.cache
-def runtime_files() -> str:
+def runtime_pattern() -> str:
     """The worker runtime's files, as a pattern of their paths under worker/ (`task[/\\]runtime`):
-    they are ours wherever a host keeps them (the ssh backend ships them as `lib/worker/`). Read
+    they are ours wherever a host keeps them (the ssh backend ships them as `lib/worker/`). Made
     when first asked (a traceback to show): `orchestrate validate` never walks the folder."""
-    worker = RUNTIME_ROOT / "worker"
     return "|".join(
-        sorted(
-            r"[/\\]".join(re.escape(part) for part in p.relative_to(worker).with_suffix("").parts)
-            for p in worker.rglob("*.py")
-            if "__pycache__" not in p.parts
-        )
+        r"[/\\]".join(re.escape(part) for part in p.relative_to(WORKER).with_suffix("").parts)
+        for p in runtime_files()
     )
 
 
@@ -118,7 +114,7 @@ def _ours() -> re.Pattern[str]:
     which runs the job: `  File "/…/worker/task/runtime.py", line 78, in run_reported`."""
     return re.compile(
         r'^  File "(?:<frozen runpy>|.*[/\\]runpy\.py|.*[/\\]worker[/\\](?:'
-        + runtime_files()
+        + runtime_pattern()
         + r')\.py)", line \d+'
     )
 

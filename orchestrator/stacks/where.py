@@ -15,14 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.record.quiet import runtime_files
-from worker.host import RUNTIME_ROOT
+from orchestrator.record.quiet import runtime_pattern
+from worker.host import WORKER
 
 _STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+t?[/\\](?!site-packages|dist-packages)|^<frozen ")
 _INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
-#: Our runtime's files: this package's, or its copy on a host (the ssh backend ships it as
-#: `lib/worker/`); a job's own package named `worker` elsewhere is the job's.
-_OURS = RUNTIME_ROOT / "worker"
 _TENSORFLOW = re.compile(r"[/\\](?:tensorflow|keras|tf_keras|tensorflow_core)[/\\]")
 _GEN_OP = re.compile(r"[/\\]gen_\w+_ops\.py$")
 #: The frames of a MultiWorkerMirroredStrategy connecting its cluster (it waits for every peer).
@@ -46,7 +43,7 @@ _FUNCTION = re.compile(r"^__inference_(?P<name>.+?)_\d+$")
 
 def kind_of(file: str) -> str:
     """job, stdlib, tensorflow, package (another installed one) or runtime."""
-    if file == "<frozen runpy>" or _shipped().search(file) or file.startswith(f"{_OURS}/"):
+    if file == "<frozen runpy>" or _shipped().search(file) or file.startswith(f"{WORKER}/"):
         return "runtime"
     if _STDLIB.search(file):
         return "stdlib"
@@ -181,5 +178,6 @@ def culprits(wheres: Sequence[Where]) -> list[Where]:
 
 @functools.cache
 def _shipped() -> re.Pattern[str]:
-    """A file of the runtime as a host keeps it (the ssh backend ships it as `lib/worker/`)."""
-    return re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + runtime_files() + r")\.py$")
+    """A file of the runtime as a host keeps it (the ssh backend ships it as `lib/worker/`); a job's
+    own package named `worker` elsewhere is the job's."""
+    return re.compile(r"[/\\]lib[/\\]worker[/\\](?:" + runtime_pattern() + r")\.py$")

@@ -122,9 +122,10 @@ def test_without_pasta_the_run_is_offline_and_says_so(
         netns.Network(spec_of(tmp_path, "local: {outbound: on}\n")).make(tmp_path)  # type: ignore[arg-type]
     assert children() <= before and not list(tmp_path.glob(".heartbeats-*"))
     from orchestrator.cli.commands import network_line
+    from orchestrator.launch.local import KIND
 
     netns._probe.cache_clear()
-    line = network_line(spec_of(tmp_path))  # type: ignore[arg-type]
+    line = network_line(spec_of(tmp_path), KIND)  # type: ignore[arg-type]
     first, warning = line.splitlines()
     assert first.startswith("network: TF ports reachable from this run's own network namespace only")
     assert first.endswith("outgoing: offline: install passt for outgoing network (pasta not found)")

@@ -14,11 +14,13 @@ This module says where they are, for the coordinator that sends or runs them."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 FOLDER = Path(__file__).resolve().parent
-RUNTIME_ROOT = FOLDER.parents[1]  # the folder holding worker/ (a task's PYTHONPATH)
+WORKER = FOLDER.parent  # the whole runtime, as every host gets it (`lib/worker/`)
+RUNTIME_ROOT = WORKER.parent  # the folder holding worker/ (a task's PYTHONPATH)
 SHIM = FOLDER / "shim.py"
 #: folders.py's modes (the others are probe.py's).
 FOLDER_MODES = ("tree", "stamp", "commit", "shared", "pack", "unpack")
@@ -27,19 +29,28 @@ _SOURCES = {
     "FOLDERS_SOURCE": "folders.py",
     "ENVIRONMENT_SOURCE": "environment.py",
 }
-_read: dict[str, str] = {}
+
+
+def runtime_files() -> list[Path]:
+    """Every module of the worker runtime (bytecode caches left out), in order: what a host is
+    sent, and what a frame of ours is."""
+    return sorted(p for p in WORKER.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@functools.cache
+def source(name: str) -> str:
+    """This room's file `name`, as text: what a host runs as `python -c SOURCE MODE …`."""
+    return (FOLDER / name).read_text(encoding="utf-8")
 
 
 def __getattr__(name: str) -> Any:
     """PROBE_SOURCE, FOLDERS_SOURCE, ENVIRONMENT_SOURCE: a file's source, read when first asked
-    for (`python -c SOURCE MODE …` on a host); a task that imports the room reads none."""
+    for; a task that imports the room reads none."""
     if name not in _SOURCES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _read:
-        _read[name] = (FOLDER / _SOURCES[name]).read_text(encoding="utf-8")
-    return _read[name]
+    return source(_SOURCES[name])
 
 
 def source_for(mode: str) -> str:
     """The source that runs `mode`: folders.py's for a state folder's, else the probe's."""
-    return str(__getattr__("FOLDERS_SOURCE" if mode in FOLDER_MODES else "PROBE_SOURCE"))
+    return source("folders.py" if mode in FOLDER_MODES else "probe.py")

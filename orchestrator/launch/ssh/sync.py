@@ -21,14 +21,13 @@ import fabric
 
 from orchestrator.errors import LaunchError
 from orchestrator.launch.ssh.hosts import Host
-from worker.host import RUNTIME_ROOT
+from worker.host import WORKER, runtime_files
 from worker.host.folders import sha256_file
 
 MAX_FILES = 5000
 MAX_BYTES = 2 * 1024**3
 # Never copied: version control, virtual environments, caches and run folders.
 _SKIP_DIRS = {"__pycache__", "runs", "node_modules", "venv"}
-_WORKER_DIR = RUNTIME_ROOT / "worker"
 
 
 @dataclass(frozen=True)
@@ -75,11 +74,7 @@ def job_files(root: Path) -> list[FileEntry]:
 def worker_files() -> list[FileEntry]:
     """The worker runtime (pure Python), as `lib/worker/<room>/<file>`: every host runs this exact
     copy."""
-    return [
-        _entry(f"lib/worker/{p.relative_to(_WORKER_DIR).as_posix()}", p)
-        for p in sorted(_WORKER_DIR.rglob("*.py"))
-        if "__pycache__" not in p.parts
-    ]
+    return [_entry(f"lib/worker/{p.relative_to(WORKER).as_posix()}", p) for p in runtime_files()]
 
 
 def shim_entry(entries: Sequence[FileEntry]) -> FileEntry:
