@@ -28,7 +28,7 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.health.server import HeartbeatServer, connection_cap, connections_needed
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, Heartbeats
-from orchestrator.launch.exposure import OFFLINE, Exposure
+from orchestrator.launch.exposure import Exposure
 from orchestrator.plan.launch_plan import LaunchPlan
 from orchestrator.plan.planner import Planner
 from orchestrator.record.logtail import LogTailer
@@ -98,7 +98,7 @@ def up(
         store = HealthStore(time.monotonic, on_points=record.metrics)
         server = cleanup.enter_context(_heartbeat_server(backend, store, credentials, spec))
         view = _shown(o, record, cleanup)
-        network = _network(backend, kind, spec, record)
+        network = _network(backend, kind, spec)
         again = _resume_argv(spec_path, run_dir, o.backend_option)
         # who supervises it, before its page is served (a resumed run's page: never the one before's)
         record.write_coordinator(_coordinator_info(run_id, server.url, again))
@@ -128,6 +128,7 @@ def up(
             spec=spec,
             job_folders=known_folders(o.run_dir) if o.resume else (),
             keep_stacks=functools.partial(stacks.keep, run_dir),
+            degraded=network().fallbacks(),  # said as the run opens, listed while they last
         )
         _answer_stacks(cleanup, run_dir, supervisor)
         result = _supervise(supervisor, o)
@@ -213,10 +214,10 @@ class _StatusWriter:
         tailer: LogTailer,
         every_s: float,
         page: Callable[[], Mapping[str, str]],
-        network: Exposure,
+        network: Callable[[], Exposure],
     ):
         self._record, self._view, self._tailer, self._every_s = record, view, tailer, every_s
-        self._network = network.to_json()  # from where the run's TF ports can be reached
+        self._network = network  # from where the run's TF ports can be reached (pasta may end)
         self._page: Callable[[], Mapping[str, str]] | None = page  # served once the job trains
         self._page_by = time.monotonic() + PAGE_AT_THE_LATEST_S
         self._urls: dict[str, str] = {}
@@ -236,7 +237,7 @@ class _StatusWriter:
         if self._record.broken and not sup.state.is_terminal:  # a full or read-only disk
             sup.abort(f"{self._record.broken}; the job is stopped, the record kept as it was")
         status = sup.status()
-        status["network"] = self._network
+        status["network"] = self._network().to_json()
         if self._urls and not sup.state.is_terminal:  # while the run lives (its page goes with it)
             status["urls"] = self._urls
         if status["state"] != self._state:
@@ -303,19 +304,15 @@ def _heartbeat_server(
         server.close()
 
 
-def _network(backend: Backend, kind: Kind, spec: ClusterSpec, record: RunRecord) -> Exposure:
-    """From where the run's TF ports can be reached, as its backend says; where it could have
-    closed them and could not (local), said once."""
-    network = backend.exposure()
-    if network is None:  # as its kind says of the spec (asked of no host), where that asks nothing
+def _network(backend: Backend, kind: Kind, spec: ClusterSpec) -> Callable[[], Exposure]:
+    """From where the run's TF ports can be reached and what its tasks reach, as its backend says
+    it now (its pasta may end); where it could have closed them and could not, the `fallbacks`."""
+    said = backend.exposure()
+    if said is None:  # as its kind says of the spec (asked of no host), where that asks nothing
         unsaid = Exposure(False, "wherever the backend's hosts can be reached", "the backend does not say")
-        return unsaid if kind.reach_makes else kind.reach(spec)
-    if network.warn and not network.isolated:
-        why = f"this run's TF ports are open to every user of this machine ({network.why})"
-        record.event(kind="warning", reason=why)
-    elif network.warn and network.offline:
-        record.event(kind="warning", reason=f"{OFFLINE} ({network.outbound})")
-    return network
+        fixed = unsaid if kind.reach_makes else kind.reach(spec)
+        return lambda: fixed
+    return lambda: backend.exposure() or said
 
 
 def _coordinator_info(run_id: str, url: str, resume_argv: list[str] | None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""The one state vocabulary of a run and its tasks, the kinds of failure, and the allowed
-transitions: every layer speaks it (the supervisor moves the states; the record writes them; the
-console and the page show them), so it sits at the bottom beside errors.py.
+"""The one state vocabulary of a run and its tasks, the kinds of failure, what runs degraded
+(`Degraded`), and the allowed transitions: every layer speaks it (the supervisor moves the
+states; the record writes them; the console and the page show them), so it sits at the bottom
+beside errors.py.
 
 Every state change goes through `check_transition()`, which checks the table and logs `A → B`.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import asdict, dataclass
+from typing import Any
 
 log = logging.getLogger("orchestrator.supervise")
 
@@ -40,6 +43,31 @@ class TaskState(str, enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self in _TERMINAL_TASK  # a set: asked of every task on every supervisor step
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """A fallback: something of the run that works less well than the spec or the README
+    promise, while the run goes on (names not resolved in the run, its outgoing network gone, a
+    host's standbys without their page copy). Said once, where the user looks — an event on the
+    console, status.json's `degraded`, the page, `orchestrate status`, the summary — with its fix.
+    One that passed (`lasting` False: pasta started again) is said as an event alone."""
+
+    what: str  # the promise: "network", "outbound", "names", "page_copy"
+    where: str  # "this machine", a host, a task
+    said: str  # what happened and why, in the kernel's or the tool's words
+    fix: str  # what makes it whole again
+    since: str | None = None  # UTC, where it began mid-run
+    lasting: bool = True
+
+    @property
+    def line(self) -> str:
+        return f"{self.said} (hint: {self.fix})" if self.fix else self.said
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["lasting"]
+        return out
 
 
 class FailureKind(str, enum.Enum):

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.launch.exposure import NAMES_FIX
 from orchestrator.launch.local import outbound as outbound_words
 from orchestrator.plan.launch_plan import LaunchPlan
 from orchestrator.spec.load import key_lines
@@ -63,6 +64,11 @@ NO_NETWORK_SIGNS = re.compile(
     r"Temporary failure in name resolution|Name or service not known|No address associated with hostname"
     r"|Network is unreachable|No route to host|Errno -[235]\]|Errno 101\]"
 )
+#: What a program says when a name cannot be resolved.
+NAME_SIGNS = re.compile(
+    r"Temporary failure in name resolution|Name or service not known|No address associated with hostname"
+    r"|Errno -[235]\]"
+)
 #: A connection to the loopback refused: in the run's namespace, its own loopback, not the machine's.
 LOOPBACK_REFUSED = re.compile(r"Connection refused|Errno 111\]")
 LOOPBACK = re.compile(r"\b(127\.\d+\.\d+\.\d+|localhost|\[::1\])\b")
@@ -77,7 +83,10 @@ def network_hint(failure: Failure, plan: LaunchPlan, network: Mapping[str, Any])
     if not any(t.env.get(wire.ENV_COORDINATOR, "").startswith(wire.UNIX_SCHEME) for t in plan.tasks):
         return None  # on the machine's own network: the network itself is down
     text = f"{error.message}\n{error.traceback}"
-    outbound = str(network.get("outbound") or "")
+    outbound, names = str(network.get("outbound") or ""), str(network.get("names") or "")
+    if names and not outbound.startswith("offline") and NAME_SIGNS.search(text):
+        where = "the tasks run in a network namespace of the run's own"
+        return f"hint: {where}, where names are {names}: {NAMES_FIX}"
     if outbound.startswith("offline") and NO_NETWORK_SIGNS.search(text):
         fix = (
             "install passt (`apt install passt`: outgoing network, nothing published), "

@@ -9,7 +9,7 @@ from pathlib import Path
 from orchestrator.cli.hints import hints
 from orchestrator.control import RunResult
 from orchestrator.record.logtail import tail_lines
-from orchestrator.record.progress import duration_text, elapsed_s, progress_of
+from orchestrator.record.progress import duration_text, elapsed_s, notices, progress_of
 from orchestrator.record.quiet import collapse_redraws, job_traceback, noise
 from orchestrator.record.read import diverged, resume_command, spec_path
 from orchestrator.stacks import record as stacks
@@ -45,6 +45,8 @@ def summarize(outcome: RunResult) -> int:
     for f in r.ignored:
         print(f"  reported, did not stop the job: {f.describe()}")
     _results(outcome)
+    for line in notices(outcome.status):  # what ran degraded, with its fix; the metric names dropped
+        print(f"  {line}")
     if r.state is not ClusterState.SUCCEEDED and r.root_cause is not None:
         _first_failure(outcome, r.root_cause)
     if r.state is not ClusterState.SUCCEEDED and not diverged(outcome.status):

@@ -16,6 +16,7 @@ shows a finished or detached run the same way.
 from __future__ import annotations
 
 import collections
+import shutil
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from orchestrator.record.progress import (
     elapsed_s,
     event_text,
     notable,
+    notices,
     parse_time,
     progress_of,
     value_text,
@@ -187,7 +189,7 @@ def render_status(
     )
     parts: list[Any] = [head]
     progress = progress_of(status, now)
-    line = progress.parts(ended=bool(status.get("ended_at")))  # no ETA or rates once it ended
+    line = progress.parts(ended=bool(status.get("ended_at")), width=width)  # no ETA or rates once ended
     if progress.fraction is not None:
         step = line.pop(0)
         bar = max(10, min(40, width - len(step) - 1))
@@ -195,6 +197,7 @@ def render_status(
         parts.append(Text.assemble(("━" * done, "green"), ("─" * (bar - done), "dim"), " ", step))
     if line:
         parts.append(Text(" · ".join(line)))
+    parts += [Text(_cut(n, width), style="yellow") for n in notices(status)]  # what runs degraded
     table, more = task_table(status, width, now, max_rows)
     parts.append(table)
     if more:
@@ -220,7 +223,11 @@ class PlainView:
     `progress_every_s` (0: never) while the run trains."""
 
     def __init__(
-        self, out: TextIO | None = None, progress_every_s: float = 15.0, clock: Any = time.monotonic
+        self,
+        out: TextIO | None = None,
+        progress_every_s: float = 15.0,
+        clock: Any = time.monotonic,
+        width: int | None = None,
     ):
         self._out = out if out is not None else sys.stdout
         self._lock = threading.Lock()
@@ -228,6 +235,8 @@ class PlainView:
         self._every_s = progress_every_s
         self._clock = clock
         self._progress_at: float | None = None
+        # the progress line fits the terminal (piped: $COLUMNS, else 120), its metrics counted past it
+        self._width = width or shutil.get_terminal_size((120, 24)).columns
 
     def log_line(self, task: str, line: str) -> None:
         self._write(f"[{task}] {line}")
@@ -255,9 +264,9 @@ class PlainView:
             self._progress_at = now
             progress = progress_of(status)
             if progress.step is not None or progress.eval_metrics:
-                parts = progress.parts()
-                if progress.oldest_heartbeat_s is not None:
-                    parts.append(f"heartbeats ≤ {age_text(progress.oldest_heartbeat_s)} old")
+                ages = progress.oldest_heartbeat_s
+                beats = [f"heartbeats ≤ {age_text(ages)} old"] if ages is not None else []
+                parts = progress.parts(width=self._width - len("orchestrate: progress "), tail=beats)
                 changes.append("orchestrate: progress " + " · ".join(parts))
         if changes:
             self._write("\n".join(changes))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker import wire
-from worker.wire import Heartbeat, Restored, TaskError
+from worker.wire import Dropped, Heartbeat, Restored, TaskError
 from worker.wire.failure import Written
 
 
@@ -49,6 +49,7 @@ class TaskHealth:
     first_step: int | None = None  # the first step it reported this attempt (progress: a step past it)
     first_step_at: float | None = None  # when that came
     restored_at: float | None = None  # when its `restored` came
+    dropped: Dropped | None = None  # the metric names its reporter dropped so far
 
     @property
     def progressed(self) -> bool:
@@ -134,6 +135,7 @@ class HealthStore:
                 restored_at=old.restored_at
                 if old.restored_at is not None
                 else (now if hb.restored is not None and hb.restored.final else None),
+                dropped=hb.dropped or old.dropped,
             )
         if points and self._on_points is not None:
             self._on_points(hb.task, hb.attempt, points)

@@ -31,6 +31,7 @@ from orchestrator.health.credentials import Credentials
 from orchestrator.launch.exposure import Exposure
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.plan.placement import Machine, Placement, Relaid
+from orchestrator.states import Degraded
 from worker.wire.failure import Written
 
 
@@ -304,6 +305,11 @@ class Backend(abc.ABC):
 
     def standbys(self) -> list[dict[str, Any]]:
         """The standbys as status.json lists them: task, host, pid, state, rss_bytes."""
+        return []
+
+    def degraded(self) -> list[Degraded]:
+        """What of the run fell back since last asked (orchestrator/states.py `Degraded`): the
+        run's network, a host's standbys. Asked once per supervisor iteration: it must be cheap."""
         return []
 
     def diagnose_startup(self, plan: LaunchPlan, late: Sequence[str]) -> str | None:

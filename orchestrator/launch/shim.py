@@ -29,6 +29,7 @@ from orchestrator.stacks import record as stacks_doc
 from worker import wire
 from worker.host import stacks
 from worker.wire import failure
+from worker.wire.values import safe_text
 
 _KEPT_LINES = 20
 _KEPT_CHARS = 500
@@ -93,6 +94,7 @@ class ShimEvents:
         self.failure: Any = None  # the task's error file, as the shim read it (checked when used)
         self.standby: ProcessInfo | None = None  # a warm standby's process, waiting for its attempt
         self.standby_ready = False  # it has imported TensorFlow
+        self.page_copy: str | None = None  # why its host's spares cannot copy their pages, if so
         self.standby_failed: str | None = None  # it exited before its attempt: its log's last lines
         self.standby_refused: tuple[int, int] | None = None  # (available, total): too little memory
         self.stacks: dict[str, Any] = {}  # the answers to STACKS, by their id (until taken)
@@ -115,6 +117,7 @@ class ShimEvents:
             self.standby = ProcessInfo(int(event["pid"]), int(event["pgid"]), float(event["create_time"]))
         elif event["event"] == "standby_ready":
             self.standby_ready = True
+            self.page_copy = safe_text(str(event["page_copy"])[:500]) if event.get("page_copy") else None
         elif event["event"] == "standby_failed":
             self.standby_failed = str(event.get("tail", ""))[-_KEPT_CHARS:]
         elif event["event"] == "standby_refused":

@@ -21,6 +21,7 @@ from orchestrator.launch import standby
 from orchestrator.launch.shim import ShimHandle
 from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.spec.model import ClusterSpec, Standby
+from orchestrator.states import Degraded
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -61,6 +62,7 @@ class ShimStandbys:
         self._alive: threading.Thread | None = None
         self._opening: set[str] = set()  # tasks whose standby is being started
         self._notes: list[str] = []  # what the starts came to: said with the next news
+        self._page_copies = standby.PageCopies()
 
     def prepare(
         self,
@@ -167,6 +169,12 @@ class ShimStandbys:
                 verdict = standby.for_host(self._spec.restart.standby, 1, available, total)
                 out.append(f"no warm standby for {name} on {one.place}: {verdict.why}")
         return out
+
+    def degraded(self) -> list[Degraded]:
+        """Hosts whose standbys cannot copy their pages ahead of a handover, each said once."""
+        with self._lock:
+            ready = list(self._ready.values())
+        return [d for one in ready for d in self._page_copies.said(one.place, one.handle.events.page_copy)]
 
     def status(self) -> list[dict[str, Any]]:
         rows = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.spec.model import ClusterSpec, Standby
+from orchestrator.states import Degraded
 from worker import wire
 
 #: What TensorFlow reads when it is imported (measured: scripts/bench/env_at_import.py,
@@ -124,3 +125,23 @@ def differs(standby_env: Mapping[str, str], env: Mapping[str, str]) -> str | Non
         return None
     more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
     return f"its task's environment is not the one it was started with ({', '.join(changed[:3])}{more})"
+
+
+class PageCopies:
+    """Hosts whose standbys said their spares cannot copy their pages ahead of a handover
+    (wire.STANDBY_NO_PAGE_COPY): each said once (a Degraded `page_copy`)."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def said(self, where: str, why: str | None) -> list[Degraded]:
+        if why is None or where in self._said:
+            return []
+        self._said.add(where)
+        said = (
+            f"warm standbys on {where} hand over without their page copy ({why}): a task handed over "
+            "copies the pages it shares with its standby as it first writes them, its first step "
+            "slower than a cold task's"
+        )
+        fix = "a kernel of Linux 5.14 or later there; the standbys still save the TensorFlow import"
+        return [Degraded("page_copy", where, said, fix)]

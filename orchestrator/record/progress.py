@@ -9,7 +9,7 @@ import collections
 import datetime as dt
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,23 +99,47 @@ class Progress:
             return None
         return min(1.0, self.step / self.total)
 
-    def parts(self, ended: bool = False) -> list[str]:
-        """`step 120/400 (30%)`, `ETA 0:42`, `12.3 steps/s`, `790 examples/s`, then the metrics
-        (`ended`: the step and the metrics only)."""
-        out = []
+    def parts(self, ended: bool = False, width: int | None = None, tail: Sequence[str] = ()) -> list[str]:
+        """`step 120/400 (30%)`, `ETA 0:42`, `12.3 steps/s`, `790 examples/s`, the metrics, then
+        `tail` (`ended`: the step and the metrics only). Within `width` columns joined by ` · `:
+        what fits, most useful first (the step, the rate, the loss, the ETA, `tail`, the rest), the
+        metrics left out counted (`+60 more metrics`)."""
+        out: list[tuple[int, str]] = []  # (priority: lower kept first, text), in the order shown
         if self.step is not None:
-            if self.total:
-                out.append(f"step {self.step}/{self.total} ({self.fraction:.0%})")
-            else:
-                out.append(f"step {self.step}")
+            out.append(
+                (
+                    0,
+                    f"step {self.step}/{self.total} ({self.fraction:.0%})"
+                    if self.total
+                    else f"step {self.step}",
+                )
+            )
         if self.eta_s is not None and not ended:
-            out.append(f"ETA {duration_text(self.eta_s)}")
+            out.append((4, f"ETA {duration_text(self.eta_s)}"))
         if self.steps_per_s is not None and not ended:
-            out.append(f"{self.steps_per_s:.3g} steps/s")
+            out.append((2, f"{self.steps_per_s:.3g} steps/s"))
         if self.examples_per_s is not None and not ended:
-            out.append(f"{self.examples_per_s:,.0f} examples/s")
-        out += [f"{k} {value_text(v)}" for k, v in {**self.metrics, **self.eval_metrics}.items()]
-        return out
+            out.append((6, f"{self.examples_per_s:,.0f} examples/s"))
+        metrics = [f"{k} {value_text(v)}" for k, v in {**self.metrics, **self.eval_metrics}.items()]
+        first = len(out)
+        out += [(3 if i == 0 else 7 + i, m) for i, m in enumerate(metrics)]
+        out += [(5, t) for t in tail]
+        if width is None:
+            return [text for _, text in out]
+        kept: set[int] = set()
+        for i in sorted(range(len(out)), key=lambda i: out[i][0]):
+            trial = kept | {i}
+            if not kept or len(" · ".join(_shown(out, trial, first, len(metrics)))) <= width:
+                kept = trial
+        return _shown(out, kept, first, len(metrics))
+
+
+def _shown(out: list[tuple[int, str]], kept: set[int], first: int, metrics: int) -> list[str]:
+    """The parts kept, in order, and how many metrics were left out after the metrics shown."""
+    left = metrics - sum(1 for i in kept if first <= i < first + metrics)
+    shown = [text for i, (_, text) in enumerate(out) if i in kept and i < first + metrics]
+    more = [f"+{left} more metric{'s' if left > 1 else ''}"] if left else []
+    return shown + more + [text for i, (_, text) in enumerate(out) if i in kept and i >= first + metrics]
 
 
 def progress_of(status: Mapping[str, Any], now: float | None = None) -> Progress:
@@ -155,7 +179,17 @@ def progress_of(status: Mapping[str, Any], now: float | None = None) -> Progress
 _NOTABLE_RUN = frozenset({"STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"})
 _NOTABLE_TASK = frozenset({"FAILED", "LOST"})
 _NOTABLE_KINDS = frozenset(
-    {"task_restart", "warning", "unconfirmed", "port", "results", "resume", "error", "environment"}
+    {
+        "task_restart",
+        "warning",
+        "unconfirmed",
+        "port",
+        "results",
+        "resume",
+        "error",
+        "environment",
+        "degraded",
+    }
 )
 
 
@@ -182,6 +216,35 @@ def event_text(event: Mapping[str, Any], with_time: bool = True) -> str:
     if kind == "task_restart":
         return f"{when}{event.get('task')} restarting alone: {first}"
     return f"{when}{first}"
+
+
+def notices(status: Mapping[str, Any]) -> list[str]:
+    """What of the run works less well than asked, kept in sight while it lasts (the live view,
+    the page, `orchestrate status`, the summary): each of status.json's `degraded` with its fix,
+    and the metric names the tasks dropped, in one line with the count so far."""
+    out = []
+    for d in status.get("degraded") or []:
+        fix = f" (hint: {d.get('fix')})" if d.get("fix") else ""
+        out.append(f"degraded: {d.get('said')}{fix}")
+    dropping = [t for t in status.get("tasks") or [] if t.get("metrics_dropped")]
+    if dropping:
+        task = max(dropping, key=lambda t: int(t["metrics_dropped"].get("count") or 0))
+        out.append(
+            dropped_text(task) + (f" (and {len(dropping) - 1} more tasks)" if len(dropping) > 1 else "")
+        )
+    return out
+
+
+def dropped_text(task: Mapping[str, Any]) -> str:
+    """`worker-0: 64 of 3,000 metric names kept, the rest dropped: first dropped `loss_64` (over 64
+    metric names)` — a task's status row whose `metrics_dropped` is set."""
+    dropped = task["metrics_dropped"]
+    kept, count = len(task.get("metrics") or {}), int(dropped.get("count") or 0)
+    why = f" ({dropped['why']})" if dropped.get("why") else ""
+    return (
+        f"{task.get('task')}: {kept:,} of {kept + count:,} metric names kept, the rest dropped: first "
+        f"dropped `{dropped.get('first')}`{why}"
+    )
 
 
 def recent_events(events: Iterable[Mapping[str, Any]], count: int = EVENTS_SHOWN) -> list[str]:

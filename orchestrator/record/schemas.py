@@ -50,6 +50,13 @@ class Restored(BaseModel):
     )
 
 
+class MetricsDropped(BaseModel):
+    model_config = _Strict
+    count: int = Field(description="distinct names dropped")
+    first: str
+    why: str
+
+
 class TaskStatus(BaseModel):
     model_config = _Strict
     task: str = Field(description="`<role>-<index>`, e.g. `worker-1`")
@@ -81,6 +88,11 @@ class TaskStatus(BaseModel):
     restored: Restored | None = Field(
         None,
         description="what it restored before its first step this attempt (reported by every training task)",
+    )
+    metrics_dropped: MetricsDropped | None = Field(
+        None,
+        description="the metric names its reporter dropped so far (64 names a task at most): how many, "
+        "the first and why; null while none was",
     )
 
 
@@ -126,6 +138,18 @@ class StandbyStatus(BaseModel):
     rss_bytes: int | None
 
 
+class DegradedStatus(BaseModel):
+    model_config = _Strict
+    what: str = Field(
+        description="the promise that fell back: network (TF ports open to others), outbound (the "
+        "tasks offline), names (not resolved in the run), page_copy (a host's standbys without it)"
+    )
+    where: str = Field(description='"this machine", a host')
+    said: str = Field(description="what happened and why, in the kernel's or the tool's words")
+    fix: str = Field(description="what makes it whole again")
+    since: str | None = Field(description="UTC, where it began mid-run")
+
+
 class MachineStatus(BaseModel):
     model_config = _Strict
     host: str = Field(description="its address")
@@ -154,6 +178,11 @@ class NetworkStatus(BaseModel):
         default=None,
         description="what the tasks reach outside the run: `pasta: …` (local.outbound), `offline: …` "
         "and why (install passt), this machine's own network; null where the backend does not say",
+    )
+    names: str | None = Field(
+        default=None,
+        description="`not resolved in the run: …` and why, where the run's tasks cannot resolve names "
+        "(this machine's resolver on its loopback and no resolv.conf of the run's own); null: as promised",
     )
 
 
@@ -212,6 +241,11 @@ class Status(BaseModel):
     network: NetworkStatus | None = Field(
         None, description="from where the run's TF ports can be reached (local: its own network namespace)"
     )
+    degraded: list[DegradedStatus] = Field(
+        default_factory=list,
+        description="what of the run works less well than asked and goes on so (a fallback), with its "
+        "fix; each also an event of kind `degraded` when it began",
+    )
     urls: dict[str, str] | None = Field(
         None,
         description="while the run lives: `page` (its web page, with the token) and `metrics` "
@@ -236,7 +270,8 @@ class Event(BaseModel):
         description="run · task · task_restart · recovery (a restart's timeline: `phases_s`) · standby · "
         "stacks (a hung job's, read before its stop: where each task was; `seconds`: how long; the "
         "documents in stacks/attempt-N/) · environment (its making, per host) · warning · unconfirmed · "
-        "port · results · resume · state · error"
+        "port · results · resume · state · error · degraded (a fallback: `what`, `where`; status.json's "
+        "`degraded` lists those that last)"
     )
     reason: str = ""
     attempt: int | None = None

@@ -136,6 +136,7 @@ def task_status(rec: TaskRecord) -> dict[str, Any]:
         "last_heartbeat_at": iso_time(h.last_heartbeat_wall) if h and h.last_heartbeat_wall else None,
         "error": None if h is None or h.error is None else {"type": h.error.type, "message": h.error.message},
         "restored": None if h is None or h.restored is None else dataclasses.asdict(h.restored),
+        "metrics_dropped": None if h is None or h.dropped is None else dataclasses.asdict(h.dropped),
     }
 
 
@@ -177,4 +178,5 @@ def status_document(sup: Any) -> dict[str, Any]:
             for n, workers in sorted(sup.workers.items())
         ],
         "standbys": sup.standby_rows(),
+        "degraded": [d.to_json() for d in sup.degraded],
     }

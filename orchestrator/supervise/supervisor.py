@@ -21,6 +21,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.health.store import HealthStore
 from orchestrator.launch.api import Backend, TaskHandle, stop_in_background
 from orchestrator.plan.launch_plan import LaunchPlan
+from orchestrator.record.progress import dropped_text
 from orchestrator.record.write import now_iso
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.stacks.record import Capture, capture_all
@@ -28,6 +29,7 @@ from orchestrator.states import (
     CLUSTER_TRANSITIONS,
     TASK_TRANSITIONS,
     ClusterState,
+    Degraded,
     FailureKind,
     TaskState,
     check_transition,
@@ -37,7 +39,13 @@ from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.hosts import Hosts, Replan
 from orchestrator.supervise.policy import Action, Failure
 from orchestrator.supervise.poll import poll_tasks, task_view
-from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
+from orchestrator.supervise.records import (
+    EventSink,
+    SupervisorResult,
+    TaskRecord,
+    status_document,
+    task_status,
+)
 from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
 
@@ -65,6 +73,7 @@ class Supervisor(Stopping, Hosts):
         job_folders: Sequence[str] = (),
         capture: Callable[[list[TaskHandle], float, str, bool], Capture] = capture_all,
         keep_stacks: Callable[[Capture, int], None] = lambda _capture, _attempt: None,
+        degraded: Sequence[Degraded] = (),
     ):
         self.job_folders = restores.JobFolders(job_folders)  # the job's own checkpoint folders
         self.plan = self.job_folders.plan(plan)
@@ -111,6 +120,10 @@ class Supervisor(Stopping, Hosts):
         self.transitions = 0  # of the run and of its tasks: a view can tell news from refreshes
         self._same_start = False  # every training task reported the same restored state
         self.never_up: list[str] = []  # training tasks that exited 0 before their strategy came up
+        self.degraded: list[Degraded] = []  # what of the run fell back, lasting (status.json)
+        self._dropping: set[str] = set()  # tasks whose dropped metric names were said
+        for fallback in degraded:  # known as the run opens (its network): said before any launch
+            self.degrade(fallback)
 
     # --- control -----------------------------------------------------------------------------
 
@@ -234,8 +247,7 @@ class Supervisor(Stopping, Hosts):
     def _observe(self) -> None:
         poll = poll_tasks(self.tasks, self._store, self._clock())
         now = poll.now
-        self._learn_folders()
-        self._standbys(lambda _plan: self._backend.standby_news())
+        self._news()
         failures: list[Failure] = []
         for rec in self.tasks.values():
             due = rec.restart_at is not None and now >= rec.restart_at
@@ -314,6 +326,28 @@ class Supervisor(Stopping, Hosts):
         for line in lines:
             self._sink.event(kind="standby", attempt=self.attempt, reason=line)
             log.info("%s", line)
+
+    def _news(self) -> None:
+        """Told beside the states: the job's folders, standbys, fallbacks, metric names dropped."""
+        self._learn_folders()
+        self._standbys(lambda _plan: self._backend.standby_news())
+        for fallback in self._backend.degraded():
+            self.degrade(fallback)
+        dropping = {n for n, r in self.tasks.items() if r.health is not None and r.health.dropped is not None}
+        for name in sorted(dropping - self._dropping):  # said once (the count: status.json, the views)
+            self._dropping.add(name)
+            self._sink.event(kind="warning", task=name, reason=dropped_text(task_status(self.tasks[name])))
+
+    def degrade(self, fallback: Degraded) -> None:
+        """A fallback said once (an event); a lasting one kept (status.json) until one of its
+        promise and place comes (pasta started again, or ended for good)."""
+        kept = [d for d in self.degraded if (d.what, d.where) != (fallback.what, fallback.where)]
+        if fallback in self.degraded:
+            return
+        self.degraded = kept + ([fallback] if fallback.lasting else [])
+        self.transitions += 1
+        self._sink.event(kind="degraded", what=fallback.what, where=fallback.where, reason=fallback.line)
+        log.warning("%s: %s", fallback.where, fallback.line)
 
     def _learn_folders(self) -> None:
         """The job's own checkpoint folders, as the owner tells them: kept from the next attempt on."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.record.logtail import tail_lines
-from orchestrator.record.progress import progress_of
+from orchestrator.record.progress import notices, progress_of
 from orchestrator.record.quiet import collapse_redraws
 from orchestrator.record.read import coordinator_alive, has_ended
 from orchestrator.stacks import record as stacks
@@ -203,6 +203,7 @@ def state_document(reader: RunReader, since: int, rows: int, tensorboard: dict[s
             "examples_per_s": progress.examples_per_s,
             "eta_s": progress.eta_s,
         },
+        "notices": notices(status),  # what runs degraded, the metric names dropped (every task's)
         "events": events[-200:],
         "event_count": count,
         "curves_version": reader.curves.version,

@@ -182,6 +182,7 @@ def test_plan_json_of_an_ssh_spec(
         "reachable_from": "every address of 10.255.255.1, by whoever can reach them",
         "why": PRIVATE_NETWORK,
         "outbound": "each host's own network",
+        "names": None,
     }
     assert all(t["host"] == "10.255.255.1" for t in plan["tasks"])
     assert all(t["tf_config"]["cluster"] == plan["cluster"] for t in plan["tasks"])

@@ -156,7 +156,29 @@ def test_what_a_task_reports_stays_within_what_a_heartbeat_may_carry(server, cap
     kept = store.snapshot()["worker-0"].metrics
     assert len(kept) == wire.MAX_METRICS and "loss" in kept and "m0" in kept
     said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(said) == 2 + 6  # task, the long name, and the names past 64: each said once
+    assert len(said) == 3  # task, the long name, the first name past 64: each reason said once
+    dropped = store.snapshot()["worker-0"].dropped
+    assert dropped == wire.Dropped(2 + 6, "task", "a name the record uses itself")  # every one counted
+
+
+def test_a_new_metric_name_every_step_is_one_line_and_a_count(server, caplog):
+    """A job reporting a new name each step (2,938 warning lines in 30 s before): one line in its
+    log; the coordinator has the count, which the console, the page and status.json show."""
+    srv, store, points = server
+    rep = Reporter(ReporterConfig("worker-0", 0, srv.url, TOKEN, interval_s=0.05, coordinator_timeout_s=30))
+    rep.start()
+    for step in range(1, 3001):
+        rep.report(step, loss=1.0, **{f"loss_{step}": 0.5})
+    rep.finish()
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert said == [
+        "worker.report(): metric 'loss_64' dropped: over 64 metric names (names dropped for this reason "
+        "from now on are counted, not said: the coordinator shows how many)"
+    ]
+    health = store.snapshot()["worker-0"]
+    assert len(health.metrics) == wire.MAX_METRICS and health.dropped == wire.Dropped(
+        3000 - 63, "loss_64", "over 64 metric names"
+    )
 
 
 def test_a_name_no_view_shows_as_it_is_is_reported_as_its_escape_said_once(server, caplog):

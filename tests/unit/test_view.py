@@ -5,6 +5,7 @@ progress line, and a view that fits 60 columns."""
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import pytest
@@ -187,7 +188,8 @@ def test_the_view_fits_a_narrow_terminal(width: int) -> None:
         assert name in text
     header = next(line for line in out if line.startswith("task")).split()
     assert header[:4] == ["task", "state", "step", "loss"] and "heartbeat" in header  # kept first
-    assert "━━━━" in text and "accuracy 0.91" in text  # the bar; metrics left out of the table are above it
+    assert "━━━━" in text  # the bar; metrics left out of the table are above it, or counted there
+    assert "accuracy 0.91" in text or re.search(r"\+\d+ more metrics?", text), text
     assert "step 120/400" in text
 
 
@@ -248,7 +250,7 @@ class Clock:
 
 def test_plain_view_prints_progress_every_interval_while_training() -> None:
     out, clock = io.StringIO(), Clock()
-    view = PlainView(out, progress_every_s=10, clock=clock)
+    view = PlainView(out, progress_every_s=10, clock=clock, width=200)
     view.update(TRAINING)
     first = out.getvalue()
     assert "orchestrate: digits RUNNING" in first and "progress" not in first
@@ -268,6 +270,25 @@ def test_plain_view_prints_progress_every_interval_while_training() -> None:
         out.getvalue().splitlines()[-1]
         == "orchestrate: worker-1 restarting alone: restarting it alone, in 1 s"
     )
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_a_progress_line_of_63_metrics_fits_the_terminal_and_counts_the_rest(width: int) -> None:
+    """A job reporting 63 metrics made a ~1 KB progress line; it fits the width, the first
+    metrics shown (loss first), then how many more."""
+    out, clock = io.StringIO(), Clock()
+    view = PlainView(out, progress_every_s=1, clock=clock, width=width)
+    metrics = {"loss": 0.25, **{f"metric_{i}": i / 7 for i in range(62)}}
+    many = {**TRAINING, "tasks": [{**t, "metrics": metrics} for t in TRAINING["tasks"]]}
+    view.update(many)
+    clock.t = 2
+    view.update(many)
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("orchestrate: progress step 120/400") and len(line) <= width, line
+    shown = re.findall(r" · (\w+) [-\d.]+(?= ·|$)", line)
+    more = int(re.search(r"\+(\d+) more metrics", line).group(1))  # type: ignore[union-attr]
+    assert shown[:1] == (["loss"] if width > 80 else []) and len(shown) + more == 63, line
+    assert "heartbeats ≤ " in line
 
 
 def test_plain_view_with_progress_off_prints_only_changes() -> None:

@@ -255,13 +255,20 @@ def _ready(
     """ "standby_ready" once the keeper has imported TensorFlow; "standby_failed" with its log's
     last lines once it exits unless the shim stopped it (it could not import TensorFlow, or died)."""
     while keeper.poll() is None:
-        if b"orchestrate-standby: ready" in _tail(log, start):
-            shim._emit({"event": "standby_ready"})
+        tail = _tail(log, start)
+        if b"orchestrate-standby: ready" in tail:
+            # where its spares cannot copy their pages (worker/warm/spare.py): said with it
+            said = [x for x in tail.decode(errors="replace").splitlines() if x.startswith(_NO_PAGE_COPY)]
+            missing = said[-1][len(_NO_PAGE_COPY) :].strip()[:500] if said else None
+            shim._emit({"event": "standby_ready", "page_copy": missing})
             keeper.wait()
         time.sleep(0.2)
     if not stopping.is_set():
-        tail = _tail(log, start).decode(errors="replace")
-        shim._emit({"event": "standby_failed", "code": keeper.returncode, "tail": tail})
+        text = _tail(log, start).decode(errors="replace")
+        shim._emit({"event": "standby_failed", "code": keeper.returncode, "tail": text})
+
+
+_NO_PAGE_COPY = "orchestrate-standby: no page copy:"  # wire.STANDBY_NO_PAGE_COPY (this file loads no module)
 
 
 def _tail(path: str, start: int = 0, size: int = 2048) -> bytes:

@@ -277,6 +277,7 @@ class Reporter:
                 restored=self._restored,
                 points_from=points_from,
                 folders=dict(self._folders),
+                dropped=self._names.dropped,
             )
         # a phase change (the first step too: a restart's timeline ends there) goes on at once
         phase = (hb.connecting, hb.ready, hb.step is None, hb.done, hb.error, hb.restored, len(hb.folders))

@@ -68,7 +68,13 @@ class Spare:
             nothing = os.open(os.devnull, os.O_RDONLY)
             os.dup2(nothing, 0)  # the keeper's stdin is the keeper's alone
             os.close(nothing)
-            own_pages()
+            short = own_pages()
+            if short is not None:  # in the standby's log: a handover served still, forked as before
+                print(
+                    f"orchestrate-standby: a spare's page copy fell short: {short}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             line = _read_line(read)
             if not line:
                 os._exit(0)  # no handover: a spare no one needed
@@ -185,16 +191,38 @@ class Slot:
             )
 
 
-def own_pages() -> None:
-    """Copy now, while this fork is single-threaded, the pages of its private writable mappings
-    that it still shares with its keeper. Mappings of files under /dev are left alone; nothing is
-    done where madvise(MADV_POPULATE_WRITE) or pagemap is not there, and a range unmapped
-    meanwhile is an error, never a fault."""
+def unavailable() -> str | None:
+    """Why this host's spares cannot copy their pages ahead (None: they can) — a kernel before
+    Linux 5.14 (RHEL 8's 4.18: no MADV_POPULATE_WRITE), /proc/self/pagemap not readable. The
+    standby says it once (wire.STANDBY_NO_PAGE_COPY), the coordinator once per host: a task
+    handed over then copies its pages as it first writes them, its first step slower than a
+    cold task's (issue 39)."""
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         if not _populates(madvise):
-            return
+            kernel = os.uname().release
+            return f"this kernel ({kernel}) has no madvise(MADV_POPULATE_WRITE): Linux 5.14 and later"
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            pagemap.read(8)
+    except OSError as exc:
+        return f"/proc/self/pagemap cannot be read: {exc.strerror or exc}"
+    except Exception as exc:  # noqa: BLE001 - said, never fatal: the standby serves without the copy
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def own_pages() -> str | None:
+    """Copy now, while this fork is single-threaded, the pages of its private writable mappings
+    that it still shares with its keeper. Mappings of files under /dev are left alone; a range
+    unmapped meanwhile is an error, never a fault. What it could not copy, in words (None: all
+    of it); the keeper has said already where the kernel cannot (`unavailable`)."""
+    failed, first, pages = 0, "", 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if not _populates(madvise):
+            return "no madvise(MADV_POPULATE_WRITE) here"
         with open("/proc/self/maps") as f:
             maps = f.read().splitlines()
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
@@ -207,10 +235,14 @@ def own_pages() -> None:
                 for page in range(low // _PAGE, high // _PAGE, _PAGEMAP_CHUNK):
                     pagemap.seek(page * 8)
                     entries = pagemap.read(min(_PAGEMAP_CHUNK, high // _PAGE - page) * 8)
-                    for first, count in shared_runs(entries):
-                        madvise((page + first) * _PAGE, count * _PAGE, _MADV_POPULATE_WRITE)
-    except Exception:  # noqa: BLE001, S110 - copying is an optimisation: the spare serves without it
-        return
+                    for first_page, count in shared_runs(entries):
+                        pages += count
+                        if madvise((page + first_page) * _PAGE, count * _PAGE, _MADV_POPULATE_WRITE) != 0:
+                            failed += count
+                            first = first or os.strerror(ctypes.get_errno())
+    except Exception as exc:  # noqa: BLE001 - copying is an optimisation: the spare serves without it
+        return f"{type(exc).__name__}: {exc}"
+    return f"{failed} of {pages} pages not copied ({first})" if failed else None
 
 
 def _populates(madvise: Any) -> bool:

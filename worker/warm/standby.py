@@ -30,7 +30,7 @@ import traceback
 from typing import Any, NoReturn
 
 from worker import wire
-from worker.warm import keeper
+from worker.warm import keeper, spare
 
 
 def _lowest_priority() -> None:
@@ -76,6 +76,9 @@ def main() -> NoReturn:
     import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
 
     events = keeper.events_descriptor()
+    missing = spare.unavailable()
+    if missing is not None:
+        print(f"{wire.STANDBY_NO_PAGE_COPY} {missing}", file=sys.stderr, flush=True)
     loading = _Import()
     loading.start()
     lines = keeper.Lines(0)

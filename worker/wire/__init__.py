@@ -109,6 +109,9 @@ EXIT_PREEMPTED = 42
 EXIT_STANDBY_FAILED = 76
 #: A warm standby's line on stderr once TensorFlow is imported (then the seconds it took).
 STANDBY_READY = "orchestrate-standby: ready"
+#: A warm standby's line on stderr, before its ready line, where its host's spares cannot copy
+#: their pages ahead of a handover (then why: worker/warm/spare.py `unavailable`).
+STANDBY_NO_PAGE_COPY = "orchestrate-standby: no page copy:"
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,16 @@ class Restored:
     # False: said as the job restored (or found nothing to), before its first step; it may restore
     # again. True: where its first step starts from, the one compared (worker/task/checkpoints.py)
     final: bool = True
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The metric names a task's reporter dropped so far (worker/task/metrics.py): how many
+    distinct names, the first and why (over MAX_METRICS names, too long, one of ours)."""
+
+    count: int
+    first: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,7 @@ class Heartbeat:
     #: The number of points this process reported before `points[0]`: a heartbeat sent again
     #: (its answer was lost) carries points the coordinator has, which it then skips.
     points_from: int = 0
+    dropped: Dropped | None = None  # the metric names dropped so far, once one was
 
     def to_bytes(self) -> bytes:
         return dumps(asdict(self), separators=(",", ":")).encode()
@@ -197,7 +211,9 @@ class Heartbeat:
         task, attempt, seq, sent_at, pid, rss, cpu, step, total, connecting, ready, done = _typed(
             raw, _SCALARS
         )
-        metrics, points, error, frame, restored, points_from, busy, per_step, folders = _typed(raw, _PARTS)
+        metrics, points, error, frame, restored, points_from, busy, per_step, folders, dropped = _typed(
+            raw, _PARTS
+        )
         if len(task) > MAX_NAME_CHARS:
             raise ValueError("heartbeat field 'task' is too long")
         if len(metrics) > MAX_METRICS or len(points) > MAX_POINTS:
@@ -230,6 +246,7 @@ class Heartbeat:
                 restored=_restored(restored) if restored is not None else None,
                 points_from=points_from,
                 folders=_folders(folders),
+                dropped=_dropped(dropped) if dropped is not None else None,
             )
         except (TypeError, KeyError, ValueError, OverflowError) as exc:  # an int too large for a float
             raise ValueError(f"malformed heartbeat: {exc}") from None
@@ -292,6 +309,13 @@ def _folders(raw: dict[str, Any]) -> dict[str, str]:
     return {safe_text(p): safe_text(by) for p, by in raw.items()}
 
 
+def _dropped(raw: dict[str, Any]) -> Dropped:
+    count, first, why = raw["count"], raw["first"], raw["why"]
+    if type(count) is not int or not 0 < count <= _INT64 or type(first) is not str or type(why) is not str:
+        raise ValueError("dropped: a positive count, the first name and why")
+    return Dropped(count, safe_text(first[:MAX_NAME_CHARS]), safe_text(why[:MAX_NAME_CHARS]))
+
+
 def _restored(raw: dict[str, Any]) -> Restored:
     step, fingerprint, source = raw["step"], raw["fingerprint"], raw.get("source")
     epoch, in_epoch, final = raw.get("epoch", 0), raw.get("step_in_epoch", 0), raw.get("final", True)
@@ -337,6 +361,7 @@ _PARTS: tuple[tuple[str, tuple[type, ...], Any], ...] = (
     ("busy", _STR_OR_NONE, None),
     ("examples_per_step", _INT_OR_NONE, None),
     ("folders", _DICT, {}),
+    ("dropped", _DICT_OR_NONE, None),
 )
 
 

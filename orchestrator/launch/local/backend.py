@@ -43,6 +43,7 @@ from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.plan.placement import Placement
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec, Role
+from orchestrator.states import Degraded
 from worker import wire
 from worker.host import stacks
 from worker.wire import failure
@@ -200,6 +201,9 @@ class LocalBackend(Backend):
 
     def standbys(self) -> list[dict[str, Any]]:
         return self._standbys.status()
+
+    def degraded(self) -> list[Degraded]:
+        return self._network.watch() + self._standbys.degraded()
 
     def record(self) -> dict[str, Any]:
         # The tasks' process groups are in status.json (pid, pgid, start time) as they start.

@@ -26,6 +26,7 @@ profile forbids them) or nsenter is missing, `make` says why, read from the kern
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import itertools
@@ -47,6 +48,7 @@ from orchestrator.launch.local.section import OFF, LocalSpec, isolated, open_bec
 from orchestrator.launch.local.socketdir import socket_folder
 from orchestrator.spec.model import ClusterSpec
 from orchestrator.spec.roles import task_slots
+from orchestrator.states import Degraded
 
 #: The holder: its own user and network namespace, its uid and gid mapped (one line each, as an
 #: unprivileged process may), loopback up (SIOCGIFFLAGS, SIOCSIFFLAGS | IFF_UP), "ready", then it
@@ -241,7 +243,7 @@ class Network:
         self._spec = spec
         self.namespace: Namespace | None = None
         self.exposure: Exposure | None = None  # said once `make` was asked
-        self._stack: outbound.Outbound | None = None
+        self._stack: outbound.Watched | None = None
         self._folder: Path | None = None
 
     def make(self, run_dir: Path) -> Path | None:
@@ -274,6 +276,16 @@ class Network:
         assert self._folder is not None
         return self._folder / "hb"
 
+    def watch(self) -> list[Degraded]:
+        """pasta's end, where it ended while the run lives (asked each supervisor iteration: one
+        poll of its guard): started again, or the run offline from then on (`exposure` says so)."""
+        if self._stack is None:
+            return []
+        said, offline = self._stack.look()
+        if offline is not None and self.exposure is not None:
+            self.exposure = dataclasses.replace(self.exposure, outbound=offline)
+        return said
+
     def probe(self) -> Exposure:
         """What `make` would give now (`orchestrate plan` and `check`), holding nothing; asked
         once a process (plan asks for the placements and for its line)."""
@@ -304,7 +316,7 @@ class Network:
 @dataclass
 class _Made:
     namespace: Namespace
-    stack: outbound.Outbound | None
+    stack: outbound.Watched | None
     exposure: Exposure
 
 
@@ -315,16 +327,20 @@ def _connect(local: LocalSpec, folder: Path) -> _Made | str:
     pasta = outbound.find() if local.outbound != "off" else None
     if pasta is None and local.outbound == "on":
         raise LaunchError(f"local.outbound is on, but pasta is not installed: {outbound.INSTALL}")
-    resolv = None
+    resolv, machine = None, ""
     if pasta is not None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            own = outbound.resolv_conf(Path("/etc/resolv.conf").read_text())
+            own = outbound.resolv_conf(machine := Path("/etc/resolv.conf").read_text())
             if own is not None:
-                resolv = folder / "resolv.conf"
-                resolv.write_text(own)
+                (resolv := folder / "resolv.conf").write_text(own)
     made = make(resolv=resolv)
+    unresolved = None
     if isinstance(made, str) and resolv is not None:  # no mount namespace here: private still,
-        made, resolv = make(), None  # its names resolved as the machine's file says (may fail)
+        unresolved = (  # but the machine's resolver out of its reach: said (Degraded "names")
+            f"this machine's resolver ({outbound.first_resolver(machine)}) is on its loopback, out of "
+            f"the run's reach, and the run's own /etc/resolv.conf could not be given to it ({made})"
+        )
+        made, resolv = make(), None
     if isinstance(made, str):
         return made
     if pasta is None:
@@ -332,13 +348,19 @@ def _connect(local: LocalSpec, folder: Path) -> _Made | str:
         said = outbound.OFF_BY_SPEC if asked else f"{outbound.INSTALL} (pasta not found)"
         return _Made(made, None, isolated(f"offline: {said}", warn=not asked))
     user, net, *_ = made.fds
-    stack = outbound.start(pasta, (user, net), folder, local.reach_host_loopback, dns=resolv is not None)
+    start = functools.partial(
+        outbound.start, pasta, (user, net), folder, local.reach_host_loopback, resolv is not None
+    )
+    stack = start()
     if isinstance(stack, str):
         if local.outbound == "on":
             made.close()
             raise LaunchError(f"local.outbound is on, but {stack}")
         return _Made(made, None, isolated(f"offline: {stack}", warn=True))
-    return _Made(made, stack, isolated(outbound.reached(local.reach_host_loopback)))
+    exposure = dataclasses.replace(
+        isolated(outbound.reached(local.reach_host_loopback)), unresolved=unresolved
+    )
+    return _Made(made, outbound.Watched(stack, start), exposure)
 
 
 @functools.cache

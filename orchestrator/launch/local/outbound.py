@@ -18,7 +18,10 @@ of this machine's, as this user. It is started against the namespace's descripto
 
 pasta runs under a guard (Python, -S) that holds a pipe from the coordinator: when the
 coordinator ends, however (SIGKILL too), the pipe closes and the guard stops pasta; pasta is
-also bound to the guard by PR_SET_PDEATHSIG. Nothing of the stack outlives the run.
+also bound to the guard by PR_SET_PDEATHSIG. Nothing of the stack outlives the run. A pasta that
+ends while the run lives (killed, crashed) ends its guard, which the coordinator sees on its next
+look (netns.py `Network.watch`, each supervisor iteration): it starts pasta again against the same
+namespace, at most RESTARTS times a run, and else says the run offline from that moment.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.record.write import private_open
+from orchestrator.launch.exposure import OFFLINE
+from orchestrator.record.write import iso_time, private_open
+from orchestrator.states import Degraded
 
 #: The namespace's side: its address, its gateway (pasta), which also answers DNS where the
 #: machine's resolver is on its loopback.
@@ -44,6 +50,9 @@ INSTALL = "install passt for outgoing network"
 #: What an offline run says where the spec asked for it (`local: {outbound: off}`).
 OFF_BY_SPEC = "the spec's local.outbound is off"
 _READY_S = 10.0
+_AGAIN_S = 3.0  # pasta started again: the supervisor's thread waits for it at most this long
+#: How often a run starts pasta again after it ended (more: the run is offline from then, said).
+RESTARTS = 3
 
 #: The guard: pasta as its child (bound to it by PR_SET_PDEATHSIG), stopped when the
 #: coordinator's pipe (its stdin) closes; pasta's own end is said in the log and in its exit code.
@@ -64,7 +73,9 @@ while pasta.poll() is None:
         pasta.kill()
         pasta.wait()
         sys.exit(0)
-print(f"orchestrate: pasta exited {pasta.returncode}", flush=True)
+code = pasta.returncode
+how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exit code {code}"
+print(f"orchestrate: pasta ended ({how})", flush=True)
 sys.exit(1)
 """
 
@@ -90,6 +101,15 @@ def resolv_conf(text: str) -> str | None:
     kept = [s for s in servers if not _loopback(s)]
     lines = ["# orchestrate: this run's network namespace; its DNS goes to this machine's resolver"]
     return "\n".join([*lines, *(f"nameserver {s}" for s in [GATEWAY, *kept]), *rest]) + "\n"
+
+
+def first_resolver(text: str) -> str:
+    """The first `nameserver` of a resolv.conf's text ("" where none)."""
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "nameserver":
+            return words[1]
+    return ""
 
 
 def _loopback(address: str) -> bool:
@@ -126,6 +146,28 @@ class Outbound:
     """A running stack: its guard, which holds pasta (closing the guard's stdin stops both)."""
 
     guard: subprocess.Popen[bytes]
+    log: Path
+    start: int = 0  # where its words begin in the log
+
+    def ended(self) -> str | None:
+        """None while pasta runs; else how it ended (`pasta ended (killed by SIGKILL)`), with its
+        own last words where it said any."""
+        if self.guard.poll() is None:
+            return None
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.start)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        guard = next((x.removeprefix("orchestrate: ") for x in lines if x.startswith("orchestrate:")), None)
+        own = [
+            x.strip()
+            for x in lines
+            if x.strip() and not x.startswith("orchestrate:") and "to syslog" not in x
+        ]
+        how = guard or f"pasta's guard exited {self.guard.returncode}"
+        return f"{how}: {' '.join(own[-2:])[:300]}" if own else how
 
     def close(self) -> None:
         if self.guard.stdin is not None and not self.guard.stdin.closed:
@@ -148,9 +190,12 @@ def start(
     """pasta connecting the namespace (its user and network descriptors), its pid file and log in
     `folder` (private); or why it could not, in its own words."""
     pid_file, log = folder / "pasta.pid", folder / "pasta.log"
+    with contextlib.suppress(FileNotFoundError):
+        pid_file.unlink()  # an ended pasta's: the new one's is waited for
     line = argv(pasta, *fds, pid_file=pid_file, reach=reach, dns=dns)
+    start = log.stat().st_size if log.exists() else 0
     try:
-        with private_open(log, "wb") as out:
+        with private_open(log, "ab") as out:  # an earlier pasta's words kept above
             guard = subprocess.Popen(
                 [sys.executable, "-S", "-c", _GUARD, *line],
                 stdin=subprocess.PIPE,
@@ -164,20 +209,68 @@ def start(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if guard.poll() is not None:
-            return f"pasta could not connect the namespace: {said(log) or f'exit {guard.returncode}'}"
+            return f"pasta could not connect the namespace: {said(log, start) or f'exit {guard.returncode}'}"
         with contextlib.suppress(OSError):
             if pid_file.read_text().strip():
-                return Outbound(guard)
+                return Outbound(guard, log, start)
         time.sleep(0.005)
-    Outbound(guard).close()
-    return f"pasta did not connect the namespace in {timeout_s:g} s: {said(log) or 'it said nothing'}"
+    Outbound(guard, log, start).close()
+    return f"pasta did not connect the namespace in {timeout_s:g} s: {said(log, start) or 'it said nothing'}"
 
 
-def said(log: Path) -> str:
-    """pasta's words (its last lines; its complaint that there is no system logger left out), or
-    its guard's where it said none."""
+class Watched:
+    """A run's pasta, looked at each supervisor iteration: where it ended while the run lives, it
+    is started again against the same namespace (`argv`: the same line), at most RESTARTS times a
+    run; after that, or where it cannot be, the run is offline from that moment, said."""
+
+    def __init__(self, stack: Outbound, again: Callable[[float], Outbound | str]) -> None:
+        self._stack: Outbound | None = stack
+        self._again = again  # start(...) as first asked, with a timeout
+        self._restarts = 0
+
+    def look(self) -> tuple[list[Degraded], str | None]:
+        """What to say of pasta's end if it ended (a Degraded: passing where started again), and
+        the run's `outbound` from then where it is offline."""
+        ended = self._stack.ended() if self._stack is not None else None
+        if self._stack is None or ended is None:
+            return [], None
+        at = time.time()
+        when = f"{time.strftime('%H:%M:%S', time.gmtime(at))} UTC"
+        self._stack.close()
+        self._stack = None
+        where = "pasta.log in the run's socket folder has its words"
+        if self._restarts < RESTARTS:
+            self._restarts += 1
+            again = self._again(_AGAIN_S)
+            if isinstance(again, Outbound):
+                self._stack = again
+                said = (
+                    f"pasta, this run's outgoing network, ended at {when} ({ended}) and was started again "
+                    f"({self._restarts} of {RESTARTS}): connections open then were cut"
+                )
+                return [Degraded("outbound", "this machine", said, where, iso_time(at), lasting=False)], None
+            why = again
+        else:
+            why = f"it ended {RESTARTS + 1} times this run: not started again"
+        said = f"{OFFLINE} since {when}: pasta ended ({ended}); {why}"
+        fix = f"{where}; `orchestrate up --resume` with the run directory goes on online"
+        return [
+            Degraded("outbound", "this machine", said, fix, iso_time(at))
+        ], f"offline since {when}: {ended}; {why}"
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+def said(log: Path, start: int = 0) -> str:
+    """pasta's words (its last lines from `start`; its complaint that there is no system logger
+    left out), or its guard's where it said none."""
     try:
-        text = log.read_text(errors="replace")
+        with log.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
     lines = [x.strip() for x in text.splitlines() if x.strip() and "to syslog" not in x]

@@ -26,7 +26,9 @@ from orchestrator.launch.local.netns import Network
 from orchestrator.plan.launch_plan import TaskPlan
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import Standby
+from orchestrator.states import Degraded
 from worker.host.shim_standby import KeeperEvents
+from worker.wire import STANDBY_NO_PAGE_COPY as NO_PAGE_COPY
 from worker.wire import STANDBY_READY as READY
 
 log = logging.getLogger("orchestrator.launch")
@@ -57,6 +59,7 @@ class _One:
         self.log_path = log_path
         self.offset = log_path.stat().st_size if log_path.exists() else 0  # where its own lines begin
         self.ready_s: str | None = None
+        self.page_copy: str | None = None  # why this machine's spares cannot copy their pages, if so
         self.said = False  # its failure reported
         self._lock = threading.Lock()  # its events, read by whichever thread polls first
         assert popen.stdout is not None
@@ -67,8 +70,11 @@ class _One:
         if code is not None:
             return "failed" if code != 0 else "gone"  # gone: its stdin closed
         if self.ready_s is None:
-            line = next((x for x in self.lines() if x.startswith(READY)), None)
+            lines = self.lines()
+            line = next((x for x in lines if x.startswith(READY)), None)
             self.ready_s = line[len(READY) :].strip() if line else None
+            said = next((x for x in lines if x.startswith(NO_PAGE_COPY)), None) if line else None
+            self.page_copy = said[len(NO_PAGE_COPY) :].strip()[:500] if said else None
         return "ready" if self.ready_s is not None else "importing"
 
     def lines(self) -> list[str]:
@@ -112,6 +118,7 @@ class LocalStandbys:
         self._network = network  # the tasks' (a standby starts where its task would)
         self._ready: dict[str, _One] = {}
         self.said: str | None = None  # why there are none, once said
+        self._page_copies = standby.PageCopies()
 
     def prepare(self, tasks: list[TaskPlan], base_env: Mapping[str, str]) -> list[str]:
         """A standby for each task that has none; lines for the record (why none, said once)."""
@@ -189,6 +196,15 @@ class LocalStandbys:
                 tail = " | ".join(x for x in one.lines()[-3:] if x.strip())
                 out.append(f"the standby of {one.task} (this machine) exited {one.popen.returncode}: {tail}")
         return out
+
+    def degraded(self) -> list[Degraded]:
+        """This machine's standbys cannot copy their pages ahead of a handover: said once."""
+        return [
+            d
+            for one in self._ready.values()
+            if one.ready_s is not None  # read as its state is (status.json's standbys)
+            for d in self._page_copies.said("this machine", one.page_copy)
+        ]
 
     def status(self) -> list[dict[str, Any]]:
         rows = []

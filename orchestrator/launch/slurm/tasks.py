@@ -23,6 +23,7 @@ from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_ste
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
+from orchestrator.states import Degraded
 from worker.host import SHIM
 
 
@@ -77,6 +78,9 @@ class SlurmTasks:
 
     def standby_news(self) -> list[str]:
         return self._standbys.news()
+
+    def degraded(self) -> list[Degraded]:
+        return self._standbys.degraded()
 
     def standbys(self) -> list[dict[str, Any]]:
         return self._standbys.status()

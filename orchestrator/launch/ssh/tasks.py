@@ -28,6 +28,7 @@ from orchestrator.launch.ssh.sync import FileEntry, runtime_entry, shim_entry
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
+from orchestrator.states import Degraded
 from worker import wire
 
 
@@ -93,6 +94,9 @@ class SshTasks:
 
     def standby_news(self) -> list[str]:
         return self._standbys.news()
+
+    def degraded(self) -> list[Degraded]:
+        return self._standbys.degraded()
 
     def standbys(self) -> list[dict[str, Any]]:
         return self._standbys.status()

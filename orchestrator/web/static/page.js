@@ -11,7 +11,7 @@
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const NOTABLE_RUN = new Set(["STOPPING", "RESTARTING", "FAILED", "INTERRUPTED", "SUCCEEDED"]);
 const NOTABLE_TASK = new Set(["FAILED", "LOST"]);
-const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "hosts", "results", "resume", "error"]);
+const NOTES = new Set(["task_restart", "warning", "unconfirmed", "port", "hosts", "results", "resume", "error", "degraded"]);
 const ENDED = new Set(["SUCCEEDED", "FAILED", "INTERRUPTED"]);
 const NONFINITE = new Map([["NaN", NaN], ["Infinity", Infinity], ["-Infinity", -Infinity]]);
 const MAX_ROWS = 50; // as the server sends
@@ -216,6 +216,11 @@ function renderEvents() {
       : [el("li", { class: "dim" }, "nothing notable yet")]));
 }
 
+// What runs degraded (a fallback, with its fix) and the metric names dropped: in sight while it lasts.
+function renderNotices(notices) {
+  document.getElementById("notices").replaceChildren(...(notices || []).map((n) => el("li", {}, String(n))));
+}
+
 function renderFailures(status) {
   const items = [
     ...(status.failures || []).flatMap((f) => [
@@ -370,6 +375,7 @@ async function tick() {
       renderHead(lastStatus, data.progress, data.stale, data.recorded_at);
       renderTasks(lastStatus, data.task_count, data.task_states);
       renderFailures(lastStatus);
+      renderNotices(data.notices);
       renderStacks(data.stacks);
       ended = ENDED.has(lastStatus.state);
     }
