@@ -347,7 +347,7 @@ class Supervisor(Stopping, Hosts):
         self.degraded = kept + ([fallback] if fallback.lasting else [])
         self.transitions += 1
         self._sink.event(kind="degraded", what=fallback.what, where=fallback.where, reason=fallback.line)
-        log.warning("%s: %s", fallback.where, fallback.line)
+        log.info("%s: %s", fallback.where, fallback.line)
 
     def _learn_folders(self) -> None:
         """The job's own checkpoint folders, as the owner tells them: kept from the next attempt on."""

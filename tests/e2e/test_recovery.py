@@ -7,11 +7,13 @@ import os
 import random
 import re
 import signal
+import sys
 import textwrap
 import time
 
 import pytest
 
+from tests import seccomp
 from tests.conftest import run_processes, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -400,3 +402,47 @@ def test_the_coordinators_sigkill_leaves_no_standby_and_no_task_behind(job_facto
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+STEPS_UNTIL_TOLD = """
+    import os, time
+    from pathlib import Path
+    import worker
+    step, deadline = 0, time.monotonic() + 120
+    while not Path(os.environ["STOP_FILE"]).exists() and time.monotonic() < deadline:
+        step += 1
+        worker.report(step=step)
+        time.sleep(0.05)
+"""
+
+
+def test_a_kernel_without_madv_populate_write_is_said_once_for_this_machine(job_factory):
+    """The kernel refusing madvise(MADV_POPULATE_WRITE) as one before 5.14 does (a seccomp filter
+    on the coordinator and all it starts, tests/seccomp.py): each standby says so as it is ready,
+    the run once for this machine — the console, status.json's `degraded`, an event."""
+    if not seccomp.SUPPORTED:
+        pytest.skip("the seccomp filter of tests/seccomp.py is x86_64's")
+    job = job_factory(STEPS_UNTIL_TOLD)
+    stop = job.root / "stop"
+    job.spec.write_text(job.spec.read_text().replace("env: {", f'env: {{STOP_FILE: "{stop}", '))
+    command = job.command
+    job.command = lambda: [sys.executable, seccomp.__file__, "no-populate-write", "--", *command()]
+    proc = job.start()
+    try:
+        ready = lambda: [s["state"] for s in status(job).get("standbys") or []] == ["ready", "ready"]  # noqa: E731
+        assert wait_until(ready, 120), status(job)
+        assert wait_until(lambda: status(job).get("degraded"), 10), status(job)
+        stop.touch()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    said = (
+        "warm standbys on this machine hand over without their page copy (this kernel ("
+        f"{os.uname().release}) refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it): a task "
+        "handed over copies the pages it shares with its standby as it first writes them"
+    )
+    assert out.count(f"orchestrate: {said}") == 1 and out.count(f"degraded: {said}") == 1, out  # the summary
+    assert [(d["what"], d["where"]) for d in status(job)["degraded"]] == [("page_copy", "this machine")]
+    assert [e["what"] for e in events(job) if e["kind"] == "degraded"] == ["page_copy"]
+    assert run_processes(job.run_id) == []

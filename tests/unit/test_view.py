@@ -288,7 +288,7 @@ def test_a_progress_line_of_63_metrics_fits_the_terminal_and_counts_the_rest(wid
     shown = re.findall(r" · (\w+) [-\d.]+(?= ·|$)", line)
     more = int(re.search(r"\+(\d+) more metrics", line).group(1))  # type: ignore[union-attr]
     assert shown[:1] == (["loss"] if width > 80 else []) and len(shown) + more == 63, line
-    assert ("heartbeats ≤ " in line) == (width > 80) and "10 steps/s" in line, line  # the rate before the ages
+    assert ("heartbeats ≤ " in line) == (width > 80) and "10 steps/s" in line, line  # the rate first
 
 
 def test_plain_view_with_progress_off_prints_only_changes() -> None:

@@ -202,7 +202,7 @@ def unavailable() -> str | None:
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         if not _populates(madvise):
             kernel = os.uname().release
-            return f"this kernel ({kernel}) has no madvise(MADV_POPULATE_WRITE): Linux 5.14 and later"
+            return f"this kernel ({kernel}) refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
             pagemap.read(8)
     except OSError as exc:

@@ -50,6 +50,7 @@ INSTALL = "install passt for outgoing network"
 #: What an offline run says where the spec asked for it (`local: {outbound: off}`).
 OFF_BY_SPEC = "the spec's local.outbound is off"
 _READY_S = 10.0
+_ENDED = "orchestrate: pasta ended: "  # the guard's line once pasta ended
 _AGAIN_S = 3.0  # pasta started again: the supervisor's thread waits for it at most this long
 #: How often a run starts pasta again after it ended (more: the run is offline from then, said).
 RESTARTS = 3
@@ -65,7 +66,11 @@ def bound():
     prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: pasta ends with its guard
     if os.getppid() != guard:
         os._exit(1)
-pasta = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, preexec_fn=bound)
+try:
+    pasta = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, preexec_fn=bound)
+except OSError as exc:
+    print(f"orchestrate: cannot start pasta: {exc.strerror or exc}: {argv[0]}", flush=True)
+    sys.exit(1)
 for fd in fds:
     os.close(fd)
 while pasta.poll() is None:
@@ -75,7 +80,7 @@ while pasta.poll() is None:
         sys.exit(0)
 code = pasta.returncode
 how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exit code {code}"
-print(f"orchestrate: pasta ended ({how})", flush=True)
+print(f"orchestrate: pasta ended: {how}", flush=True)
 sys.exit(1)
 """
 
@@ -150,8 +155,8 @@ class Outbound:
     start: int = 0  # where its words begin in the log
 
     def ended(self) -> str | None:
-        """None while pasta runs; else how it ended (`pasta ended (killed by SIGKILL)`), with its
-        own last words where it said any."""
+        """None while pasta runs; else how it ended (`killed by SIGKILL`, `exit code 1`), with its
+        last words since it connected the namespace, where it said any."""
         if self.guard.poll() is None:
             return None
         try:
@@ -160,13 +165,9 @@ class Outbound:
                 lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             lines = []
-        guard = next((x.removeprefix("orchestrate: ") for x in lines if x.startswith("orchestrate:")), None)
-        own = [
-            x.strip()
-            for x in lines
-            if x.strip() and not x.startswith("orchestrate:") and "to syslog" not in x
-        ]
-        how = guard or f"pasta's guard exited {self.guard.returncode}"
+        ends = [x.removeprefix(_ENDED) for x in lines if x.startswith(_ENDED)]
+        own = [x.strip() for x in lines if x.strip() and not x.startswith("orchestrate:")]
+        how = ends[-1] if ends else f"its guard exited {self.guard.returncode}"
         return f"{how}: {' '.join(own[-2:])[:300]}" if own else how
 
     def close(self) -> None:
@@ -212,7 +213,7 @@ def start(
             return f"pasta could not connect the namespace: {said(log, start) or f'exit {guard.returncode}'}"
         with contextlib.suppress(OSError):
             if pid_file.read_text().strip():
-                return Outbound(guard, log, start)
+                return Outbound(guard, log, log.stat().st_size)  # its words from now on: its end's
         time.sleep(0.005)
     Outbound(guard, log, start).close()
     return f"pasta did not connect the namespace in {timeout_s:g} s: {said(log, start) or 'it said nothing'}"
@@ -275,4 +276,4 @@ def said(log: Path, start: int = 0) -> str:
         return ""
     lines = [x.strip() for x in text.splitlines() if x.strip() and "to syslog" not in x]
     own = [x for x in lines if not x.startswith("orchestrate:")]  # the guard's word, where pasta said none
-    return " ".join((own or lines)[-3:])[:300]
+    return " ".join(x.removeprefix("orchestrate: ") for x in (own or lines)[-3:])[:300]
