@@ -315,5 +315,21 @@ def test_where_no_mount_namespace_can_be_made_the_run_stays_private_and_online(
         assert made.make(tmp_path) is not None
         assert made.exposure is not None and made.exposure.isolated and not made.exposure.offline
         assert len(made.fds) == 2 and asked[0] is not None and asked[1:] == [None]
+        # and said: names are not resolved in it, why, and the fix (the run's console, status.json)
+        why = "given to it (cannot give the namespace its own /etc/resolv.conf: Permission denied)"
+        assert made.exposure.unresolved is not None and made.exposure.unresolved.endswith(why)
+        assert made.exposure.to_json()["names"] == f"not resolved in the run: {made.exposure.unresolved}"
+        [names] = made.exposure.fallbacks()
+        assert (names.what, names.where) == ("names", "this machine") and "resolv.conf" in names.fix
+        assert "warning: names are not resolved in the run: " in made.exposure.said  # plan and check
     finally:
         made.close()
+
+
+def test_a_machine_whose_resolver_is_reached_gets_no_word_of_names() -> None:
+    """Where the run's names resolve as promised, nothing is said of them."""
+    from orchestrator.launch.local.section import isolated
+
+    exposure = isolated(outbound.reached(()))
+    assert exposure.unresolved is None and exposure.fallbacks() == []
+    assert exposure.to_json()["names"] is None and "names are not resolved" not in exposure.said

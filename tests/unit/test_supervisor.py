@@ -29,7 +29,7 @@ from orchestrator.launch.local.placement import local_placements
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan, make_plan
 from orchestrator.plan.placement import Placement
 from orchestrator.spec.load import parse_spec
-from orchestrator.states import ClusterState, FailureKind, TaskState
+from orchestrator.states import ClusterState, Degraded, FailureKind, TaskState
 from orchestrator.supervise.config import SupervisorConfig
 from orchestrator.supervise.supervisor import Supervisor
 from worker import wire
@@ -1225,3 +1225,61 @@ def test_a_restart_whose_attempt_ends_before_any_step_is_said_when_the_run_ends(
     assert said.startswith("attempt 1 up 0.1 s after worker-0 died (no step reported): stop 0.0")
     assert said.endswith("restore —, first step —")
     assert sup.status()["recoveries"][0]["complete"] is True
+
+
+class FallingBack(FakeBackend):
+    """Tells fallbacks as a local backend does: pasta ended and started again, then for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.news: list[Degraded] = []
+
+    def degraded(self) -> list[Degraded]:
+        news, self.news = self.news, []
+        return news
+
+
+def test_a_fallback_is_said_once_listed_while_it_lasts_and_a_passing_one_is_an_event_alone(tmp_path):
+    launcher = FallingBack()
+    sup, launcher, store, clock, sink = make(tmp_path, launcher=launcher)
+    names = Degraded("names", "this machine", "names are not resolved", "fix the resolver")
+    sup.degrade(names)
+    sup.degrade(names)  # the same again: nothing new
+    start_running(sup, launcher, store, clock)
+    again = Degraded(
+        "outbound", "this machine", "pasta ended and was started again", "its log", "t1", lasting=False
+    )
+    offline = Degraded("outbound", "this machine", "offline since 12:00:00 UTC", "resume", "t2")
+    launcher.news = [again]
+    sup.step()
+    assert [d.what for d in sup.degraded] == ["names"]  # a passing one is not listed
+    launcher.news = [offline]
+    sup.step()
+    said = [(e["what"], e["reason"]) for e in sink.events if e["kind"] == "degraded"]
+    assert said == [
+        ("names", "names are not resolved (hint: fix the resolver)"),
+        ("outbound", "pasta ended and was started again (hint: its log)"),
+        ("outbound", "offline since 12:00:00 UTC (hint: resume)"),
+    ]
+    assert sup.status()["degraded"] == [names.to_json(), offline.to_json()]
+    assert "lasting" not in sup.status()["degraded"][0]
+
+
+def test_a_task_dropping_metric_names_is_said_once_and_counted_in_status(tmp_path):
+    sup, launcher, store, clock, sink = make(tmp_path)
+    start_running(sup, launcher, store, clock)
+    for count in (1, 2950):
+        beat(
+            store,
+            "worker-0",
+            step=count,
+            metrics={"loss": 1.0},
+            dropped=wire.Dropped(count, "loss_64", "over 64 metric names"),
+        )
+        sup.step()
+    said = [e["reason"] for e in sink.events if e["kind"] == "warning"]
+    assert said == [
+        "worker-0: 1 of 2 metric names kept, the rest dropped: first dropped `loss_64` (over 64 metric names)"
+    ]
+    row = next(t for t in sup.status()["tasks"] if t["task"] == "worker-0")
+    assert row["metrics_dropped"] == {"count": 2950, "first": "loss_64", "why": "over 64 metric names"}

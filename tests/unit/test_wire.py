@@ -3,6 +3,8 @@ http1.py: standard library only, so they cannot import wire) are equal to wire's
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -182,3 +184,28 @@ def test_the_folders_a_task_tells_are_bounded_absolute_and_shown_safely():
             wire.Heartbeat.from_dict({**base, "folders": folders})
     with pytest.raises(ValueError, match="folders"):
         wire.Heartbeat.from_dict({**base, "folders": ["/a"]})
+
+
+def test_the_count_of_dropped_metric_names_is_checked_and_shown_safely():
+    base = {"task": "worker-0", "attempt": 0, "seq": 1, "sent_at": 0.0, "pid": 1}
+    told = wire.Heartbeat.from_dict(
+        {
+            **base,
+            "dropped": {"count": 2937, "first": "loss\u202e_64" + "x" * 500, "why": "over 64 metric names"},
+        }
+    )
+    assert told.dropped == wire.Dropped(2937, "loss\\u202e_64" + "x" * 92, "over 64 metric names")
+    sent = dataclasses.replace(told, dropped=wire.Dropped(5, "loss_64", "over 64 metric names"))
+    assert wire.Heartbeat.from_bytes(sent.to_bytes()) == sent  # as the reporter sends it
+    for dropped in (
+        {"count": -1, "first": "a", "why": "b"},
+        {"count": 0, "first": "a", "why": "b"},
+        {"count": 2**64, "first": "a", "why": "b"},
+        {"count": 1.5, "first": "a", "why": "b"},
+        {"count": True, "first": "a", "why": "b"},
+        {"count": 1, "first": None, "why": "b"},
+        {"count": 1, "first": "a"},
+        ["loss"],
+    ):
+        with pytest.raises(ValueError):
+            wire.Heartbeat.from_dict({**base, "dropped": dropped})
