@@ -4,7 +4,6 @@ http1.py: standard library only, so they cannot import wire) are equal to wire's
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 
