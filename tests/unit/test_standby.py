@@ -840,3 +840,24 @@ def test_a_pid_used_again_is_not_taken_for_the_old_tasks_end() -> None:
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_a_hosts_standbys_without_their_page_copy_are_said_once_per_host() -> None:
+    """The shim's word (its standby's log line, wire.STANDBY_NO_PAGE_COPY) taken, hostile text
+    shown safely; each host said once however many standbys wait there."""
+    from orchestrator.launch.shim import ShimEvents
+    from orchestrator.launch.standby import PageCopies
+
+    events = ShimEvents()
+    events.feed(
+        json.dumps({"event": "standby_ready", "page_copy": "this kernel (4.18\u202e) refuses it" + "x" * 900})
+    )
+    assert events.standby_ready and events.page_copy is not None
+    assert events.page_copy.startswith("this kernel (4.18\\u202e) refuses it") and len(events.page_copy) < 600
+    plain = ShimEvents()
+    plain.feed(json.dumps({"event": "standby_ready", "page_copy": None}))
+    assert plain.standby_ready and plain.page_copy is None
+    copies = PageCopies()
+    said = copies.said("lab-2", events.page_copy) + copies.said("lab-2", "again") + copies.said("lab-3", None)
+    assert [(d.what, d.where) for d in said] == [("page_copy", "lab-2")]
+    assert said[0].said.startswith("warm standbys on lab-2 hand over without their page copy (this kernel")
