@@ -93,6 +93,9 @@ def test_a_built_environment_is_ready_and_runs_its_packages(host, tmp_path):
     assert built["ready"] and built["built"] and built["packages"] == 1
     python = host.workdir / "envs" / "k1" / "bin" / "python"
     assert built["python"] == str(python)
+    # compiled at build, as pip does (before any import): a task run with PYTHONDONTWRITEBYTECODE=1
+    # compiles nothing, nor does any first start write into the environment
+    assert list((host.workdir / "envs" / "k1").glob("lib/python3*/site-packages/__pycache__/tiny_pkg.*.pyc"))
     said = subprocess.run(
         [python, "-c", "import tiny_pkg; print(tiny_pkg.VALUE)"], capture_output=True, text=True
     )

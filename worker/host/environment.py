@@ -191,12 +191,11 @@ def build(workdir: str, key: str) -> dict[str, Any]:
         _say(step="venv")
         lifeline.run([uv, "venv", "--quiet", "--relocatable", "--python", sys.executable, part], "uv venv")
         _say(step="install", packages=len(wheels))
-        argv = [uv, "pip", "install", "--quiet", "--no-index", "--no-deps"]
         with _locked(os.path.join(root, ".uv-cache.lock"), fcntl.LOCK_SH):  # no clean-up meanwhile
             if missing := _missing(workdir, manifest):  # cleaned up since the look above
                 raise _Missing(missing)
             files = [_named(workdir, w) for w in wheels]
-            argv += ["--cache-dir", os.path.join(workdir, "uv-cache"), "--python", f"{part}/bin/python"]
+            argv = install_argv(uv, os.path.join(workdir, "uv-cache"), f"{part}/bin/python")
             lifeline.run([*argv, *files], "uv pip install")
         with open(os.path.join(part, MARKER), "x", encoding="utf-8") as f:
             json.dump({"key": key, "base": sys.executable, "built": time.time(), **manifest}, f)
@@ -211,6 +210,27 @@ def build(workdir: str, key: str) -> dict[str, Any]:
     removed = _prune(workdir, root, keep=int(manifest.get("keep", 3)), current=key)
     out = {"ready": True, "python": python, "packages": len(wheels), "built": True, "removed": removed}
     return {**out, "seconds": round(time.monotonic() - started, 3)}
+
+
+def install_argv(uv: str, cache: str, python: str) -> list[str]:
+    """uv installing wheels (the files follow) into the environment of `python`, from them alone,
+    their bytecode compiled as pip does (uv's default leaves it to each first import: where tasks
+    run with PYTHONDONTWRITEBYTECODE=1, as in many images, every task and standby start would
+    compile TensorFlow's modules again; elsewhere each host's first start pays it and writes into
+    the environment: scripts/bench/environment.py `imports`)."""
+    return [
+        uv,
+        "pip",
+        "install",
+        "--quiet",
+        "--no-index",
+        "--no-deps",
+        "--compile-bytecode",
+        "--cache-dir",
+        cache,
+        "--python",
+        python,
+    ]
 
 
 class _Missing(Exception):

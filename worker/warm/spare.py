@@ -201,8 +201,8 @@ def unavailable() -> str | None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         if not _populates(madvise):
-            kernel = os.uname().release
-            return f"this kernel ({kernel}) refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
+            kernel = f"this kernel ({os.uname().release})"
+            return f"{kernel} refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
             pagemap.read(8)
     except OSError as exc:
