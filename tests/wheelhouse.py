@@ -1,11 +1,12 @@
-"""The tests' wheels for `environment:` (orchestrator/environment/): one folder of wheels, made once
-per machine, that the tests' specs resolve from alone (`find_links` + `no_index`: no test asks a
-package index), and tiny wheels a test makes itself.
+"""The tests' wheels for `environment:` (orchestrator/environment/): one folder of wheels that the
+tests' specs resolve from alone (`find_links` + `no_index`), and tiny wheels a test makes itself.
 
 The folder (~/.cache/orchestrate-tests/wheelhouse, or $ORCHESTRATE_TEST_WHEELHOUSE) holds
-tensorflow-cpu at the version this checkout's own TensorFlow has, psutil, py-spy and uv: `.ci/run`
-fills it with `python -m tests.wheelhouse` (from pip's cache after the bootstrap), and a test
-session fills what is missing the same way.
+tensorflow-cpu at the version this checkout's own TensorFlow has, with every wheel it needs,
+psutil, py-spy and uv: ~340 MB, downloaded once per machine from the package index by
+`python -m tests.wheelhouse` — the one step of the suite that asks an index, which `.ci/run` takes
+before the tests. The tests that need the folder are marked `wheelhouse` (`-m "not wheelhouse"`
+leaves them out); one that finds it missing fills it the same way.
 """
 
 from __future__ import annotations

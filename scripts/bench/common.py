@@ -152,3 +152,14 @@ def tmpdir() -> Path:
 
 def now() -> float:
     return time.time()
+
+
+def spread(xs: list[float], digits: int = 3) -> dict[str, object]:
+    """Every run of a figure, with its median and range: none left out as noise."""
+    return {
+        "median": round(statistics.median(xs), digits),
+        "min": round(min(xs), digits),
+        "max": round(max(xs), digits),
+        "n": len(xs),
+        "all": [round(x, digits) for x in xs],
+    }

@@ -217,7 +217,11 @@ def main() -> None:
     ns = parser.parse_args()
     out: dict = {
         "backend": ns.backend,
-        "configured": {"heartbeat_timeout_s": 3.0, "stall_timeout_s": 5.0, "checkpoint_every": 50},
+        "configured": {
+            "heartbeat_timeout_s": 3.0,
+            "stall_timeout_s": 5.0,
+            "checkpoint_every": recovery_jobs.CHECKPOINT_EVERY if ns.jobs else 50,
+        },
     }
     imports: list[float] = []
     with contextlib.ExitStack() as labs:

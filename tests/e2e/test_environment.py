@@ -3,8 +3,9 @@ any package index train in the environment made from the coordinator's wheels; a
 it as it is; a changed requirement makes a new one, sending only what changed; a requirement
 nobody can satisfy stops the launch before anything starts, in pip's words.
 
-The wheels come from the tests' wheelhouse (tests/wheelhouse.py, made once per machine): every
-spec here resolves from it alone (`no_index`), so no test asks a package index."""
+The wheels come from the tests' wheelhouse (tests/wheelhouse.py: made once per machine from the
+package index, which `.ci/run` does before the suite): every spec here resolves from it alone
+(`no_index`), so no run of these tests asks an index."""
 
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def _environment_events(job: SshJob) -> list[str]:
     return [e["reason"] for e in job.events() if e.get("kind") == "environment"]
 
 
+@pytest.mark.wheelhouse
 def test_hosts_without_tensorflow_train_in_the_environment_made_for_them(lab, wheels, tmp_path):
     for i in (0, 1):  # as the issue's hosts: no TensorFlow, no route to any index
         host = lab.hosts[i]
@@ -191,6 +193,7 @@ def _pythons(job: SshJob) -> set[str]:
     return found
 
 
+@pytest.mark.wheelhouse
 def test_a_requirement_nobody_can_satisfy_stops_the_launch_in_pips_words(wheels, tmp_path):
     spec = tmp_path / "spec.yaml"
     (tmp_path / "job.py").write_text("print('never')\n")

@@ -185,6 +185,7 @@ def node_address(lab: SlurmLab, name: str) -> str:
     return lab.node(name).address
 
 
+@pytest.mark.wheelhouse
 def test_mwms_script_runs_a_task_per_node_and_releases_its_allocation(
     lab: SlurmLab, runs: list[SlurmRun], tmp_path: Path
 ) -> None:

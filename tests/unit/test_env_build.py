@@ -23,6 +23,8 @@ from tests import wheelhouse
 from tests.conftest import wait_until
 from worker.host import ENVIRONMENT_SOURCE, RUNTIME_ROOT
 
+pytestmark = pytest.mark.wheelhouse  # uv's own wheel comes from it
+
 
 @pytest.fixture(scope="module")
 def uv_wheel() -> Path:

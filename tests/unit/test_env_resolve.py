@@ -1,5 +1,6 @@
 """The coordinator's side of `environment:` (orchestrator/environment/): what pip is asked for, the
-tags of a host's interpreter, and real pip resolving from the tests' wheelhouse (no index)."""
+tags of a host's interpreter, and real pip resolving from the tests' wheelhouse alone (`no_index`;
+the tests marked `wheelhouse` need it made: tests/wheelhouse.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _here() -> Target:
     return Target.of(environment.target())  # this interpreter's, as a host reports its own
 
 
+@pytest.mark.wheelhouse
 def test_resolved_once_then_from_the_cache_alone(tmp_path):
     links = wheelhouse.ensure()
     env = EnvironmentSpec(requirements=[wheelhouse.requirements()[0]], find_links=[links], no_index=True)
@@ -60,6 +62,7 @@ def test_resolved_once_then_from_the_cache_alone(tmp_path):
     assert again.key("/usr/bin/python3") != again.key("/opt/python3.11/bin/python3")
 
 
+@pytest.mark.wheelhouse
 def test_a_host_whose_platform_has_no_wheel_stops_the_launch_naming_it(tmp_path):
     env = EnvironmentSpec(requirements=["psutil"], find_links=[wheelhouse.ensure()], no_index=True)
     arm = Target("cp", "3.11", "cp311", platform_tags("linux-aarch64", "2.36"))
@@ -127,24 +130,28 @@ def test_a_wheel_dropped_into_find_links_resolves_again(tmp_path):
     assert request_of(env).digest != before
 
 
+@pytest.mark.wheelhouse
 def test_markers_are_judged_for_the_hosts_python_not_this_ones(tmp_path):
-    """tiny_pkg needs old_only on Python < 3.12: hosts with 3.12 must not get it, whatever Python
-    resolves here (pip alone would judge the marker by this machine's)."""
+    """tiny_pkg needs only_there on the hosts' Python (one minor version past this one, never
+    this one) and only_here on any other: each target gets its own and not the other, on any
+    Python this runs on (pip alone would judge both markers by this machine's)."""
+    there = f"3.{sys.version_info.minor + 1}"
     links = tmp_path / "wheels"
     links.mkdir()
-    wheelhouse.tiny_wheel(links, "tiny_pkg", "1.0", ('old_only ; python_version < "3.12"',))
-    wheelhouse.tiny_wheel(links, "old_only", "1.0")
+    markers = (f'only_there ; python_version == "{there}"', f'only_here ; python_version != "{there}"')
+    wheelhouse.tiny_wheel(links, "tiny_pkg", "1.0", markers)
+    wheelhouse.tiny_wheel(links, "only_there", "1.0")
+    wheelhouse.tiny_wheel(links, "only_here", "1.0")
     wheelhouse.tiny_wheel(links, "tensorflow_cpu", "9.9")  # a TensorFlow named: nothing heavy added
     found = [links, wheelhouse.ensure()]
     env = EnvironmentSpec(requirements=["tiny-pkg", "tensorflow-cpu"], find_links=found, no_index=True)
     here = _here()
-    newer = Target(here.implementation, "3.12", "cp312", here.platforms)
-    for target, old in ((here, sys.version_info < (3, 12)), (newer, False)):
+    host = Target(here.implementation, there, f"cp3{sys.version_info.minor + 1}", here.platforms)
+    for target, wanted, unwanted in ((here, "only-here", "only-there"), (host, "only-there", "only-here")):
         names = {
             w.name.replace("_", "-") for w in resolve(request_of(env), target, tmp_path / "c", who="h").wheels
         }
-        assert {"tiny-pkg", "psutil", "py-spy"} <= names
-        assert ("old-only" in names) == old, (target.version, names)
+        assert {"tiny-pkg", "psutil", "py-spy", wanted} <= names and unwanted not in names, (target.version, names)
 
 
 def test_a_host_whose_python_is_too_old_for_the_worker_is_named(tmp_path):
