@@ -116,7 +116,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = kind.check(spec)
     if report is None:
         from orchestrator.environment.local import check_line
-        from orchestrator.launch.check_cells import stacks_warning
+        from orchestrator.launch.check_cells import page_copy_warning, stacks_warning
         from worker.host import probe
 
         print(f"{args.spec}: backend {spec.backend} runs every task on this machine")
@@ -124,6 +124,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         found = probe.stacks()
         said = stacks_warning("this machine", {"stacks": found})
         print(f"warning: {said}" if said else f"a hung task's stacks: native frames too ({found['py_spy']})")
+        if (copy := page_copy_warning("this machine", {"page_copy": probe.page_copy()})) is not None:
+            print(f"warning: {copy}")
         line, ready = check_line(spec.environment) if spec.environment else ("", True)
         print(line, end="\n" if line else "")
         return EXIT_OK if ready else EXIT_LAUNCH

@@ -8,6 +8,7 @@ from typing import Any
 
 from orchestrator.launch import standby
 from orchestrator.spec.model import ClusterSpec
+from worker.wire import safe_text
 
 
 def stacks_cell(facts: dict[str, Any] | None) -> str:
@@ -25,6 +26,19 @@ def stacks_warning(label: str, facts: dict[str, Any] | None) -> str | None:
     return (
         f"{label}: a hung task's stacks will have its Python frames only (its runtime's own dump): "
         f"{found.get('why')} (py-spy, installed beside the job's Python, reads C++ frames too)"
+    )
+
+
+def page_copy_warning(label: str, facts: dict[str, Any] | None) -> str | None:
+    """Where a standby's spare cannot copy its pages ahead of a handover (worker/host/probe.py's
+    `page_copy`): the fallback a run there says once, said before it."""
+    why = (facts or {}).get("page_copy")
+    if not why or not isinstance(why, str):
+        return None
+    return (
+        f"{label}: warm standbys hand over without their page copy ({safe_text(why[:300])}): a task "
+        "handed over copies its pages as it first writes them, its first step slower than a cold "
+        "task's (a kernel of Linux 5.14 or later has it)"
     )
 
 

@@ -229,9 +229,9 @@ def notices(status: Mapping[str, Any]) -> list[str]:
     dropping = [t for t in status.get("tasks") or [] if t.get("metrics_dropped")]
     if dropping:
         task = max(dropping, key=lambda t: int(t["metrics_dropped"].get("count") or 0))
-        out.append(
-            dropped_text(task) + (f" (and {len(dropping) - 1} more tasks)" if len(dropping) > 1 else "")
-        )
+        others = len(dropping) - 1
+        more = f" (and {others} other task{'s' if others > 1 else ''})" if others else ""
+        out.append(dropped_text(task) + more)
     return out
 
 

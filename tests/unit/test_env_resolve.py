@@ -151,7 +151,10 @@ def test_markers_are_judged_for_the_hosts_python_not_this_ones(tmp_path):
         names = {
             w.name.replace("_", "-") for w in resolve(request_of(env), target, tmp_path / "c", who="h").wheels
         }
-        assert {"tiny-pkg", "psutil", "py-spy", wanted} <= names and unwanted not in names, (target.version, names)
+        assert {"tiny-pkg", "psutil", "py-spy", wanted} <= names and unwanted not in names, (
+            target.version,
+            names,
+        )
 
 
 def test_a_host_whose_python_is_too_old_for_the_worker_is_named(tmp_path):

@@ -861,3 +861,29 @@ def test_a_hosts_standbys_without_their_page_copy_are_said_once_per_host() -> No
     said = copies.said("lab-2", events.page_copy) + copies.said("lab-2", "again") + copies.said("lab-3", None)
     assert [(d.what, d.where) for d in said] == [("page_copy", "lab-2")]
     assert said[0].said.startswith("warm standbys on lab-2 hand over without their page copy (this kernel")
+
+
+def test_check_says_a_kernel_without_the_page_copy_before_any_run(tmp_path) -> None:
+    """`orchestrate check` of a local spec under a kernel that refuses MADV_POPULATE_WRITE (for
+    real: tests/seccomp.py): the warning, its cause and the fix; none where the kernel has it."""
+    from tests import seccomp
+
+    if not seccomp.SUPPORTED:
+        pytest.skip("the seccomp filter of tests/seccomp.py is x86_64's")
+    (tmp_path / "job.py").write_text("")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: t\nhosts: [{address: 127.0.0.1, tasks: {worker: 2}}]\njob: {script: job.py}\n")
+    check = [sys.executable, "-m", "orchestrator", "check", str(spec)]
+    refused = subprocess.run(
+        [sys.executable, seccomp.__file__, "no-populate-write", "--", *check],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = (
+        "warning: this machine: warm standbys hand over without their page copy (this kernel ("
+        f"{os.uname().release}) refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it)"
+    )
+    assert said in refused.stdout, refused.stdout + refused.stderr
+    plain = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert "page copy" not in plain.stdout, plain.stdout

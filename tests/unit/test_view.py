@@ -12,7 +12,14 @@ import pytest
 from rich.console import Console
 
 from orchestrator.cli.view import LiveView, PlainView, metric_names, render_status
-from orchestrator.record.progress import age_text, duration_text, event_text, progress_of, recent_events
+from orchestrator.record.progress import (
+    age_text,
+    duration_text,
+    event_text,
+    notices,
+    progress_of,
+    recent_events,
+)
 from orchestrator.record.quiet import console_writes_anything
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
@@ -360,3 +367,31 @@ def test_a_console_that_writes_ascii_only_writes_whatever_a_job_reports() -> Non
     text = out.buffer.getvalue().decode("ascii")
     assert "\\u640d\\u5931 0.5" in text and "bad\\ud800name NaN" in text  # as escapes, nothing raised
     assert "\\u30a8\\u30dd\\u30c3\\u30af 1/2 \\u202e done" in text
+
+
+def test_what_runs_degraded_and_the_metric_names_dropped_stay_in_sight() -> None:
+    """status.json's `degraded` and the tasks' `metrics_dropped`, one line each (the task dropping
+    the most named, the others counted), in the live view and `orchestrate status` alike."""
+    metrics = {f"m{i}": 1.0 for i in range(64)}
+    dropped = {"count": 2936, "first": "loss_64", "why": "over 64 metric names"}
+    st = status(
+        task("worker-0", "worker", last_step=5, metrics=metrics, metrics_dropped=dropped),
+        task("worker-1", "worker", last_step=5, metrics=metrics, metrics_dropped={**dropped, "count": 7}),
+        degraded=[
+            {
+                "what": "names",
+                "where": "this machine",
+                "said": "names are not resolved in this run",
+                "fix": "a resolver",
+                "since": None,
+            }
+        ],
+    )
+    assert notices(st) == [
+        "degraded: names are not resolved in this run (hint: a resolver)",
+        "worker-0: 64 of 3,000 metric names kept, the rest dropped: first dropped `loss_64` (over 64 metric "
+        "names) (and 1 other task)",
+    ]
+    text = "\n".join(lines_of(render_status(st, [], width=200, now=NOW), 200))
+    assert all(n in text for n in notices(st))
+    assert notices(status(task("worker-0", "worker"))) == []

@@ -51,6 +51,7 @@ def facts(workdir: str, *ports: str) -> dict[str, Any]:
         "home": os.path.expanduser("~"),
         "gpus": _gpus(),
         "memory": _memory(),
+        "page_copy": page_copy(),  # why a standby's spare cannot copy its pages here, if so
     }
     path = os.path.abspath(os.path.expanduser(workdir))
     out["workdir"] = path
@@ -69,6 +70,48 @@ def facts(workdir: str, *ports: str) -> dict[str, Any]:
     have = set(os.listdir(cache)) if os.path.isdir(cache) else set()
     out["missing"] = sorted(set(wanted) - have)
     return out
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def page_copy() -> str | None:
+    """Why a warm standby's spares cannot copy their pages ahead of a handover here (None: they
+    can): a kernel before Linux 5.14 (RHEL 8's 4.18: no MADV_POPULATE_WRITE), /proc/self/pagemap
+    not readable. A task handed over then copies its pages as it first writes them, its first step
+    slower than a cold task's (worker/warm/spare.py). `orchestrate check` says it per host, a
+    standby as it is ready (wire.STANDBY_NO_PAGE_COPY), the run once per host."""
+    try:
+        import ctypes
+
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if not populates(madvise):
+            kernel = f"this kernel ({os.uname().release})"
+            return f"{kernel} refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            pagemap.read(8)
+    except OSError as exc:
+        return f"/proc/self/pagemap cannot be read: {exc.strerror or exc}"
+    except Exception as exc:  # noqa: BLE001 - said, never fatal: the standby serves without the copy
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def populates(madvise: Any) -> bool:
+    """Whether this kernel knows MADV_POPULATE_WRITE (tried on a page of our own)."""
+    import ctypes
+    import mmap
+
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0:
+            return True
+        return ctypes.get_errno() != errno.EINVAL
+    finally:
+        with contextlib.suppress(BufferError):
+            page.close()
 
 
 def _memory() -> dict[str, int] | None:

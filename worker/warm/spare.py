@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import json
 import mmap
 import os
@@ -32,11 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from worker.host import probe
+
 SPARE_AFTER_S = 3.0
 GIVE_UP_AFTER = 3
 _TAKE_S = 10.0  # a spare still copying takes its handover once done (0.1-0.3 s)
 _PAGE = mmap.PAGESIZE
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGEMAP_CHUNK = 1 << 16  # entries read at a time (512 KiB)
 
 
@@ -191,37 +191,16 @@ class Slot:
             )
 
 
-def unavailable() -> str | None:
-    """Why this host's spares cannot copy their pages ahead (None: they can) — a kernel before
-    Linux 5.14 (RHEL 8's 4.18: no MADV_POPULATE_WRITE), /proc/self/pagemap not readable. The
-    standby says it once (wire.STANDBY_NO_PAGE_COPY), the coordinator once per host: a task
-    handed over then copies its pages as it first writes them, its first step slower than a
-    cold task's (issue 39)."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if not _populates(madvise):
-            kernel = f"this kernel ({os.uname().release})"
-            return f"{kernel} refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
-        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            pagemap.read(8)
-    except OSError as exc:
-        return f"/proc/self/pagemap cannot be read: {exc.strerror or exc}"
-    except Exception as exc:  # noqa: BLE001 - said, never fatal: the standby serves without the copy
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def own_pages() -> str | None:
     """Copy now, while this fork is single-threaded, the pages of its private writable mappings
     that it still shares with its keeper. Mappings of files under /dev are left alone; a range
     unmapped meanwhile is an error, never a fault. What it could not copy, in words (None: all
-    of it); the keeper has said already where the kernel cannot (`unavailable`)."""
+    of it); the keeper has said already where the kernel cannot (worker/host/probe.py `page_copy`)."""
     failed, first, pages = 0, "", 0
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if not _populates(madvise):
+        if not probe.populates(madvise):
             return "no madvise(MADV_POPULATE_WRITE) here"
         with open("/proc/self/maps") as f:
             maps = f.read().splitlines()
@@ -237,25 +216,13 @@ def own_pages() -> str | None:
                     entries = pagemap.read(min(_PAGEMAP_CHUNK, high // _PAGE - page) * 8)
                     for first_page, count in shared_runs(entries):
                         pages += count
-                        if madvise((page + first_page) * _PAGE, count * _PAGE, _MADV_POPULATE_WRITE) != 0:
+                        address, size = (page + first_page) * _PAGE, count * _PAGE
+                        if madvise(address, size, probe.MADV_POPULATE_WRITE) != 0:
                             failed += count
                             first = first or os.strerror(ctypes.get_errno())
     except Exception as exc:  # noqa: BLE001 - copying is an optimisation: the spare serves without it
         return f"{type(exc).__name__}: {exc}"
     return f"{failed} of {pages} pages not copied ({first})" if failed else None
-
-
-def _populates(madvise: Any) -> bool:
-    """Whether this kernel knows MADV_POPULATE_WRITE (tried on a page of our own)."""
-    page = mmap.mmap(-1, _PAGE)
-    try:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        if madvise(address, _PAGE, _MADV_POPULATE_WRITE) == 0:
-            return True
-        return ctypes.get_errno() != errno.EINVAL
-    finally:
-        with contextlib.suppress(BufferError):
-            page.close()
 
 
 def shared_runs(entries: bytes) -> list[tuple[int, int]]:

@@ -30,7 +30,8 @@ import traceback
 from typing import Any, NoReturn
 
 from worker import wire
-from worker.warm import keeper, spare
+from worker.host import probe
+from worker.warm import keeper
 
 
 def _lowest_priority() -> None:
@@ -76,7 +77,7 @@ def main() -> NoReturn:
     import numpy  # noqa: F401 - here, at this process's priority: its BLAS threads keep it
 
     events = keeper.events_descriptor()
-    missing = spare.unavailable()
+    missing = probe.page_copy()
     if missing is not None:
         print(f"{wire.STANDBY_NO_PAGE_COPY} {missing}", file=sys.stderr, flush=True)
     loading = _Import()

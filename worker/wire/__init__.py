@@ -110,7 +110,7 @@ EXIT_STANDBY_FAILED = 76
 #: A warm standby's line on stderr once TensorFlow is imported (then the seconds it took).
 STANDBY_READY = "orchestrate-standby: ready"
 #: A warm standby's line on stderr, before its ready line, where its host's spares cannot copy
-#: their pages ahead of a handover (then why: worker/warm/spare.py `unavailable`).
+#: their pages ahead of a handover (then why: worker/host/probe.py `page_copy`).
 STANDBY_NO_PAGE_COPY = "orchestrate-standby: no page copy:"
 
 

@@ -19,7 +19,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.api import (
     CheckReport,
 )
-from orchestrator.launch.check_cells import stacks_cell, stacks_warning
+from orchestrator.launch.check_cells import page_copy_warning, stacks_cell, stacks_warning
 from orchestrator.launch.slurm.allocation import salloc_argv
 from orchestrator.launch.slurm.cluster import (
     Request,
@@ -167,6 +167,8 @@ def _judge(
             )
         row["stacks"] = stacks_cell(a)
         if (said := stacks_warning(row["node"], a)) is not None:
+            notes.append(said)
+        if (said := page_copy_warning(row["node"], a)) is not None:
             notes.append(said)
         unreached = [peer for peer, ok in a.get("reached", {}).items() if not ok]
         row["peers"] = "all reached" if not unreached else f"cannot reach {', '.join(unreached)}"

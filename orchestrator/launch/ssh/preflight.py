@@ -24,7 +24,14 @@ import paramiko
 from orchestrator.errors import LaunchError
 from orchestrator.group import on_all
 from orchestrator.launch.api import CheckReport
-from orchestrator.launch.check_cells import gpu_cell, size_cell, stacks_cell, stacks_warning, standby_cell
+from orchestrator.launch.check_cells import (
+    gpu_cell,
+    page_copy_warning,
+    size_cell,
+    stacks_cell,
+    stacks_warning,
+    standby_cell,
+)
 from orchestrator.launch.ssh.hosts import Host, close_all, connect, hosts_of, probe
 from orchestrator.launch.ssh.spec import section as ssh_section
 from orchestrator.plan.launch_plan import LaunchPlan
@@ -140,7 +147,8 @@ def check(spec: ClusterSpec, ports: Mapping[str, int]) -> CheckReport:
             f"{spec.name}: {len(reports)} host(s)",
             rows,
             warnings(reports)
-            + [w for r in ready if (w := stacks_warning(r.host.label, r.facts)) is not None],
+            + [w for r in ready if (w := stacks_warning(r.host.label, r.facts)) is not None]
+            + [w for r in ready if (w := page_copy_warning(r.host.label, r.facts)) is not None],
             found,
         )
     finally:
