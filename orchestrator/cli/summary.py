@@ -4,6 +4,7 @@ traceback, what to do about it, and the last lines of its log."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from orchestrator.cli.hints import hints
@@ -60,7 +61,8 @@ def summarize(outcome: RunResult) -> int:
 
 def _results(outcome: RunResult) -> None:
     """The final metrics, the model, the record, what came home."""
-    final = progress_of(outcome.status).parts(ended=True)
+    width = shutil.get_terminal_size((120, 24)).columns - len("  final: ")  # the rest: status.json
+    final = progress_of(outcome.status).parts(ended=True, width=width)
     if final:
         print(f"  final: {' · '.join(final)}")
     model = outcome.run_dir / "model"

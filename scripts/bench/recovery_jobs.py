@@ -6,20 +6,11 @@ now the same keepers fork it).
 Like with like (issue 53): both runs resume at the same batch. Checkpoints are CHECKPOINT_EVERY
 steps apart (a wide interval: a kill lands 0-150 steps after its target, the step read from
 status.json lagging), each kill aims at a target CHECKPOINT_EVERY-aligned + MARGIN (its checkpoint
-written), the cold run at the warm run's targets; each restart records the step it resumed at
-(the tasks' `restored`), and a warm/cold pair is compared only where both resumed at the same
-step (a pair that did not is kept, apart, never dropped). Every run is in the output (medians,
-ranges, all values); `restore` and `first step` are also given together (work may move between
-them: the first step of a job that restores nothing begins at "up").
-
-Jobs, each with Python in its input pipeline where named `-py` (a `tf.numpy_function` or
-`tf.py_function` map, as augmentation or decoding has):
-- `loop`, `loop-py`: the built-in loop (MultiWorkerMirroredStrategy, 2 workers), `.repeat()`;
-- `fit-py`: Keras `model.fit` in the job's own script (mode 1) with `BackupAndRestore`;
-- `ps-py`: ParameterServerStrategy's chief (the built-in loop; chief, 2 workers, 1 ps): the
-  chief is the one killed (a whole-job restart).
-Run by `recovery.py --jobs loop,loop-py,fit-py,ps-py [--backend ssh|slurm]`; with `--first-steps
-K`, only the first step after each restart, K kills per run (`first_steps`).
+written), the cold run at the warm run's targets; each restart records the step it resumed at (the
+one before the attempt's first reported step), and a warm/cold pair is compared only where both
+resumed at the same step (a pair that did not is kept, apart, never dropped). Every run is in the
+output (medians, ranges, all values); `restore` and `first step` are also given together (work may
+move between them: the first step of a job that restores nothing begins at "up").
 """
 
 from __future__ import annotations
@@ -184,17 +175,16 @@ def _kill(run: Path, pid: int, attempt: int) -> dict:
             (phases.get("restore") or 0.0) + (phases.get("first_step") or 0.0), 3
         ),
         "killed_at_step": killed_at,
-        "resumed_at_step": _resumed(run),
+        "resumed_at_step": _resumed(run, attempt),
         "line": recovery["reason"],
     }
 
 
-def _resumed(run: Path) -> int | None:
-    """The step the attempt's training tasks restored (they agree, or the run fails: diverged)."""
-    told = {
-        (t.get("restored") or {}).get("step") for t in status(run).get("tasks") or [] if t.get("restored")
-    }
-    return told.pop() if len(told) == 1 else None
+def _resumed(run: Path, attempt: int) -> int | None:
+    """The step the attempt resumed at: the one before its first reported step (metrics.jsonl),
+    for every kind of job alike (Keras fit's tasks report no step in their `restored`)."""
+    first = first_step_of_attempt(run, attempt)
+    return first[1] - 1 if first is not None else None
 
 
 def table(jobs: list[str], runs_each: int, where, import_s) -> dict:
