@@ -182,7 +182,7 @@ def test_where_the_run_gets_no_resolv_conf_of_its_own_names_are_said_unresolved_
     said = (
         f"orchestrate: names are not resolved in this run's network namespace: this machine's resolver "
         f"({machine['RESOLVER']}) is on its loopback, out of the run's reach, and the run's own "
-        "/etc/resolv.conf could not be given to it (unshare(CLONE_NEWUSER|CLONE_NEWNET) refused: "
+        "/etc/resolv.conf could not be given to it (unshare(CLONE_NEWUSER|CLONE_NEWNET|CLONE_NEWNS) refused: "
         "Operation not permitted) (hint: name a resolver off the loopback in /etc/resolv.conf"
     )
     assert res.stdout.count(said) == 1, res.stdout

@@ -63,7 +63,7 @@ uid, gid = os.geteuid(), os.getegid()
 resolv = sys.argv[1] if len(sys.argv) > 1 else None  # the namespace's own resolv.conf: a mount namespace too
 new = 0x10000000 | 0x40000000 | (0x00020000 if resolv else 0)  # CLONE_NEWUSER | CLONE_NEWNET (| CLONE_NEWNS)
 if libc.unshare(new) != 0:
-    fail("unshare(CLONE_NEWUSER|CLONE_NEWNET) refused", ctypes.get_errno())
+    fail(f"unshare(CLONE_NEWUSER|CLONE_NEWNET{'|CLONE_NEWNS' if resolv else ''}) refused", ctypes.get_errno())
 for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
     try:
         with open(f"/proc/self/{name}", "w") as f:
