@@ -5,7 +5,9 @@ TensorFlow, hosts that share no disk (tests/lab.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
 
@@ -67,6 +69,17 @@ def tasks_on(lab, i: int) -> list[str]:
     """The run's processes on host i (its shims and tasks; not sshd's sessions)."""
     lines = [cmdline(pid) for pid in lab.pids(i)]
     return [line for line in lines if line and "sshd" not in line]
+
+
+def backed_up_home(job) -> int:
+    """The newest save of BackupAndRestore (its CheckpointManager's `ckpt-N`, one per epoch) in
+    the home copy of the owner's checkpoints; 0 where none."""
+    newest = 0
+    for index in (job.run_dir / "checkpoints").rglob("checkpoint"):
+        with contextlib.suppress(OSError):
+            for number in re.findall(r'"ckpt-(\d+)"', index.read_text()):
+                newest = max(newest, int(number))
+    return newest
 
 
 def hosts_said(job) -> list[str]:
@@ -163,6 +176,9 @@ def test_a_keras_fit_job_that_loses_its_owners_host_shrinks_from_three_workers_t
     proc = job.start()
     try:
         assert wait_until(lambda: (job.task("worker-0").get("last_step") or 0) >= 2, 120), job.status()
+        # cut once epoch 1's backup has come home (the follower copies each new one): else the
+        # cut races the copy, and the job rightly resumes from epoch 0's
+        assert wait_until(lambda: backed_up_home(job) >= 2, 60), backed_up_home(job)
         lab.cut(0)
         out, _ = proc.communicate(timeout=180)
     finally:
