@@ -39,13 +39,8 @@ from orchestrator.supervise.config import STANDBYS_AFTER_S, SupervisorConfig
 from orchestrator.supervise.hosts import Hosts, Replan
 from orchestrator.supervise.policy import Action, Failure
 from orchestrator.supervise.poll import poll_tasks, task_view
-from orchestrator.supervise.records import (
-    EventSink,
-    SupervisorResult,
-    TaskRecord,
-    status_document,
-    task_status,
-)
+from orchestrator.supervise.records import EventSink, SupervisorResult, TaskRecord, status_document
+from orchestrator.supervise.records import task_status as task_row
 from orchestrator.supervise.stopping import Stop, Stopping
 from orchestrator.supervise.timeline import Timeline
 
@@ -331,12 +326,16 @@ class Supervisor(Stopping, Hosts):
         """Told beside the states: the job's folders, standbys, fallbacks, metric names dropped."""
         self._learn_folders()
         self._standbys(lambda _plan: self._backend.standby_news())
-        for fallback in self._backend.degraded():
+        try:  # a fallback's word never stops the run
+            fallbacks = self._backend.degraded()
+        except Exception as exc:  # noqa: BLE001
+            fallbacks = [Degraded("backend", "this run", f"{type(exc).__name__}: {exc}", "", lasting=False)]
+        for fallback in fallbacks:
             self.degrade(fallback)
         dropping = {n for n, r in self.tasks.items() if r.health is not None and r.health.dropped is not None}
         for name in sorted(dropping - self._dropping):  # said once (the count: status.json, the views)
             self._dropping.add(name)
-            self._sink.event(kind="warning", task=name, reason=dropped_text(task_status(self.tasks[name])))
+            self._sink.event(kind="warning", task=name, reason=dropped_text(task_row(self.tasks[name])))
 
     def degrade(self, fallback: Degraded) -> None:
         """A fallback said once (an event); a lasting one kept (status.json) until one of its
