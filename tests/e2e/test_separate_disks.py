@@ -47,6 +47,8 @@ LOOP = """
 
     def make_loss():
         pause = float(os.environ.get("STEP_PAUSE_S", "0.03"))
+        if os.environ.get("ORCHESTRATE_ATTEMPT") == "0":  # slower until the kill, where a test asks
+            pause = float(os.environ.get("FIRST_ATTEMPT_PAUSE_S", pause))
 
         def loss(labels, predictions):
             tf.numpy_function(lambda: time.sleep(pause) or np.float32(0), [], tf.float32)
@@ -111,7 +113,7 @@ def test_a_worker_killed_on_separate_disks_resumes_from_the_chiefs_checkpoint(
     needs_separate_disks(lab)
     job = loop_job(lab, tmp_path / "killed", jobs, restart={"max_restarts": 2, "backoff_s": 3})
     data = yaml.safe_load(job.spec.read_text())
-    data["job"]["env"]["STEP_PAUSE_S"] = "0.25"  # long enough for its standbys to be ready
+    data["job"]["env"]["FIRST_ATTEMPT_PAUSE_S"] = "0.25"  # long enough for its standbys to be ready
     job.spec.write_text(yaml.safe_dump(data))
     proc = job.start()
     try:
