@@ -73,7 +73,8 @@ KERAS_TUTORIAL = """
 
     class Where(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.04)
+            if os.environ.get("ORCHESTRATE_ATTEMPT") == "0":  # slow until the kill, then at full speed
+                time.sleep(0.04)
             if batch % 10 == 0:
                 print(f"AT epoch {self._epoch} batch {batch}", flush=True)
 
