@@ -223,3 +223,19 @@ def _stop(ones: list[_One], wait_s: float = 5.0) -> None:
     for one in ones:
         one.handle.events.ended.wait(max(0.0, deadline - time.monotonic()))
         one.handle.transport.close(True, one.handle.events)
+
+
+class ToldByShims:
+    """What a backend whose standbys wait on shims (ssh hosts, Slurm nodes) tells of them, as the
+    Backend API asks each supervisor iteration (mixed in before Backend)."""
+
+    _standbys: ShimStandbys
+
+    def standby_news(self) -> list[str]:
+        return self._standbys.news()
+
+    def degraded(self) -> list[Degraded]:
+        return self._standbys.degraded()
+
+    def standbys(self) -> list[dict[str, Any]]:
+        return self._standbys.status()

@@ -14,7 +14,7 @@ from typing import Any
 from orchestrator.launch import standby
 from orchestrator.launch.api import TaskHandle
 from orchestrator.launch.shim import shim_job
-from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
+from orchestrator.launch.shim_standbys import ShimStandbys, ToldByShims, standby_job
 from orchestrator.launch.slurm.allocation import Allocation
 from orchestrator.launch.slurm.cluster import Slurm, job_name
 from orchestrator.launch.slurm.files import NodeFiles
@@ -23,11 +23,10 @@ from orchestrator.launch.slurm.step import SlurmTaskHandle, port_lock, start_ste
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
-from orchestrator.states import Degraded
 from worker.host import SHIM
 
 
-class SlurmTasks:
+class SlurmTasks(ToldByShims):
     """The slurm backend's steps (mixed into SlurmBackend, which sets what is declared here)."""
 
     _spec: ClusterSpec
@@ -75,15 +74,6 @@ class SlurmTasks:
             return self._open_step(task, job, self._logs / task.log_name), job["env"], node
 
         return self._standbys.prepare(plan.tasks, open_one)
-
-    def standby_news(self) -> list[str]:
-        return self._standbys.news()
-
-    def degraded(self) -> list[Degraded]:
-        return self._standbys.degraded()
-
-    def standbys(self) -> list[dict[str, Any]]:
-        return self._standbys.status()
 
     def _step_job(
         self, task: TaskPlan, attempt: int, token: str, log_path: Path, marker: bool = True

@@ -20,7 +20,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch import standby
 from orchestrator.launch.api import TaskHandle
 from orchestrator.launch.shim import shim_job
-from orchestrator.launch.shim_standbys import ShimStandbys, standby_job
+from orchestrator.launch.shim_standbys import ShimStandbys, ToldByShims, standby_job
 from orchestrator.launch.ssh.channel import SshChannel, SshTaskHandle
 from orchestrator.launch.ssh.hosts import Host
 from orchestrator.launch.ssh.spec import SshSpec
@@ -28,7 +28,6 @@ from orchestrator.launch.ssh.sync import FileEntry, runtime_entry, shim_entry
 from orchestrator.plan.launch_plan import LaunchPlan, TaskPlan
 from orchestrator.record.write import now_iso, private_open
 from orchestrator.spec.model import ClusterSpec
-from orchestrator.states import Degraded
 from worker import wire
 
 
@@ -38,7 +37,7 @@ class HostContext:
     coordinator_url: str  # where its tasks post heartbeats (a tunnel's port, or the direct address)
 
 
-class SshTasks:
+class SshTasks(ToldByShims):
     """The ssh backend's tasks (mixed into SshBackend, which sets what is declared here)."""
 
     _spec: ClusterSpec
@@ -91,15 +90,6 @@ class SshTasks:
             )
 
         return self._standbys.prepare(plan.tasks, open_one)
-
-    def standby_news(self) -> list[str]:
-        return self._standbys.news()
-
-    def degraded(self) -> list[Degraded]:
-        return self._standbys.degraded()
-
-    def standbys(self) -> list[dict[str, Any]]:
-        return self._standbys.status()
 
     def _job(self, task: TaskPlan, attempt: int, token: str) -> dict[str, Any]:
         ctx = self._contexts[task.host_index]
