@@ -82,11 +82,7 @@ def page_copy() -> str | None:
     slower than a cold task's (worker/warm/spare.py). `orchestrate check` says it per host, a
     standby as it is ready (wire.STANDBY_NO_PAGE_COPY), the run once per host."""
     try:
-        import ctypes
-
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if not populates(madvise):
+        if populating_madvise() is None:
             kernel = f"this kernel ({os.uname().release})"
             return f"{kernel} refuses madvise(MADV_POPULATE_WRITE): Linux 5.14 and later have it"
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
@@ -98,17 +94,20 @@ def page_copy() -> str | None:
     return None
 
 
-def populates(madvise: Any) -> bool:
-    """Whether this kernel knows MADV_POPULATE_WRITE (tried on a page of our own)."""
+def populating_madvise() -> Any | None:
+    """libc's madvise, typed, where this kernel knows MADV_POPULATE_WRITE (tried on a page of our
+    own); None where it does not (EINVAL)."""
     import ctypes
     import mmap
 
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0:
-            return True
-        return ctypes.get_errno() != errno.EINVAL
+        if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0 or ctypes.get_errno() != errno.EINVAL:
+            return madvise
+        return None
     finally:
         with contextlib.suppress(BufferError):
             page.close()

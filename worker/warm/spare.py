@@ -198,9 +198,8 @@ def own_pages() -> str | None:
     of it); the keeper has said already where the kernel cannot (worker/host/probe.py `page_copy`)."""
     failed, first, pages = 0, "", 0
     try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if not probe.populates(madvise):
+        madvise = probe.populating_madvise()
+        if madvise is None:
             return "no madvise(MADV_POPULATE_WRITE) here"
         with open("/proc/self/maps") as f:
             maps = f.read().splitlines()

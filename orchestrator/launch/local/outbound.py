@@ -94,13 +94,7 @@ def resolv_conf(text: str) -> str | None:
     """The namespace's own resolv.conf where the machine's first resolver is on its loopback (out
     of the namespace's reach): the gateway first, then the machine's other resolvers, search and
     options kept. None where the machine's file serves as it is."""
-    servers, rest = [], []
-    for line in text.splitlines():
-        words = line.split()
-        if len(words) >= 2 and words[0] == "nameserver":
-            servers.append(words[1])
-        elif line.strip():
-            rest.append(line)
+    servers, rest = _parsed(text)
     if not servers or not _loopback(servers[0]):
         return None
     kept = [s for s in servers if not _loopback(s)]
@@ -110,11 +104,19 @@ def resolv_conf(text: str) -> str | None:
 
 def first_resolver(text: str) -> str:
     """The first `nameserver` of a resolv.conf's text ("" where none)."""
+    return next(iter(_parsed(text)[0]), "")
+
+
+def _parsed(text: str) -> tuple[list[str], list[str]]:
+    """A resolv.conf's nameservers, in order, and its other lines that say anything."""
+    servers, rest = [], []
     for line in text.splitlines():
         words = line.split()
         if len(words) >= 2 and words[0] == "nameserver":
-            return words[1]
-    return ""
+            servers.append(words[1])
+        elif line.strip():
+            rest.append(line)
+    return servers, rest
 
 
 def _loopback(address: str) -> bool:
